@@ -1,0 +1,688 @@
+// llamax shim implementation.  See llamax.h for what each piece is for.
+#include "llamax.h"
+
+#include "ggml.h"
+#include "gguf.h"
+
+#include <algorithm>
+#include <cerrno>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <sys/stat.h>
+
+namespace llamax {
+
+// ---------------------------------------------------------------------------
+// Logging
+
+namespace {
+
+std::atomic<log_sink_fn> g_sink{nullptr};
+std::atomic<int> g_min_level{GGML_LOG_LEVEL_NONE + 100};  // nothing forwarded
+thread_local std::string t_last_error;
+thread_local int t_prev_level = GGML_LOG_LEVEL_INFO;
+thread_local std::string t_pending;  // a record being assembled from CONT pieces
+
+void log_callback(ggml_log_level level, const char * text, void *) {
+    if (text == nullptr) {
+        return;
+    }
+    int lvl = level == GGML_LOG_LEVEL_CONT ? t_prev_level : (int) level;
+    t_prev_level = lvl;
+    if (lvl == GGML_LOG_LEVEL_ERROR) {
+        // Loaders log why they failed, then return NULL: keep the reason for
+        // the exception message.
+        if (level != GGML_LOG_LEVEL_CONT) {
+            t_last_error.clear();
+        }
+        t_last_error += text;
+    }
+    log_sink_fn sink = g_sink.load(std::memory_order_acquire);
+    if (sink == nullptr || lvl < g_min_level.load(std::memory_order_relaxed)) {
+        return;
+    }
+    // llama.cpp writes one record in pieces; forward whole lines only.
+    t_pending += text;
+    size_t nl;
+    while ((nl = t_pending.find('\n')) != std::string::npos) {
+        std::string line = t_pending.substr(0, nl);
+        t_pending.erase(0, nl + 1);
+        if (!line.empty()) {
+            sink(lvl, line.c_str());
+        }
+    }
+}
+
+std::string trim(std::string s) {
+    while (!s.empty() && (s.back() == '\n' || s.back() == ' ')) {
+        s.pop_back();
+    }
+    return s;
+}
+
+std::string with_reason(const std::string & msg) {
+    std::string why = trim(take_last_log_error());
+    return why.empty() ? msg : msg + " (llama.cpp: " + why + ")";
+}
+
+}  // namespace
+
+std::string take_last_log_error() {
+    std::string s;
+    s.swap(t_last_error);
+    return s;
+}
+
+void log_install(log_sink_fn sink) {
+    g_sink.store(sink, std::memory_order_release);
+    llama_log_set(log_callback, nullptr);
+}
+
+void log_set_min_level(int level) { g_min_level.store(level, std::memory_order_relaxed); }
+
+// ---------------------------------------------------------------------------
+// Files
+
+void check_gguf_file(const std::string & path) {
+    struct stat st;
+    if (::stat(path.c_str(), &st) != 0) {
+        int e = errno;
+        throw Error(ErrorKind::Load, path + ": " + std::strerror(e), e);
+    }
+    if (S_ISDIR(st.st_mode)) {
+        throw Error(ErrorKind::Load, path + ": is a directory, expected a .gguf file", EISDIR);
+    }
+    if (!S_ISREG(st.st_mode)) {
+        throw Error(ErrorKind::Load, path + ": not a regular file", EINVAL);
+    }
+    FILE * f = std::fopen(path.c_str(), "rb");
+    if (f == nullptr) {
+        int e = errno;
+        throw Error(ErrorKind::Load, path + ": " + std::strerror(e), e);
+    }
+    char magic[4] = {0, 0, 0, 0};
+    size_t got = std::fread(magic, 1, 4, f);
+    std::fclose(f);
+    if (got < 4) {
+        throw Error(ErrorKind::InvalidGGUF,
+                    path + ": not a GGUF file (" + std::to_string(st.st_size) + " bytes, too short for the header)");
+    }
+    if (std::memcmp(magic, "GGUF", 4) != 0) {
+        throw Error(ErrorKind::InvalidGGUF, path + ": not a GGUF file (bad magic; expected 'GGUF')");
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Adapters
+
+Adapter * adapter_load(llama_model * model, const std::string & path) {
+    check_gguf_file(path);
+    take_last_log_error();
+    llama_adapter_lora * p = llama_adapter_lora_init(model, path.c_str());
+    if (p == nullptr) {
+        std::string why = trim(take_last_log_error());
+        ErrorKind kind = ErrorKind::InvalidGGUF;
+        if (why.find("mismatch") != std::string::npos || why.find("wrong base model") != std::string::npos ||
+            why.find("missing one component") != std::string::npos ||
+            why.find("expect general.type") != std::string::npos ||
+            why.find("expect adapter.type") != std::string::npos ||
+            why.find("not transposed") != std::string::npos ||
+            why.find("unexpected suffix") != std::string::npos) {
+            kind = ErrorKind::AdapterMismatch;
+        } else if (why.find("failed to allocate") != std::string::npos) {
+            kind = ErrorKind::OutOfMemory;
+        }
+        throw Error(kind, path + ": cannot load LoRA adapter for this model" +
+                              (why.empty() ? std::string() : ": " + why));
+    }
+    auto * a = new Adapter();
+    a->ptr = p;
+    a->model = model;
+    a->path = path;
+    return a;
+}
+
+void adapter_free(Adapter * a) {
+    if (a == nullptr) {
+        return;
+    }
+    int n = a->n_attached.load();
+    if (n > 0) {
+        throw Error(ErrorKind::AdapterInUse,
+                    "LoRA adapter " + a->path + " is applied to " + std::to_string(n) +
+                        " context(s); apply another adapter set there (or close them) before freeing it");
+    }
+    llama_adapter_lora_free(a->ptr);
+    delete a;
+}
+
+// ---------------------------------------------------------------------------
+// Control vectors
+
+namespace {
+
+void check_range(const llama_model * model, int32_t start, int32_t end) {
+    int32_t n_layer = llama_model_n_layer(model);
+    if (start < 1 || end >= n_layer || start > end) {
+        throw Error(ErrorKind::ControlVector,
+                    "control vector layer range [" + std::to_string(start) + ", " + std::to_string(end) +
+                        "] is invalid: need 1 <= layer_start <= layer_end <= " + std::to_string(n_layer - 1) +
+                        " (this model has " + std::to_string(n_layer) + " layers; layer 0 takes no control vector)");
+    }
+}
+
+void check_finite(const std::vector<float> & v) {
+    for (size_t i = 0; i < v.size(); ++i) {
+        if (!std::isfinite(v[i])) {
+            throw Error(ErrorKind::ControlVector,
+                        "control vector has a non-finite value (NaN or inf) at flat index " + std::to_string(i));
+        }
+    }
+}
+
+}  // namespace
+
+ControlVectorPtr cvec_from_rows(const llama_model * model, const float * rows, size_t n_floats,
+                                int32_t layer_start, int32_t layer_end) {
+    check_range(model, layer_start, layer_end);
+    const int32_t n_embd = llama_model_n_embd(model);
+    const size_t n_rows = (size_t) (layer_end - layer_start + 1);
+    if (n_floats != n_rows * (size_t) n_embd) {
+        if (n_floats % (size_t) n_embd != 0) {
+            throw Error(ErrorKind::ControlVector,
+                        "control vector rows have " + std::to_string(n_floats) +
+                            " floats, not a multiple of this model's n_embd=" + std::to_string(n_embd));
+        }
+        throw Error(ErrorKind::ControlVector,
+                    "control vector has " + std::to_string(n_floats / n_embd) + " rows for layers [" +
+                        std::to_string(layer_start) + ", " + std::to_string(layer_end) + "], which need " +
+                        std::to_string(n_rows) + " rows of n_embd=" + std::to_string(n_embd));
+    }
+    auto cv = std::make_shared<ControlVector>();
+    cv->n_embd = n_embd;
+    cv->layer_start = layer_start;
+    cv->layer_end = layer_end;
+    cv->data.assign((size_t) n_embd * layer_end, 0.0f);
+    std::memcpy(cv->data.data() + (size_t) (layer_start - 1) * n_embd, rows, n_floats * sizeof(float));
+    check_finite(cv->data);
+    return cv;
+}
+
+ControlVectorPtr cvec_from_padded(const llama_model * model, const float * flat, size_t n_floats,
+                                  int32_t layer_start, int32_t layer_end) {
+    check_range(model, layer_start, layer_end);
+    const int32_t n_embd = llama_model_n_embd(model);
+    const size_t need = (size_t) n_embd * layer_end;
+    if (n_floats < need) {
+        throw Error(ErrorKind::ControlVector,
+                    "control vector data has " + std::to_string(n_floats) + " floats; layer_end=" +
+                        std::to_string(layer_end) + " needs at least n_embd * layer_end = " +
+                        std::to_string(n_embd) + " * " + std::to_string(layer_end) + " = " + std::to_string(need) +
+                        " (the padded format starts at layer 1)");
+    }
+    if (n_floats % (size_t) n_embd != 0) {
+        throw Error(ErrorKind::ControlVector,
+                    "control vector data has " + std::to_string(n_floats) +
+                        " floats, not a multiple of this model's n_embd=" + std::to_string(n_embd));
+    }
+    auto cv = std::make_shared<ControlVector>();
+    cv->n_embd = n_embd;
+    cv->layer_start = layer_start;
+    cv->layer_end = layer_end;
+    cv->data.assign(flat, flat + need);
+    // Layers outside [start, end] are not applied by llama.cpp; zero them so
+    // that equal effects compare equal.
+    std::fill(cv->data.begin(), cv->data.begin() + (size_t) (layer_start - 1) * n_embd, 0.0f);
+    check_finite(cv->data);
+    return cv;
+}
+
+ControlVectorPtr cvec_from_gguf(const llama_model * model, const std::string & path, float scale,
+                                int32_t layer_start, int32_t layer_end) {
+    check_gguf_file(path);
+    if (!std::isfinite(scale)) {
+        throw Error(ErrorKind::ControlVector, "control vector scale must be finite");
+    }
+    const int32_t n_embd = llama_model_n_embd(model);
+    const int32_t n_layer = llama_model_n_layer(model);
+    ggml_context * gctx = nullptr;
+    take_last_log_error();
+    gguf_init_params params = {/*no_alloc=*/false, /*ctx=*/&gctx};
+    gguf_context * g = gguf_init_from_file(path.c_str(), params);
+    if (g == nullptr) {
+        throw Error(ErrorKind::InvalidGGUF, with_reason(path + ": cannot read control-vector GGUF"));
+    }
+    struct Guard {
+        gguf_context * g;
+        ggml_context * c;
+        ~Guard() {
+            gguf_free(g);
+            if (c) ggml_free(c);
+        }
+    } guard{g, gctx};
+
+    std::vector<float> data((size_t) n_embd * (n_layer - 1), 0.0f);
+    int32_t lo = INT32_MAX, hi = 0;
+    const int64_t n_tensors = gguf_get_n_tensors(g);
+    for (int64_t i = 0; i < n_tensors; ++i) {
+        std::string name = gguf_get_tensor_name(g, i);
+        if (name.rfind("direction.", 0) != 0) {
+            continue;  // other tensors are not ours to interpret
+        }
+        char * end = nullptr;
+        const char * num = name.c_str() + 10;
+        errno = 0;
+        long il = std::strtol(num, &end, 10);
+        if (end == num || *end != '\0' || errno != 0) {
+            throw Error(ErrorKind::ControlVector, path + ": tensor '" + name + "' has no valid layer number");
+        }
+        if (il < 1 || il >= n_layer) {
+            throw Error(ErrorKind::ControlVector,
+                        path + ": tensor '" + name + "' is for layer " + std::to_string(il) +
+                            ", outside [1, " + std::to_string(n_layer - 1) + "] of this model");
+        }
+        ggml_tensor * t = ggml_get_tensor(gctx, name.c_str());
+        if (t == nullptr || t->type != GGML_TYPE_F32 || ggml_n_dims(t) != 1) {
+            throw Error(ErrorKind::ControlVector, path + ": tensor '" + name + "' must be a 1-D F32 tensor");
+        }
+        if (t->ne[0] != n_embd) {
+            throw Error(ErrorKind::ControlVector,
+                        path + ": tensor '" + name + "' has " + std::to_string(t->ne[0]) +
+                            " values; this model's n_embd is " + std::to_string(n_embd) +
+                            " (control vector made for another model?)");
+        }
+        const float * src = (const float *) t->data;
+        float * dst = data.data() + (size_t) (il - 1) * n_embd;
+        for (int32_t j = 0; j < n_embd; ++j) {
+            dst[j] += scale * src[j];
+        }
+        lo = std::min<int32_t>(lo, (int32_t) il);
+        hi = std::max<int32_t>(hi, (int32_t) il);
+    }
+    if (hi == 0) {
+        throw Error(ErrorKind::ControlVector, path + ": no 'direction.N' tensors: not a control-vector GGUF");
+    }
+    int32_t s = layer_start > 0 ? layer_start : lo;
+    int32_t e = layer_end > 0 ? layer_end : hi;
+    check_range(model, s, e);
+    auto cv = std::make_shared<ControlVector>();
+    cv->n_embd = n_embd;
+    cv->layer_start = s;
+    cv->layer_end = e;
+    cv->data.assign(data.begin(), data.begin() + (size_t) n_embd * e);
+    std::fill(cv->data.begin(), cv->data.begin() + (size_t) (s - 1) * n_embd, 0.0f);
+    check_finite(cv->data);
+    return cv;
+}
+
+ControlVectorPtr cvec_sum(const std::vector<ControlVectorPtr> & parts, const std::vector<float> & scales) {
+    if (parts.empty()) {
+        throw Error(ErrorKind::ControlVector, "cannot sum an empty list of control vectors");
+    }
+    if (parts.size() != scales.size()) {
+        throw Error(ErrorKind::InvalidArgument, "one scale per control vector is needed");
+    }
+    int32_t n_embd = parts[0]->n_embd, lo = INT32_MAX, hi = 0;
+    for (size_t i = 0; i < parts.size(); ++i) {
+        if (parts[i]->n_embd != n_embd) {
+            throw Error(ErrorKind::ControlVector, "control vectors to sum have different n_embd (" +
+                                                      std::to_string(n_embd) + " vs " +
+                                                      std::to_string(parts[i]->n_embd) + ")");
+        }
+        if (!std::isfinite(scales[i])) {
+            throw Error(ErrorKind::ControlVector, "control vector scale must be finite");
+        }
+        lo = std::min(lo, parts[i]->layer_start);
+        hi = std::max(hi, parts[i]->layer_end);
+    }
+    auto cv = std::make_shared<ControlVector>();
+    cv->n_embd = n_embd;
+    cv->layer_start = lo;
+    cv->layer_end = hi;
+    cv->data.assign((size_t) n_embd * hi, 0.0f);
+    for (size_t i = 0; i < parts.size(); ++i) {
+        const auto & p = parts[i]->data;
+        for (size_t j = 0; j < p.size(); ++j) {
+            cv->data[j] += scales[i] * p[j];
+        }
+    }
+    check_finite(cv->data);
+    return cv;
+}
+
+// ---------------------------------------------------------------------------
+// Context
+
+bool Context::abort_cb(void * data) {
+    return static_cast<Context *>(data)->abort_.load(std::memory_order_relaxed);
+}
+
+Context::Context(llama_model * model, llama_context_params params) {
+    params.abort_callback = &Context::abort_cb;
+    params.abort_callback_data = this;
+    take_last_log_error();
+    ctx_ = llama_init_from_model(model, params);
+    if (ctx_ == nullptr) {
+        std::string why = trim(take_last_log_error());
+        ErrorKind kind = why.find("alloc") != std::string::npos ? ErrorKind::OutOfMemory : ErrorKind::InvalidArgument;
+        throw Error(kind, "cannot create context" + (why.empty() ? std::string() : ": " + why));
+    }
+    model_ = model;
+    vocab_ = llama_model_get_vocab(model);
+    n_vocab_ = llama_vocab_n_tokens(vocab_);
+    n_ctx_ = (int32_t) llama_n_ctx(ctx_);
+    n_ctx_seq_ = (int32_t) llama_n_ctx_seq(ctx_);
+    n_batch_ = (int32_t) llama_n_batch(ctx_);
+    n_seq_max_ = (int32_t) llama_n_seq_max(ctx_);
+    out_capacity_ = n_seq_max_;  // llama.cpp reserves this many outputs at creation
+    has_memory_ = llama_get_memory(ctx_) != nullptr;
+}
+
+Context::~Context() {
+    detach_all();
+    if (ctx_ != nullptr) {
+        llama_free(ctx_);
+    }
+}
+
+void Context::detach_all() {
+    for (auto & p : adapters_) {
+        p.first->n_attached.fetch_sub(1);
+    }
+    adapters_.clear();
+}
+
+bool Context::set_adapters(const std::vector<Adapter *> & adapters, const std::vector<float> & scales) {
+    if (adapters.size() != scales.size()) {
+        throw Error(ErrorKind::InvalidArgument, "one scale per adapter is needed");
+    }
+    std::vector<std::pair<Adapter *, float>> want;
+    want.reserve(adapters.size());
+    for (size_t i = 0; i < adapters.size(); ++i) {
+        Adapter * a = adapters[i];
+        if (a == nullptr || a->ptr == nullptr) {
+            throw Error(ErrorKind::InvalidArgument, "adapter " + std::to_string(i) + " is closed");
+        }
+        if (a->model != model_) {
+            throw Error(ErrorKind::AdapterMismatch,
+                        "adapter " + a->path + " was loaded for another model than this context's");
+        }
+        if (!std::isfinite(scales[i])) {
+            throw Error(ErrorKind::InvalidArgument, "adapter scale must be finite");
+        }
+        for (size_t j = 0; j < i; ++j) {
+            if (adapters[j] == a) {
+                throw Error(ErrorKind::InvalidArgument, "adapter " + a->path + " appears twice in one set");
+            }
+        }
+        want.emplace_back(a, scales[i]);
+    }
+    if (want == adapters_) {
+        return false;
+    }
+    std::vector<llama_adapter_lora *> ptrs;
+    std::vector<float> sc;
+    for (auto & p : want) {
+        ptrs.push_back(p.first->ptr);
+        sc.push_back(p.second);
+    }
+    int32_t rc = llama_set_adapters_lora(ctx_, ptrs.empty() ? nullptr : ptrs.data(), ptrs.size(),
+                                         sc.empty() ? nullptr : sc.data());
+    ++n_state_calls_;
+    if (rc != 0) {
+        throw Error(ErrorKind::AdapterMismatch, with_reason("llama.cpp refused the adapter set"), rc);
+    }
+    for (auto & p : want) {
+        p.first->n_attached.fetch_add(1);
+    }
+    for (auto & p : adapters_) {
+        p.first->n_attached.fetch_sub(1);
+    }
+    adapters_.swap(want);
+    return true;
+}
+
+bool Context::set_control_vector(const ControlVectorPtr & cv) {
+    if (!cv) {
+        if (!cvec_) {
+            return false;  // clear of nothing: llama.cpp would still re-reserve
+        }
+        int32_t rc = llama_set_adapter_cvec(ctx_, nullptr, 0, 0, 0, 0);
+        ++n_state_calls_;
+        if (rc != 0) {
+            throw Error(ErrorKind::ControlVector, with_reason("llama.cpp refused to clear the control vector"), rc);
+        }
+        cvec_.reset();
+        return true;
+    }
+    if (cv->n_embd != llama_model_n_embd(model_)) {
+        throw Error(ErrorKind::ControlVector, "control vector n_embd " + std::to_string(cv->n_embd) +
+                                                  " != model n_embd " + std::to_string(llama_model_n_embd(model_)));
+    }
+    if (cvec_ && (cvec_ == cv || (cvec_->layer_start == cv->layer_start && cvec_->layer_end == cv->layer_end &&
+                                  cvec_->data == cv->data))) {
+        cvec_ = cv;
+        return false;
+    }
+    int32_t rc = llama_set_adapter_cvec(ctx_, cv->data.data(), cv->data.size(), cv->n_embd, cv->layer_start,
+                                        cv->layer_end);
+    ++n_state_calls_;
+    if (rc != 0) {
+        throw Error(ErrorKind::ControlVector, with_reason("llama.cpp refused the control vector"), rc);
+    }
+    cvec_ = cv;
+    return true;
+}
+
+void Context::check_seq(llama_seq_id seq) const {
+    if (seq < 0 || seq >= n_seq_max_) {
+        throw Error(ErrorKind::InvalidArgument, "sequence id " + std::to_string(seq) + " is out of range [0, " +
+                                                    std::to_string(n_seq_max_) +
+                                                    "): raise n_seq_max when creating the context");
+    }
+}
+
+void Context::check_tokens(const llama_token * tokens, int32_t n) const {
+    for (int32_t i = 0; i < n; ++i) {
+        if (tokens[i] < 0 || tokens[i] >= n_vocab_) {
+            throw Error(ErrorKind::Token, "token id " + std::to_string(tokens[i]) + " at index " + std::to_string(i) +
+                                              " is out of range [0, " + std::to_string(n_vocab_) + ")");
+        }
+    }
+}
+
+void Context::raw_decode(llama_batch & batch, int32_t n_outputs) {
+    take_last_log_error();
+    int32_t rc = llama_decode(ctx_, batch);
+    if (rc == 0) {
+        last_n_outputs_ = n_outputs;
+        out_capacity_ = std::max<int64_t>(out_capacity_, outputs_reserved_for(batch.n_tokens, n_outputs));
+        return;
+    }
+    last_n_outputs_ = 0;
+    if (rc == 1) {
+        throw Error(ErrorKind::KVCacheFull,
+                    "no KV cache slot for a batch of " + std::to_string(batch.n_tokens) +
+                        " tokens: the context is full (clear or trim the KV cache, or raise n_ctx)", rc);
+    }
+    if (rc == 2) {
+        throw Error(ErrorKind::Aborted, "decode was cancelled", rc);
+    }
+    throw Error(ErrorKind::Decode, with_reason("llama_decode failed with code " + std::to_string(rc)), rc);
+}
+
+int32_t Context::decode(const llama_token * tokens, int32_t n, const llama_pos * pos, const llama_seq_id * seq,
+                        const int8_t * logits) {
+    if (n <= 0) {
+        throw Error(ErrorKind::InvalidArgument, "cannot decode an empty batch");
+    }
+    if (n > n_batch_) {
+        throw Error(ErrorKind::InvalidArgument, "batch of " + std::to_string(n) + " tokens exceeds n_batch=" +
+                                                    std::to_string(n_batch_) +
+                                                    ": split it or raise n_batch when creating the context");
+    }
+    check_tokens(tokens, n);
+    pos_buf_.resize(n);
+    nseq_buf_.assign(n, 1);
+    seq_buf_.resize(n);
+    seqp_buf_.resize(n);
+    out_buf_.resize(n);
+    llama_memory_t mem = llama_get_memory(ctx_);
+    // next position per sequence, for rows without explicit positions
+    std::vector<llama_pos> next(n_seq_max_, -1);
+    int32_t n_out = 0;
+    for (int32_t i = 0; i < n; ++i) {
+        llama_seq_id s = seq ? seq[i] : 0;
+        check_seq(s);
+        seq_buf_[i] = s;
+        seqp_buf_[i] = &seq_buf_[i];
+        llama_pos p;
+        if (pos) {
+            p = pos[i];
+        } else {
+            if (next[s] < 0) {
+                next[s] = llama_memory_seq_pos_max(mem, s) + 1;
+            }
+            p = next[s]++;
+        }
+        if (p < 0 || p >= n_ctx_seq_) {
+            throw Error(ErrorKind::ContextOverflow, "position " + std::to_string(p) + " of token " +
+                                                        std::to_string(i) + " is outside the context [0, " +
+                                                        std::to_string(n_ctx_seq_) + ")");
+        }
+        pos_buf_[i] = p;
+        int8_t o = logits ? (logits[i] ? 1 : 0) : (i == n - 1 ? 1 : 0);
+        out_buf_[i] = o;
+        n_out += o;
+    }
+    llama_batch batch = {n, const_cast<llama_token *>(tokens), nullptr, pos_buf_.data(), nseq_buf_.data(),
+                         seqp_buf_.data(), out_buf_.data()};
+    raw_decode(batch, n_out);
+    return n_out;
+}
+
+GenResult Context::generate(llama_sampler * smpl, const llama_token * prompt, int32_t n_prompt,
+                            const GenParams & gp, token_cb_fn cb, void * user) {
+    abort_.store(false, std::memory_order_relaxed);  // a cancel between requests is not for this one
+    if (!has_memory_) {
+        throw Error(ErrorKind::InvalidArgument,
+                    "this model has no KV memory (an encoder-only/embedding model): it can't generate; "
+                    "use decode() with embeddings=True");
+    }
+    check_seq(gp.seq_id);
+    check_tokens(prompt, n_prompt);
+    for (const auto & s : gp.stop_sequences) {
+        if (s.empty()) {
+            throw Error(ErrorKind::InvalidArgument, "a stop token sequence is empty");
+        }
+        check_tokens(s.data(), (int32_t) s.size());
+    }
+    llama_memory_t mem = llama_get_memory(ctx_);
+    llama_pos pos = llama_memory_seq_pos_max(mem, gp.seq_id) + 1;
+    if (n_prompt <= 0) {
+        throw Error(ErrorKind::InvalidArgument,
+                    "empty prompt: generation needs at least one new token to decode (a BOS token at least)");
+    }
+    if ((int64_t) pos + n_prompt > n_ctx_seq_) {
+        throw Error(ErrorKind::ContextOverflow,
+                    "prompt of " + std::to_string(n_prompt) + " tokens" +
+                        (pos > 0 ? " after " + std::to_string(pos) + " cached ones" : std::string()) +
+                        " does not fit in the context of " + std::to_string(n_ctx_seq_) +
+                        " tokens: shorten it or raise n_ctx");
+    }
+    GenResult res;
+    // Prompt, in n_batch chunks; only the last token needs logits.
+    const int32_t chunk = n_batch_;
+    std::vector<llama_pos> pbuf(chunk);
+    std::vector<int32_t> nsbuf(chunk, 1);
+    llama_seq_id sid = gp.seq_id;
+    std::vector<llama_seq_id *> spbuf(chunk, &sid);
+    std::vector<int8_t> obuf(chunk, 0);
+    for (int32_t off = 0; off < n_prompt; off += chunk) {
+        int32_t n = std::min(chunk, n_prompt - off);
+        for (int32_t i = 0; i < n; ++i) {
+            pbuf[i] = pos + i;
+            obuf[i] = 0;
+        }
+        bool last = off + n == n_prompt;
+        if (last) {
+            obuf[n - 1] = 1;
+        }
+        llama_batch b = {n, const_cast<llama_token *>(prompt + off), nullptr, pbuf.data(), nsbuf.data(),
+                         spbuf.data(), obuf.data()};
+        raw_decode(b, last ? 1 : 0);
+        pos += n;
+        res.n_prompt += n;
+    }
+    const int32_t max_tokens = gp.max_tokens < 0 ? INT32_MAX : gp.max_tokens;
+    if (max_tokens == 0) {
+        res.finish = Finish::Length;
+        return res;
+    }
+    llama_token tok;
+    int8_t one = 1;
+    for (;;) {
+        tok = llama_sampler_sample(smpl, ctx_, -1);
+        if (!gp.ignore_eos && llama_vocab_is_eog(vocab_, tok)) {
+            res.finish = Finish::Eog;
+            return res;
+        }
+        res.tokens.push_back(tok);
+        if (cb != nullptr) {
+            int r = cb(user, tok);
+            if (r != 0) {
+                res.finish = Finish::Callback;  // r < 0: the caller re-raises
+                return res;
+            }
+        }
+        for (const auto & s : gp.stop_sequences) {
+            if (res.tokens.size() >= s.size() &&
+                std::equal(s.begin(), s.end(), res.tokens.end() - (ptrdiff_t) s.size())) {
+                res.finish = Finish::StopSequence;
+                return res;
+            }
+        }
+        if ((int32_t) res.tokens.size() >= max_tokens) {
+            res.finish = Finish::Length;
+            return res;
+        }
+        if (pos >= n_ctx_seq_) {
+            res.finish = Finish::ContextFull;
+            return res;
+        }
+        llama_batch b = {1, &tok, nullptr, &pos, nsbuf.data(), spbuf.data(), &one};
+        raw_decode(b, 1);
+        ++pos;
+    }
+}
+
+void Context::kv_clear() { llama_memory_clear(llama_get_memory(ctx_), true); }
+
+bool Context::kv_remove(llama_seq_id seq, llama_pos p0, llama_pos p1) {
+    if (seq >= 0) {
+        check_seq(seq);
+    }
+    return llama_memory_seq_rm(llama_get_memory(ctx_), seq, p0, p1);
+}
+
+void Context::kv_copy(llama_seq_id src, llama_seq_id dst, llama_pos p0, llama_pos p1) {
+    check_seq(src);
+    check_seq(dst);
+    if (src == dst) {
+        return;
+    }
+    llama_memory_seq_cp(llama_get_memory(ctx_), src, dst, p0, p1);
+}
+
+void Context::kv_keep(llama_seq_id seq) {
+    check_seq(seq);
+    llama_memory_seq_keep(llama_get_memory(ctx_), seq);
+}
+
+llama_pos Context::seq_pos_max(llama_seq_id seq) {
+    check_seq(seq);
+    return llama_memory_seq_pos_max(llama_get_memory(ctx_), seq);
+}
+
+}  // namespace llamax

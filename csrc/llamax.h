@@ -1,0 +1,207 @@
+// llamax shim: the few things that must not cross into Python per token or
+// must be atomic with respect to one llama_context.  See shared DESIGN.md,
+// "What the shim owns".  Every function that can fail throws llamax::Error;
+// Cython turns it into the matching llamax.LlamaxError subclass
+// (csrc/pyerrors.h).
+#pragma once
+
+#include "llama.h"
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace llamax {
+
+// One kind per Python exception class (llamax/_errors.py).
+enum class ErrorKind : int {
+    InvalidArgument = 0,  // InvalidArgumentError(ValueError)
+    Token,                // TokenError(ValueError)
+    ContextOverflow,      // ContextOverflowError(ValueError)
+    InvalidGGUF,          // InvalidGGUFError(ValueError)
+    AdapterMismatch,      // AdapterMismatchError(ValueError)
+    ControlVector,        // ControlVectorError(ValueError)
+    AdapterInUse,         // AdapterInUseError(RuntimeError)
+    KVCacheFull,          // KVCacheFullError(DecodeError)
+    Aborted,              // CancelledError(DecodeError)
+    Decode,               // DecodeError(RuntimeError)
+    OutOfMemory,          // OutOfMemoryError(MemoryError)
+    Load,                 // LoadError(OSError)
+    Grammar,              // GrammarError(ValueError)
+    Busy,                 // ContextBusyError(RuntimeError)
+};
+
+struct Error : std::runtime_error {
+    ErrorKind kind;
+    int code;
+    Error(ErrorKind k, const std::string & msg, int c = 0) : std::runtime_error(msg), kind(k), code(c) {}
+};
+
+// The last error llama.cpp logged on this thread (its loaders log the reason
+// and return NULL); empty if none since the last take.
+std::string take_last_log_error();
+
+// Log routing.  llama.cpp logs from any thread; the sink is called only for
+// records at or above `min_level` (a ggml_log_level), so a quiet logger costs
+// one atomic load per record and never touches the GIL.
+typedef void (*log_sink_fn)(int level, const char * text);
+void log_install(log_sink_fn sink);
+void log_set_min_level(int level);
+
+// ---------------------------------------------------------------------------
+// LoRA adapters
+
+struct Adapter {
+    llama_adapter_lora * ptr = nullptr;
+    const llama_model * model = nullptr;
+    std::string path;
+    // How many contexts have this adapter in their applied set.  Freeing an
+    // attached adapter would be a use-after-free: llama.cpp's
+    // llama_adapter_lora_free does not detach it from contexts.
+    std::atomic<int> n_attached{0};
+};
+
+Adapter * adapter_load(llama_model * model, const std::string & path);  // GIL-free
+void adapter_free(Adapter * a);  // throws AdapterInUse while attached
+
+// ---------------------------------------------------------------------------
+// Control vectors: an immutable, already padded buffer in llama.cpp's layout
+// (row il-1 holds layer il, for il in [1, layer_end]).
+
+struct ControlVector {
+    int32_t n_embd = 0;
+    int32_t layer_start = 0;
+    int32_t layer_end = 0;
+    std::vector<float> data;  // n_embd * layer_end floats
+};
+using ControlVectorPtr = std::shared_ptr<const ControlVector>;
+
+// rows: (layer_end - layer_start + 1) x n_embd, row 0 = layer_start.
+ControlVectorPtr cvec_from_rows(const llama_model * model, const float * rows, size_t n_floats,
+                                int32_t layer_start, int32_t layer_end);
+// flat: llama.cpp's padded layout, at least n_embd * layer_end floats from layer 1.
+ControlVectorPtr cvec_from_padded(const llama_model * model, const float * flat, size_t n_floats,
+                                  int32_t layer_start, int32_t layer_end);
+// A llama.cpp control-vector GGUF (`direction.N` tensors, N >= 1), times scale.
+// layer_start/layer_end <= 0 mean "the file's own range".
+ControlVectorPtr cvec_from_gguf(const llama_model * model, const std::string & path, float scale,
+                                int32_t layer_start, int32_t layer_end);
+// sum_i scales[i] * parts[i]; the range is the union of the parts' ranges.
+ControlVectorPtr cvec_sum(const std::vector<ControlVectorPtr> & parts, const std::vector<float> & scales);
+
+// ---------------------------------------------------------------------------
+// Context: a llama_context plus what llamax must know about it.
+
+struct GenParams {
+    int32_t max_tokens = 16;    // < 0: until the context is full
+    int32_t seq_id = 0;
+    bool ignore_eos = false;
+    std::vector<std::vector<llama_token>> stop_sequences;
+};
+
+enum class Finish : int { Eog = 0, Length = 1, StopSequence = 2, Callback = 3, ContextFull = 4 };
+
+struct GenResult {
+    std::vector<llama_token> tokens;
+    Finish finish = Finish::Length;
+    int32_t n_prompt = 0;   // prompt tokens decoded
+};
+
+// Per generated token; return 0 to go on, 1 to stop (finish = Callback),
+// -1 when the callback raised (the loop stops, the caller re-raises).
+typedef int (*token_cb_fn)(void * user, llama_token token);
+
+class Context {
+public:
+    Context(llama_model * model, llama_context_params params);  // GIL-free
+    ~Context();
+    Context(const Context &) = delete;
+    Context & operator=(const Context &) = delete;
+
+    llama_context * raw() const { return ctx_; }
+    std::mutex & mutex() { return mu_; }  // one caller at a time
+
+    // All below expect the caller to hold mutex().
+
+    // Apply the ordered set; the same set again is a no-op (returns false).
+    bool set_adapters(const std::vector<Adapter *> & adapters, const std::vector<float> & scales);
+    // nullptr clears.  Identical re-apply / clear of nothing are no-ops (false).
+    bool set_control_vector(const ControlVectorPtr & cv);
+
+    // Validated llama_decode.  pos/seq/logits may be null (then: positions
+    // continue each sequence, seq 0, only the last token outputs).
+    // Returns the number of outputs.
+    int32_t decode(const llama_token * tokens, int32_t n, const llama_pos * pos,
+                   const llama_seq_id * seq, const int8_t * logits);
+
+    GenResult generate(llama_sampler * smpl, const llama_token * prompt, int32_t n_prompt,
+                       const GenParams & params, token_cb_fn cb, void * user);
+
+    // KV memory
+    void kv_clear();
+    bool kv_remove(llama_seq_id seq, llama_pos p0, llama_pos p1);
+    void kv_copy(llama_seq_id src, llama_seq_id dst, llama_pos p0, llama_pos p1);
+    void kv_keep(llama_seq_id seq);
+    llama_pos seq_pos_max(llama_seq_id seq);
+
+    void cancel() { abort_.store(true, std::memory_order_relaxed); }
+
+    // Introspection (tests, views)
+    int32_t last_n_outputs() const { return last_n_outputs_; }
+    int64_t output_capacity() const { return out_capacity_; }
+    int64_t n_state_calls() const { return n_state_calls_; }  // cvec/adapter calls that reached llama.cpp
+    const std::vector<std::pair<Adapter *, float>> & adapters() const { return adapters_; }
+    const ControlVectorPtr & control_vector() const { return cvec_; }
+    void detach_all();  // forget the applied set (before free), decrementing attachments
+
+    int32_t n_vocab() const { return n_vocab_; }
+    int32_t n_ctx() const { return n_ctx_; }
+    int32_t n_ctx_seq() const { return n_ctx_seq_; }
+    int32_t n_batch() const { return n_batch_; }
+    int32_t n_seq_max() const { return n_seq_max_; }
+    // Outputs a decode of this shape would need beyond the current buffer.
+    // (A context without KV memory -- an encoder-only embedding model --
+    // reserves one output row per batch token.)
+    int64_t outputs_reserved_for(int32_t n_tokens, int32_t n_outputs) const {
+        return has_memory_ ? n_outputs : n_tokens;
+    }
+    bool would_grow_outputs(int32_t n_tokens, int32_t n_outputs) const {
+        return outputs_reserved_for(n_tokens, n_outputs) > out_capacity_;
+    }
+    bool has_memory() const { return has_memory_; }
+
+private:
+    void check_seq(llama_seq_id seq) const;
+    void check_tokens(const llama_token * tokens, int32_t n) const;
+    void raw_decode(llama_batch & batch, int32_t n_outputs);
+    static bool abort_cb(void * data);
+
+    llama_context * ctx_ = nullptr;
+    const llama_model * model_ = nullptr;
+    const llama_vocab * vocab_ = nullptr;
+    bool has_memory_ = true;
+    int32_t n_vocab_ = 0, n_ctx_ = 0, n_ctx_seq_ = 0, n_batch_ = 0, n_seq_max_ = 0;
+    std::mutex mu_;
+    std::atomic<bool> abort_{false};
+    std::vector<std::pair<Adapter *, float>> adapters_;
+    ControlVectorPtr cvec_;
+    int64_t out_capacity_ = 0;
+    int32_t last_n_outputs_ = 0;
+    int64_t n_state_calls_ = 0;
+    // scratch batch buffers, reused across calls (no allocation per token)
+    std::vector<llama_pos> pos_buf_;
+    std::vector<int32_t> nseq_buf_;
+    std::vector<llama_seq_id> seq_buf_;
+    std::vector<llama_seq_id *> seqp_buf_;
+    std::vector<int8_t> out_buf_;
+};
+
+// Model-level validation helpers used before llama.cpp sees the input.
+void check_gguf_file(const std::string & path);  // exists, regular, readable, GGUF magic
+
+}  // namespace llamax

@@ -1,0 +1,52 @@
+# One cdef class per native object.  Each owns exactly one handle; children
+# keep their parents alive (Context -> Model, LoraAdapter -> Model).
+from libc.stdint cimport int32_t
+from libcpp.memory cimport shared_ptr
+
+from llamax.includes.llama cimport llama_model, llama_sampler, llama_vocab
+from llamax._shim cimport CAdapter, CContext, CControlVectorPtr
+
+
+cdef class Model:
+    cdef llama_model * _model
+    cdef const llama_vocab * _vocab
+    cdef readonly str path
+    cdef readonly bint vocab_only
+    cdef object _children      # weakref.WeakSet of Context / LoraAdapter
+    cdef object __weakref__
+    cdef llama_model * _ptr(self) except NULL
+
+
+cdef class LoraAdapter:
+    cdef CAdapter * _a
+    cdef readonly Model model
+    cdef readonly str path
+    cdef object __weakref__
+    cdef CAdapter * _ptr(self) except NULL
+
+
+cdef class ControlVector:
+    cdef CControlVectorPtr _cv
+    cdef readonly Model model
+
+
+cdef class Sampler:
+    cdef llama_sampler * _smpl
+    cdef readonly Model model
+    cdef readonly dict params
+    cdef bint _in_use
+
+
+cdef class Context:
+    cdef CContext * _c
+    cdef readonly Model model
+    cdef int _busy            # Python-level users between GIL releases (see _enter)
+    cdef int _n_views         # exported output views (logits / token embeddings)
+    cdef int _n_seq_views     # exported pooled-embedding views
+    cdef tuple _adapters      # LoraAdapter objects applied here: kept alive on purpose
+    cdef ControlVector _cvec
+    cdef readonly bint embeddings
+    cdef object __weakref__
+    cdef CContext * _get(self) except NULL
+    cdef CContext * _enter(self) except NULL
+    cdef void _leave(self) noexcept

@@ -1,0 +1,1372 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
+# distutils: language = c++
+"""llamax._core: one cdef class per native object.
+
+Owns the GIL discipline (released around everything slow), object lifetime
+(children keep parents alive, close() is idempotent, __dealloc__ is safe at
+shutdown) and the zero-copy views of llama.cpp's output buffers.  The
+pure-Python API in llamax.llama builds on this module; this module never
+imports it.
+"""
+
+import atexit
+import logging
+import os
+import threading
+import weakref
+
+import numpy as np
+
+cimport cython
+from cpython.buffer cimport PyBUF_FORMAT, PyBUF_ND, PyBUF_STRIDES, PyBUF_WRITABLE
+from cpython.exc cimport PyErr_CheckSignals
+from cpython.ref cimport PyObject
+from libc.stdint cimport INT32_MAX, INT32_MIN, int8_t, int32_t, int64_t, uint32_t
+from libc.string cimport memcpy
+from libcpp cimport bool as cbool
+from libcpp.memory cimport shared_ptr
+from libcpp.string cimport string
+from libcpp.vector cimport vector
+
+from llamax.includes.llama cimport *
+from llamax._shim cimport *
+
+from llamax._errors import (
+    AdapterInUseError, ClosedError, ContextBusyError, ContextOverflowError, ControlVectorError,
+    GrammarError, InvalidArgumentError, InvalidGGUFError, InvalidUtf8Error, LoadError, TokenError,
+    ViewsExportedError, _SHIM_KINDS,
+)
+
+logger = logging.getLogger("llamax")
+logger.addHandler(logging.NullHandler())  # quiet unless the application configures logging
+
+# Long texts are tokenized without the GIL; short ones aren't worth the switch.
+DEF TOKENIZE_NOGIL_BYTES = 4096
+
+# ---------------------------------------------------------------------------
+# Module set-up: error classes for the shim, backend, logging.
+
+for _kind, _cls in enumerate(_SHIM_KINDS):
+    register_error(_kind, _cls)
+
+llama_backend_init()
+
+cdef dict _PY_LEVEL = {
+    <int>GGML_LOG_LEVEL_DEBUG: logging.DEBUG,
+    <int>GGML_LOG_LEVEL_INFO: logging.INFO,
+    <int>GGML_LOG_LEVEL_WARN: logging.WARNING,
+    <int>GGML_LOG_LEVEL_ERROR: logging.ERROR,
+}
+
+cdef bint _log_alive = True
+
+
+cdef void _log_sink(int level, const char * text) noexcept with gil:
+    # Called from any llama.cpp thread, only for records at or above the
+    # threshold (the shim filters without the GIL).
+    if not _log_alive:
+        return
+    try:
+        logger.log(_PY_LEVEL.get(level, logging.INFO), "%s", text.decode("utf-8", "replace"))
+    except BaseException:
+        pass  # a logging failure must never propagate into llama.cpp
+
+
+cdef int _ggml_level(int pylevel):
+    if pylevel <= logging.DEBUG:
+        return GGML_LOG_LEVEL_DEBUG
+    if pylevel <= logging.INFO:
+        return GGML_LOG_LEVEL_INFO
+    if pylevel <= logging.WARNING:
+        return GGML_LOG_LEVEL_WARN
+    if pylevel <= logging.ERROR:
+        return GGML_LOG_LEVEL_ERROR
+    return GGML_LOG_LEVEL_ERROR + 100
+
+
+def set_log_level(level):
+    """Set the ``llamax`` logger's level and forward llama.cpp's log at that level.
+
+    llama.cpp's records below the level are dropped in C without taking the
+    GIL, so call this (not only ``logging.getLogger("llamax").setLevel``) to
+    see more of llama.cpp's log.
+    """
+    logger.setLevel(level)
+    log_set_min_level(_ggml_level(logger.getEffectiveLevel()))
+
+
+def _stop_logging():
+    global _log_alive
+    _log_alive = False
+    log_install(NULL)
+
+
+log_install(_log_sink)
+log_set_min_level(_ggml_level(logger.getEffectiveLevel()))
+atexit.register(_stop_logging)
+
+
+def system_info():
+    """llama.cpp's build and CPU feature summary."""
+    return llama_print_system_info().decode("utf-8", "replace")
+
+
+def supports_gpu_offload():
+    return bool(llama_supports_gpu_offload())
+
+
+# ---------------------------------------------------------------------------
+# Input conversion: the buffer protocol first, lists second.
+
+cdef inline object _fspath(object path):
+    if isinstance(path, (str, bytes)) or hasattr(path, "__fspath__"):
+        p = os.fsdecode(os.fspath(path))
+        if "\0" in p:
+            raise InvalidArgumentError(f"path {p!r} contains a NUL byte")
+        return p
+    raise TypeError(f"path must be str, bytes or os.PathLike, not {type(path).__name__}")
+
+
+cdef object _as_tokens(object tokens, int32_t n_vocab=-1):
+    """A C-contiguous int32 memoryview of `tokens`, without copying when it
+    already is one (numpy int32, array('i'))."""
+    if isinstance(tokens, (str, bytes, bytearray)):
+        raise TypeError(f"tokens must be a sequence of ints, not {type(tokens).__name__}")
+    cdef const int32_t[::1] view
+    try:
+        view = tokens  # zero-copy for int32 C-contiguous buffers
+    except (TypeError, ValueError, BufferError):
+        arr = np.asarray(tokens)
+        if arr.ndim != 1:
+            if arr.ndim == 0:
+                raise TypeError(f"tokens must be a sequence of ints, not {type(tokens).__name__}")
+            raise InvalidArgumentError(f"tokens must be one-dimensional, got shape {arr.shape}")
+        if arr.size == 0:
+            arr = np.empty(0, dtype=np.int32)
+        elif arr.dtype.kind not in "iu":
+            if arr.dtype == object and all(type(t) is int for t in arr):
+                raise TokenError("a token id does not fit in int32: valid ids are in [0, n_vocab)")
+            raise TypeError(f"tokens must be ints, got dtype {arr.dtype}")
+        elif arr.size and (arr.min() < INT32_MIN or arr.max() > INT32_MAX):
+            raise TokenError("a token id does not fit in int32: valid ids are in [0, n_vocab)")
+        view = np.ascontiguousarray(arr, dtype=np.int32)
+    if n_vocab > 0:
+        _check_token_range(view, n_vocab)
+    return view
+
+
+cdef int _check_token_range(const int32_t[::1] view, int32_t n_vocab) except -1:
+    cdef Py_ssize_t i
+    for i in range(view.shape[0]):
+        if view[i] < 0 or view[i] >= n_vocab:
+            raise TokenError(f"token id {view[i]} at index {i} is out of range [0, {n_vocab})")
+    return 0
+
+
+cdef object _as_floats(object data, str what):
+    if isinstance(data, (str, bytes)):
+        raise TypeError(f"{what} must be float data, not {type(data).__name__}")
+    cdef const float[::1] view
+    try:
+        view = data  # zero-copy for float32 C-contiguous 1-D buffers
+        return view
+    except (TypeError, ValueError, BufferError):
+        pass
+    arr = np.asarray(data)
+    if arr.dtype.kind not in "fiu":
+        raise TypeError(f"{what} must be numbers, got dtype {arr.dtype}")
+    arr = np.ascontiguousarray(arr, dtype=np.float32).reshape(-1)
+    view = arr
+    return view
+
+
+cdef inline int _check_int(object v, str name, long lo, long hi) except -1:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise TypeError(f"{name} must be an int, not {type(v).__name__}")
+    if v < lo or v > hi:
+        raise InvalidArgumentError(f"{name}={v} is out of range [{lo}, {hi}]")
+    return 0
+
+
+cdef inline int _check_float(object v, str name) except -1:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise TypeError(f"{name} must be a number, not {type(v).__name__}")
+    if v != v or v in (float("inf"), float("-inf")):
+        raise InvalidArgumentError(f"{name} must be finite, got {v}")
+    return 0
+
+
+# ---------------------------------------------------------------------------
+# Zero-copy views
+
+cdef class _View:
+    """A read-only float32 buffer over native memory.
+
+    numpy arrays made from it keep it (and through it, its owner) alive.
+    When the owner is a Context, exported views are counted so that a decode
+    that would reallocate llama.cpp's output buffer is refused instead of
+    leaving the views pointing at freed memory.
+    """
+    cdef object owner
+    cdef float * ptr
+    cdef Py_ssize_t shape[2]
+    cdef Py_ssize_t strides[2]
+    cdef int ndim
+    cdef int kind  # 0: immutable owner, 1: context output buffer, 2: pooled embedding
+
+    def __getbuffer__(self, Py_buffer * buf, int flags):
+        if flags & PyBUF_WRITABLE:
+            raise BufferError("llamax views are read-only: copy the array to modify it")
+        buf.buf = <void *> self.ptr
+        buf.obj = self
+        buf.len = self.shape[0] * (self.shape[1] if self.ndim == 2 else 1) * sizeof(float)
+        buf.readonly = 1
+        buf.itemsize = sizeof(float)
+        buf.format = NULL
+        if flags & PyBUF_FORMAT:
+            buf.format = b"f"
+        buf.ndim = self.ndim
+        buf.shape = NULL
+        buf.strides = NULL
+        if flags & PyBUF_ND:
+            buf.shape = self.shape
+        if (flags & PyBUF_STRIDES) == PyBUF_STRIDES:
+            buf.strides = self.strides
+        buf.suboffsets = NULL
+        buf.internal = NULL
+        if self.kind == 1:
+            (<Context> self.owner)._n_views += 1
+        elif self.kind == 2:
+            (<Context> self.owner)._n_seq_views += 1
+
+    def __releasebuffer__(self, Py_buffer * buf):
+        if self.kind == 1:
+            (<Context> self.owner)._n_views -= 1
+        elif self.kind == 2:
+            (<Context> self.owner)._n_seq_views -= 1
+
+
+cdef object _make_view(object owner, float * ptr, Py_ssize_t rows, Py_ssize_t cols, int ndim, int kind):
+    cdef _View v = _View.__new__(_View)
+    v.owner = owner
+    v.ptr = ptr
+    v.ndim = ndim
+    v.kind = kind
+    if ndim == 1:
+        v.shape[0] = cols
+        v.strides[0] = sizeof(float)
+    else:
+        v.shape[0] = rows
+        v.shape[1] = cols
+        v.strides[0] = cols * sizeof(float)
+        v.strides[1] = sizeof(float)
+    return np.asarray(v)
+
+
+# ---------------------------------------------------------------------------
+# Model
+
+cdef str _meta_str(int32_t (*fn)(const llama_model *, int32_t, char *, size_t) noexcept nogil,
+                   const llama_model * m, int32_t i):
+    cdef vector[char] buf = vector[char](256)
+    cdef int32_t n = fn(m, i, buf.data(), buf.size())
+    if n < 0:
+        return None
+    if <size_t> n >= buf.size():
+        buf.resize(n + 1)
+        n = fn(m, i, buf.data(), buf.size())
+    return buf.data()[:n].decode("utf-8", "replace")
+
+
+cdef class Model:
+    """A GGUF model loaded once; contexts, adapters and samplers hang off it.
+
+    ``Model(path, n_gpu_layers=0, use_mmap=True, vocab_only=False)``.  The
+    GIL is released while the file loads.
+    """
+
+    def __cinit__(self):
+        self._model = NULL
+        self._vocab = NULL
+        self._children = weakref.WeakSet()
+
+    def __init__(self, path, *, n_gpu_layers=0, use_mmap=True, vocab_only=False):
+        self.path = _fspath(path)
+        _check_int(n_gpu_layers, "n_gpu_layers", -1, 1 << 30)
+        cdef llama_model_params params = llama_model_default_params()
+        params.n_gpu_layers = n_gpu_layers
+        params.load_mode = LLAMA_LOAD_MODE_MMAP if use_mmap else LLAMA_LOAD_MODE_NONE
+        params.vocab_only = bool(vocab_only)
+        self.vocab_only = bool(vocab_only)
+        cdef string cpath = self.path.encode("utf-8", "surrogateescape")
+        cdef llama_model * m = NULL
+        cdef string why
+        # Checked first: llama.cpp would log and return NULL without a reason
+        # we can type (missing file vs directory vs not GGUF).
+        with nogil:
+            check_gguf_file(cpath)
+        with nogil:  # loading reads and maps the whole file: seconds for big models
+            take_last_log_error()
+            m = llama_model_load_from_file(cpath.c_str(), params)
+            why = take_last_log_error()
+        if m == NULL:
+            reason = why.decode("utf-8", "replace").strip()
+            raise InvalidGGUFError(f"{self.path}: cannot load model"
+                                   + (f" ({reason})" if reason else " (corrupt or unsupported GGUF)"))
+        self._model = m
+        self._vocab = llama_model_get_vocab(m)
+
+    def __dealloc__(self):
+        # Children hold strong references to the model, so none is alive here.
+        if self._model != NULL:
+            llama_model_free(self._model)
+            self._model = NULL
+
+    cdef llama_model * _ptr(self) except NULL:
+        if self._model == NULL:
+            raise ClosedError("the model is closed")
+        return self._model
+
+    def close(self):
+        """Free the model now: closes its contexts and adapters first.
+
+        Raises ContextBusyError if one of its contexts is in use by another
+        thread, AdapterInUseError never (contexts go first).  Idempotent.
+        """
+        if self._model == NULL:
+            return
+        children = list(self._children)
+        for c in children:
+            if isinstance(c, Context) and (<Context> c)._busy:
+                raise ContextBusyError("a context of this model is in use by another thread")
+        for c in children:
+            if isinstance(c, Context):
+                c.close()
+        for c in children:
+            if not isinstance(c, Context):
+                c.close()
+        llama_model_free(self._model)
+        self._model = NULL
+        self._vocab = NULL
+
+    @property
+    def closed(self):
+        return self._model == NULL
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __repr__(self):
+        state = "closed" if self._model == NULL else f"n_vocab={self.n_vocab}"
+        return f"<llamax.Model {self.path!r} {state}>"
+
+    # -- properties --------------------------------------------------------
+
+    @property
+    def n_vocab(self):
+        self._ptr()
+        return llama_vocab_n_tokens(self._vocab)
+
+    @property
+    def n_embd(self):
+        return llama_model_n_embd(self._ptr())
+
+    @property
+    def n_layer(self):
+        return llama_model_n_layer(self._ptr())
+
+    @property
+    def n_ctx_train(self):
+        return llama_model_n_ctx_train(self._ptr())
+
+    @property
+    def size(self):
+        """Bytes of all tensors."""
+        return llama_model_size(self._ptr())
+
+    @property
+    def n_params(self):
+        return llama_model_n_params(self._ptr())
+
+    @property
+    def description(self):
+        cdef char buf[256]
+        cdef int32_t n = llama_model_desc(self._ptr(), buf, sizeof(buf))
+        return buf[:max(n, 0)].decode("utf-8", "replace")
+
+    @property
+    def metadata(self):
+        """GGUF metadata as a dict of str (arrays are not included)."""
+        cdef const llama_model * m = self._ptr()
+        cdef int32_t i, n = llama_model_meta_count(m)
+        out = {}
+        for i in range(n):
+            k = _meta_str(llama_model_meta_key_by_index, m, i)
+            if k is not None:
+                out[k] = _meta_str(llama_model_meta_val_str_by_index, m, i)
+        return out
+
+    def chat_template(self, name=None):
+        """The model's Jinja2 chat template (``None`` if it has none)."""
+        cdef bytes bname
+        cdef const char * t
+        if name is None:
+            t = llama_model_chat_template(self._ptr(), NULL)
+        else:
+            bname = str(name).encode()
+            t = llama_model_chat_template(self._ptr(), bname)
+        return None if t == NULL else t.decode("utf-8", "replace")
+
+    @property
+    def has_encoder(self):
+        return bool(llama_model_has_encoder(self._ptr()))
+
+    @property
+    def special_tokens(self):
+        """Special token ids (-1 where the vocabulary has none)."""
+        self._ptr()
+        v = self._vocab
+        return {
+            "bos": llama_vocab_bos(v), "eos": llama_vocab_eos(v), "eot": llama_vocab_eot(v),
+            "sep": llama_vocab_sep(v), "nl": llama_vocab_nl(v), "pad": llama_vocab_pad(v),
+        }
+
+    @property
+    def token_bos(self):
+        self._ptr()
+        return llama_vocab_bos(self._vocab)
+
+    @property
+    def token_eos(self):
+        self._ptr()
+        return llama_vocab_eos(self._vocab)
+
+    @property
+    def add_bos(self):
+        self._ptr()
+        return bool(llama_vocab_get_add_bos(self._vocab))
+
+    def is_eog(self, int token):
+        self._ptr()
+        return bool(llama_vocab_is_eog(self._vocab, token))
+
+    def token_text(self, int token):
+        """The vocabulary's raw text of a token."""
+        self._ptr()
+        _check_token_id(token, llama_vocab_n_tokens(self._vocab))
+        return llama_vocab_get_text(self._vocab, token).decode("utf-8", "replace")
+
+    # -- tokenization -----------------------------------------------------
+
+    def tokenize(self, text, *, add_special=True, parse_special=False):
+        """Tokenize ``text`` (str, or UTF-8 bytes) into an int32 numpy array."""
+        self._ptr()
+        cdef bytes b
+        if isinstance(text, str):
+            b = text.encode("utf-8", "surrogatepass")
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise InvalidUtf8Error(f"text has a lone surrogate at {e.start}: not encodable as UTF-8") from None
+        elif isinstance(text, (bytes, bytearray, memoryview)):
+            b = bytes(text)
+            try:
+                b.decode("utf-8")  # llama.cpp's tokenizers throw on invalid UTF-8
+            except UnicodeDecodeError as e:
+                raise InvalidUtf8Error(f"text is not valid UTF-8: {e.reason} at byte {e.start}") from None
+        else:
+            raise TypeError(f"text must be str or bytes, not {type(text).__name__}")
+        if len(b) >= INT32_MAX:
+            raise InvalidArgumentError("text is too long to tokenize (2 GiB or more)")
+        cdef const char * p = b
+        cdef int32_t n_text = <int32_t> len(b)
+        cdef bint add = bool(add_special), parse = bool(parse_special)
+        cdef const llama_vocab * v = self._vocab
+        cdef int32_t cap = n_text + 8
+        out = np.empty(cap, dtype=np.int32)
+        cdef int32_t[::1] ov = out
+        cdef int32_t n
+        if n_text >= TOKENIZE_NOGIL_BYTES:
+            with nogil:  # long texts: tokenization is linear-ish in bytes
+                n = llama_tokenize(v, p, n_text, &ov[0], cap, add, parse)
+        else:
+            n = llama_tokenize(v, p, n_text, &ov[0], cap, add, parse)
+        if n == INT32_MIN:
+            raise InvalidArgumentError("tokenization result does not fit in int32")
+        if n < 0:
+            cap = -n
+            out = np.empty(cap, dtype=np.int32)
+            ov = out
+            with nogil:
+                n = llama_tokenize(v, p, n_text, &ov[0], cap, add, parse)
+            if n < 0:
+                raise InvalidArgumentError("tokenization failed")
+        return out[:n]
+
+    def token_to_piece(self, int token, *, special=False):
+        """The bytes of one token (a piece may be a partial UTF-8 sequence)."""
+        self._ptr()
+        _check_token_id(token, llama_vocab_n_tokens(self._vocab))
+        cdef char buf[128]
+        cdef int32_t n = llama_token_to_piece(self._vocab, token, buf, sizeof(buf), 0, bool(special))
+        cdef vector[char] big
+        if n < 0:
+            big.resize(-n)
+            n = llama_token_to_piece(self._vocab, token, big.data(), big.size(), 0, bool(special))
+            return big.data()[:n]
+        return buf[:n]
+
+    def detokenize(self, tokens, *, special=False):
+        """Tokens to bytes (``special`` renders special tokens)."""
+        self._ptr()
+        cdef const int32_t[::1] tv = _as_tokens(tokens, llama_vocab_n_tokens(self._vocab))
+        cdef int32_t n_tok = <int32_t> tv.shape[0]
+        if n_tok == 0:
+            return b""
+        cdef vector[char] buf
+        buf.resize(n_tok * 8 + 16)
+        cdef int32_t n
+        cdef bint sp = bool(special)
+        with nogil:  # long token lists: linear work without Python objects
+            n = llama_detokenize(self._vocab, &tv[0], n_tok, buf.data(), <int32_t> buf.size(), False, sp)
+            if n < 0:
+                buf.resize(-n)
+                n = llama_detokenize(self._vocab, &tv[0], n_tok, buf.data(), <int32_t> buf.size(), False, sp)
+        if n < 0:
+            raise InvalidArgumentError("detokenization failed")
+        return buf.data()[:n]
+
+    def detokenize_text(self, tokens, *, special=False, errors="strict"):
+        """Tokens to str; invalid UTF-8 raises InvalidUtf8Error unless ``errors`` says otherwise."""
+        b = self.detokenize(tokens, special=special)
+        try:
+            return b.decode("utf-8", errors)
+        except UnicodeDecodeError as e:
+            raise InvalidUtf8Error(
+                f"detokenized bytes are not valid UTF-8 ({e.reason} at byte {e.start}); "
+                "pass errors='replace' or use detokenize() for bytes") from None
+
+
+cdef inline int _check_token_id(long token, int32_t n_vocab) except -1:
+    if token < 0 or token >= n_vocab:
+        raise TokenError(f"token id {token} is out of range [0, {n_vocab})")
+    return 0
+
+
+# ---------------------------------------------------------------------------
+# LoRA adapters
+
+cdef class LoraAdapter:
+    """A LoRA adapter loaded for one model: ``LoraAdapter(model, path)``.
+
+    It keeps its model alive.  It can't be closed while a context has it
+    applied (llama.cpp would free memory that context still reads).
+    """
+
+    def __cinit__(self):
+        self._a = NULL
+
+    def __init__(self, Model model not None, path):
+        cdef llama_model * m = model._ptr()
+        self.model = model
+        self.path = _fspath(path)
+        cdef string cpath = self.path.encode("utf-8", "surrogateescape")
+        cdef CAdapter * a = NULL
+        with nogil:  # reads and converts the adapter's tensors
+            a = adapter_load(m, cpath)
+        self._a = a
+        model._children.add(self)
+
+    def __dealloc__(self):
+        # Contexts keep applied adapters alive, so none is attached here.
+        if self._a != NULL and self.model is not None and self.model._model != NULL:
+            try:
+                adapter_free(self._a)
+            except Exception:
+                pass
+            self._a = NULL
+
+    cdef CAdapter * _ptr(self) except NULL:
+        if self._a == NULL:
+            raise ClosedError(f"LoRA adapter {self.path!r} is closed")
+        return self._a
+
+    def close(self):
+        """Free the adapter.  AdapterInUseError while a context has it applied."""
+        if self._a == NULL:
+            return
+        adapter_free(self._a)
+        self._a = NULL
+
+    @property
+    def closed(self):
+        return self._a == NULL
+
+    @property
+    def n_attached(self):
+        """Contexts that have this adapter in their applied set."""
+        return self._ptr().attached()
+
+    @property
+    def metadata(self):
+        cdef const llama_adapter_lora * p = self._ptr().ptr
+        cdef int32_t i, n = llama_adapter_meta_count(p)
+        cdef vector[char] kb = vector[char](256)
+        cdef vector[char] vb = vector[char](4096)
+        cdef int32_t kn, vn
+        out = {}
+        for i in range(n):
+            kn = llama_adapter_meta_key_by_index(p, i, kb.data(), kb.size())
+            vn = llama_adapter_meta_val_str_by_index(p, i, vb.data(), vb.size())
+            if kn >= 0:
+                out[kb.data()[:kn].decode("utf-8", "replace")] = (
+                    vb.data()[:min(vn, <int32_t> vb.size() - 1)].decode("utf-8", "replace") if vn >= 0 else None)
+        return out
+
+    @property
+    def alora_invocation_tokens(self):
+        """aLoRA invocation tokens (an empty array for a plain LoRA)."""
+        cdef const llama_adapter_lora * p = self._ptr().ptr
+        cdef uint64_t n = llama_adapter_get_alora_n_invocation_tokens(p)
+        out = np.empty(n, dtype=np.int32)
+        cdef int32_t[::1] ov = out
+        if n:
+            memcpy(&ov[0], llama_adapter_get_alora_invocation_tokens(p), n * sizeof(int32_t))
+        return out
+
+    def __repr__(self):
+        return f"<llamax.LoraAdapter {self.path!r}{' closed' if self._a == NULL else ''}>"
+
+
+# ---------------------------------------------------------------------------
+# Control vectors
+
+cdef ControlVector _wrap_cv(Model model, CControlVectorPtr cv):
+    cdef ControlVector o = ControlVector.__new__(ControlVector)
+    o._cv = cv
+    o.model = model
+    return o
+
+
+cdef class ControlVector:
+    """An immutable control vector for one model, in llama.cpp's padded layout.
+
+    Build one with ``from_rows``, ``from_padded``, ``load`` (a llama.cpp
+    control-vector GGUF) or ``combine`` (a scaled sum).  The data is copied
+    once into the vector (so later changes to the caller's array can't change
+    what a context has applied); list input is never turned into Python
+    floats one by one.
+    """
+
+    def __init__(self, *args, **kwargs):
+        raise TypeError("use ControlVector.from_rows / from_padded / load / combine")
+
+    @staticmethod
+    def from_rows(Model model not None, rows, int layer_start, int layer_end):
+        """Rows for layers ``layer_start..layer_end`` (inclusive), one of n_embd floats each."""
+        cdef const float[::1] v = _as_floats(rows, "rows")
+        cdef const llama_model * m = model._ptr()
+        cdef const float * p = &v[0] if v.shape[0] else NULL
+        return _wrap_cv(model, cvec_from_rows(m, p, v.shape[0], layer_start, layer_end))
+
+    @staticmethod
+    def from_padded(Model model not None, data, int layer_start, int layer_end):
+        """llama.cpp's flat layout: at least ``n_embd * layer_end`` floats, starting at layer 1."""
+        cdef const float[::1] v = _as_floats(data, "data")
+        cdef const llama_model * m = model._ptr()
+        cdef const float * p = &v[0] if v.shape[0] else NULL
+        return _wrap_cv(model, cvec_from_padded(m, p, v.shape[0], layer_start, layer_end))
+
+    @staticmethod
+    def load(Model model not None, path, *, scale=1.0, layer_start=0, layer_end=0):
+        """A llama.cpp control-vector GGUF (``direction.N`` tensors), times ``scale``."""
+        _check_float(scale, "scale")
+        cdef string cpath = _fspath(path).encode("utf-8", "surrogateescape")
+        cdef const llama_model * m = model._ptr()
+        cdef float s = scale
+        cdef int32_t a = layer_start, b = layer_end
+        cdef CControlVectorPtr cv
+        with nogil:
+            cv = cvec_from_gguf(m, cpath, s, a, b)
+        return _wrap_cv(model, cv)
+
+    @staticmethod
+    def combine(items):
+        """Sum of ``[(vector, scale), ...]`` over the union of their layer ranges."""
+        cdef vector[CControlVectorPtr] parts
+        cdef vector[float] scales
+        cdef Model model = None
+        cdef ControlVector cv
+        for item in items:
+            try:
+                vec, scale = item
+            except (TypeError, ValueError):
+                raise TypeError("combine() takes (ControlVector, scale) pairs") from None
+            if not isinstance(vec, ControlVector):
+                raise TypeError(f"combine() takes ControlVector objects, not {type(vec).__name__}")
+            _check_float(scale, "scale")
+            cv = vec
+            if model is None:
+                model = cv.model
+            elif cv.model is not model:
+                raise ControlVectorError("control vectors to combine belong to different models")
+            parts.push_back(cv._cv)
+            scales.push_back(scale)
+        return _wrap_cv(model, cvec_sum(parts, scales))
+
+    @property
+    def n_embd(self):
+        return self._cv.get().n_embd
+
+    @property
+    def layer_start(self):
+        return self._cv.get().layer_start
+
+    @property
+    def layer_end(self):
+        return self._cv.get().layer_end
+
+    @property
+    def data(self):
+        """Read-only view of the padded data (``n_embd * layer_end`` floats from layer 1)."""
+        cdef const CControlVector * c = self._cv.get()
+        return _make_view(self, <float *> c.data.data(), 1, c.data.size(), 1, 0)
+
+    def __repr__(self):
+        return f"<llamax.ControlVector layers {self.layer_start}..{self.layer_end} n_embd={self.n_embd}>"
+
+
+# ---------------------------------------------------------------------------
+# Sampler
+
+cdef class Sampler:
+    """llama.cpp's sampler chain, configured once.
+
+    Order: penalties, logit bias, grammar, then greedy (``temperature <= 0``)
+    or top-k, typical, top-p, min-p, temperature and a seeded draw.
+    A sampler carries state (penalty history, grammar, RNG): use one per
+    request at a time.
+    """
+
+    def __cinit__(self):
+        self._smpl = NULL
+
+    def __init__(self, Model model not None, *, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0,
+                 typical_p=1.0, repeat_penalty=1.0, frequency_penalty=0.0, presence_penalty=0.0,
+                 penalty_last_n=64, seed=None, grammar=None, grammar_root="root", logit_bias=None):
+        model._ptr()
+        self.model = model
+        for name, v in (("temperature", temperature), ("top_p", top_p), ("min_p", min_p),
+                        ("typical_p", typical_p), ("repeat_penalty", repeat_penalty),
+                        ("frequency_penalty", frequency_penalty), ("presence_penalty", presence_penalty)):
+            _check_float(v, name)
+        _check_int(top_k, "top_k", 0, INT32_MAX)
+        _check_int(penalty_last_n, "penalty_last_n", -1, INT32_MAX)
+        if not 0.0 <= top_p <= 1.0:
+            raise InvalidArgumentError(f"top_p={top_p} must be in [0, 1]")
+        if not 0.0 <= min_p <= 1.0:
+            raise InvalidArgumentError(f"min_p={min_p} must be in [0, 1]")
+        if repeat_penalty <= 0:
+            raise InvalidArgumentError(f"repeat_penalty={repeat_penalty} must be > 0 (1.0 disables it)")
+        if seed is None:
+            seed = int.from_bytes(os.urandom(4), "little") & 0xFFFFFFFE
+        _check_int(seed, "seed", 0, 0xFFFFFFFF)
+        cdef int32_t n_vocab = llama_vocab_n_tokens(model._vocab)
+        cdef vector[llama_logit_bias] biases
+        cdef llama_logit_bias lb
+        if logit_bias:
+            if not isinstance(logit_bias, dict):
+                raise TypeError("logit_bias must be a dict {token_id: bias}")
+            for tok, bias in logit_bias.items():
+                if isinstance(tok, str) and tok.lstrip("-").isdigit():
+                    tok = int(tok)  # OpenAI clients send JSON object keys
+                _check_int(tok, "logit_bias token", 0, n_vocab - 1)
+                if bias != float("-inf"):  # -inf bans a token; NaN and +inf are errors
+                    _check_float(bias, "logit_bias value")
+                lb.token = tok
+                lb.bias = bias
+                biases.push_back(lb)
+        if grammar is not None and not isinstance(grammar, str):
+            raise TypeError(f"grammar must be a GBNF string, not {type(grammar).__name__}")
+        self.params = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                           typical_p=typical_p, repeat_penalty=repeat_penalty,
+                           frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
+                           penalty_last_n=penalty_last_n, seed=seed, grammar=grammar,
+                           logit_bias=dict(logit_bias) if logit_bias else None)
+        cdef llama_sampler_chain_params cp = llama_sampler_chain_default_params()
+        cp.no_perf = True
+        cdef llama_sampler * chain = llama_sampler_chain_init(cp)
+        cdef llama_sampler * g
+        cdef bytes bg, broot
+        self._smpl = chain
+        if repeat_penalty != 1.0 or frequency_penalty != 0.0 or presence_penalty != 0.0:
+            llama_sampler_chain_add(chain, llama_sampler_init_penalties(
+                n_vocab, penalty_last_n, repeat_penalty, frequency_penalty, presence_penalty))
+        if biases.size():
+            llama_sampler_chain_add(chain, llama_sampler_init_logit_bias(n_vocab, biases.size(), biases.data()))
+        if grammar is not None:
+            bg = grammar.encode("utf-8")
+            broot = str(grammar_root).encode("utf-8")
+            take_last_log_error()
+            g = llama_sampler_init_grammar(model._vocab, bg, broot)
+            if g == NULL:
+                why = take_last_log_error().decode("utf-8", "replace").strip()
+                raise GrammarError("invalid GBNF grammar" + (f": {why}" if why else ""))
+            llama_sampler_chain_add(chain, g)
+        if temperature <= 0:
+            llama_sampler_chain_add(chain, llama_sampler_init_greedy())
+        else:
+            if top_k > 0:
+                llama_sampler_chain_add(chain, llama_sampler_init_top_k(top_k))
+            if typical_p < 1.0:
+                llama_sampler_chain_add(chain, llama_sampler_init_typical(typical_p, 1))
+            if top_p < 1.0:
+                llama_sampler_chain_add(chain, llama_sampler_init_top_p(top_p, 1))
+            if min_p > 0.0:
+                llama_sampler_chain_add(chain, llama_sampler_init_min_p(min_p, 1))
+            llama_sampler_chain_add(chain, llama_sampler_init_temp(temperature))
+            llama_sampler_chain_add(chain, llama_sampler_init_dist(<uint32_t> seed))
+
+    def __dealloc__(self):
+        if self._smpl != NULL:
+            llama_sampler_free(self._smpl)
+            self._smpl = NULL
+
+    def reset(self):
+        """Forget penalty history and grammar progress; the RNG is not reseeded."""
+        if self._smpl != NULL:
+            llama_sampler_reset(self._smpl)
+
+    def accept(self, int token):
+        _check_token_id(token, llama_vocab_n_tokens(self.model._vocab))
+        llama_sampler_accept(self._smpl, token)
+
+    def sample(self, Context ctx not None, int idx=-1):
+        """Sample from output row ``idx`` of the context's last decode (and accept it)."""
+        if ctx.model is not self.model:
+            raise InvalidArgumentError("this sampler was made for another model")
+        if self._in_use:
+            raise ContextBusyError("this sampler is in use by another request")
+        cdef CContext * c = ctx._enter()
+        cdef llama_token tok
+        cdef int32_t n_out
+        try:
+            n_out = c.last_n_outputs()
+            if n_out == 0:
+                raise InvalidArgumentError("no logits to sample from: decode a batch with outputs first")
+            if idx < -n_out or idx >= n_out:
+                raise InvalidArgumentError(f"output row {idx} is out of range for {n_out} outputs")
+            if idx < 0:
+                idx += n_out
+            # llama_sampler_sample's idx is a batch position, not an output row;
+            # llamax keeps rows in batch order, so map through the row count.
+            with nogil:
+                tok = llama_sampler_sample(self._smpl, c.raw(), _row_to_batch_index(c, idx))
+        finally:
+            ctx._leave()
+        return tok
+
+
+cdef inline int32_t _row_to_batch_index(CContext * c, int32_t row) noexcept nogil:
+    # -1 addresses the last output; other rows are passed as negative offsets
+    # from the end, which llama.cpp resolves against the output rows.
+    return row - c.last_n_outputs()
+
+
+# ---------------------------------------------------------------------------
+# Context
+
+cdef dict _POOLING = {
+    None: LLAMA_POOLING_TYPE_UNSPECIFIED, "none": LLAMA_POOLING_TYPE_NONE,
+    "mean": LLAMA_POOLING_TYPE_MEAN, "cls": LLAMA_POOLING_TYPE_CLS,
+    "last": LLAMA_POOLING_TYPE_LAST, "rank": LLAMA_POOLING_TYPE_RANK,
+}
+cdef tuple _FINISH = ("stop", "length", "stop_sequence", "callback", "length")
+
+
+cdef struct _CbState:
+    PyObject * fn
+    PyObject * error   # the exception the callback raised (owned), or NULL
+
+
+cdef int _token_trampoline(void * user, llama_token token) noexcept with gil:
+    cdef _CbState * st = <_CbState *> user
+    try:
+        # Signals (Ctrl-C) are seen here at the latest after each token.
+        PyErr_CheckSignals()
+        r = (<object> st.fn)(token)
+        return 1 if r else 0
+    except BaseException as e:
+        # Kept and re-raised after the C++ loop returns: never swallowed.
+        st.error = <PyObject *> e
+        Py_INCREF(e)
+        return -1
+
+
+from cpython.ref cimport Py_INCREF, Py_DECREF
+
+
+cdef class Context:
+    """An inference context on a model: KV cache, adapter set, control vector.
+
+    ``Context(model, n_ctx=512, n_batch=512, n_ubatch=512, n_seq_max=1,
+    n_threads=None, n_threads_batch=None, embeddings=False, pooling=None)``.
+    One thread drives a context at a time (others wait); different contexts
+    of one model run in parallel.
+    """
+
+    def __cinit__(self):
+        self._c = NULL
+        self._adapters = ()
+
+    def __init__(self, Model model not None, *, n_ctx=512, n_batch=512, n_ubatch=512, n_seq_max=1,
+                 n_threads=None, n_threads_batch=None, embeddings=False, pooling=None,
+                 flash_attn=None, kv_unified=True):
+        cdef llama_model * m = model._ptr()
+        if model.vocab_only:
+            raise InvalidArgumentError("the model was loaded with vocab_only=True: it has no weights to run")
+        ncpu = os.cpu_count() or 1
+        if n_threads is None:
+            n_threads = ncpu
+        if n_threads_batch is None:
+            n_threads_batch = n_threads
+        _check_int(n_ctx, "n_ctx", 0, 1 << 24)
+        _check_int(n_batch, "n_batch", 1, 1 << 20)
+        _check_int(n_ubatch, "n_ubatch", 1, 1 << 20)
+        _check_int(n_seq_max, "n_seq_max", 1, 256)
+        _check_int(n_threads, "n_threads", 1, 4096)
+        _check_int(n_threads_batch, "n_threads_batch", 1, 4096)
+        if pooling not in _POOLING:
+            raise InvalidArgumentError(f"pooling={pooling!r}: expected one of none, mean, cls, last, rank")
+        cdef llama_context_params p = llama_context_default_params()
+        p.n_ctx = n_ctx
+        p.n_batch = n_batch
+        p.n_ubatch = min(n_ubatch, n_batch)
+        p.n_seq_max = n_seq_max
+        p.n_threads = n_threads
+        p.n_threads_batch = n_threads_batch
+        p.embeddings = bool(embeddings)
+        p.pooling_type = _POOLING[pooling]
+        p.no_perf = True
+        p.kv_unified = bool(kv_unified)
+        if flash_attn is not None:
+            p.flash_attn_type = LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else LLAMA_FLASH_ATTN_TYPE_DISABLED
+        cdef CContext * c = NULL
+        with nogil:  # allocates the KV cache and reserves compute graphs
+            c = new CContext(m, p)
+        self._c = c
+        self.model = model
+        self.embeddings = bool(embeddings)
+        model._children.add(self)
+
+    def __dealloc__(self):
+        # Views hold a reference to the context, so none is alive here.
+        if self._c != NULL:
+            del self._c
+            self._c = NULL
+
+    cdef CContext * _enter(self) except NULL:
+        # Count Python-level users before the GIL is released, so that close()
+        # (which runs with the GIL) never frees the context under them; then
+        # take the per-context lock without the GIL.
+        if self._c == NULL:
+            raise ClosedError("the context is closed")
+        self._busy += 1
+        cdef CContext * c = self._c
+        with nogil:
+            c.mutex().lock()
+        return c
+
+    cdef void _leave(self) noexcept:
+        self._c.mutex().unlock()
+        self._busy -= 1
+
+    def close(self):
+        """Free the context now.  Idempotent.
+
+        ContextBusyError while another thread uses it; ViewsExportedError
+        while numpy views of its outputs are alive.
+        """
+        if self._c == NULL:
+            return
+        if self._busy:
+            raise ContextBusyError("the context is in use by another thread; close it when that call returns")
+        if self._n_views or self._n_seq_views:
+            raise ViewsExportedError(
+                f"{self._n_views + self._n_seq_views} numpy view(s) of this context's outputs are alive; "
+                "delete them (or copy what you need) before close()")
+        del self._c
+        self._c = NULL
+        self._adapters = ()
+        self._cvec = None
+
+    @property
+    def closed(self):
+        return self._c == NULL
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    cdef CContext * _get(self) except NULL:
+        if self._c == NULL:
+            raise ClosedError("the context is closed")
+        return self._c
+
+    @property
+    def n_ctx(self):
+        return self._get().n_ctx()
+
+    @property
+    def n_ctx_seq(self):
+        return self._get().n_ctx_seq()
+
+    @property
+    def n_batch(self):
+        return self._get().n_batch()
+
+    @property
+    def n_ubatch(self):
+        return llama_n_ubatch(self._get().raw())
+
+    @property
+    def n_seq_max(self):
+        return self._get().n_seq_max()
+
+    @property
+    def n_vocab(self):
+        return self._get().n_vocab()
+
+    @property
+    def n_threads(self):
+        return llama_n_threads(self._get().raw())
+
+    @property
+    def pooling(self):
+        cdef int t = llama_get_pooling_type(self._get().raw())
+        for k, v in _POOLING.items():
+            if v == t and k is not None:
+                return k
+        return None
+
+    def set_threads(self, n_threads, n_threads_batch=None):
+        if n_threads_batch is None:
+            n_threads_batch = n_threads
+        _check_int(n_threads, "n_threads", 1, 4096)
+        _check_int(n_threads_batch, "n_threads_batch", 1, 4096)
+        cdef CContext * c = self._enter()
+        try:
+            llama_set_n_threads(c.raw(), n_threads, n_threads_batch)
+        finally:
+            self._leave()
+
+    # -- state: adapters and control vector ---------------------------------
+
+    def set_adapters(self, adapters=()):
+        """Apply an ordered set ``[(LoraAdapter, scale), ...]``; ``()`` is the pure base model.
+
+        Returns True if llama.cpp was called, False if this exact set was
+        already applied (a no-op).
+        """
+        cdef vector[CAdapter *] ptrs
+        cdef vector[float] scales
+        cdef LoraAdapter a
+        keep = []
+        for item in adapters:
+            try:
+                ad, scale = item
+            except (TypeError, ValueError):
+                raise TypeError("set_adapters() takes (LoraAdapter, scale) pairs") from None
+            if not isinstance(ad, LoraAdapter):
+                raise TypeError(f"set_adapters() takes LoraAdapter objects, not {type(ad).__name__}")
+            _check_float(scale, "scale")
+            a = ad
+            if a.model is not self.model:
+                raise InvalidArgumentError(f"adapter {a.path!r} was loaded for another model")
+            ptrs.push_back(a._ptr())
+            scales.push_back(scale)
+            keep.append((a, float(scale)))
+        cdef CContext * c = self._enter()
+        cdef cbool changed
+        try:
+            with nogil:  # a changed set re-reserves llama.cpp's compute graph
+                changed = c.set_adapters(ptrs, scales)
+        finally:
+            self._leave()
+        # Applied adapters are kept alive by this context on purpose: freeing
+        # one while applied is a use-after-free inside llama.cpp.
+        self._adapters = tuple(keep)
+        return changed
+
+    @property
+    def adapters(self):
+        """The applied set, as ``((LoraAdapter, scale), ...)``."""
+        return self._adapters
+
+    def set_control_vector(self, ControlVector cv=None):
+        """Apply ``cv`` (``None`` clears).  Identical re-applies and clears of nothing are no-ops."""
+        cdef CControlVectorPtr p
+        if cv is not None:
+            if cv.model is not self.model:
+                raise InvalidArgumentError("this control vector was made for another model")
+            p = cv._cv
+        cdef CContext * c = self._enter()
+        cdef cbool changed
+        try:
+            with nogil:
+                changed = c.set_control_vector(p)
+        finally:
+            self._leave()
+        self._cvec = cv
+        return changed
+
+    @property
+    def control_vector(self):
+        return self._cvec
+
+    @property
+    def n_state_calls(self):
+        """How many adapter / control-vector calls reached llama.cpp (each re-reserves its graph)."""
+        return self._get().n_state_calls()
+
+    # -- decode -------------------------------------------------------------
+
+    def decode(self, tokens, *, pos=None, seq_ids=None, logits="last"):
+        """Decode one batch.
+
+        ``tokens``: int32 buffer or list.  ``pos``: positions (default: each
+        sequence continues where its KV ends).  ``seq_ids``: one id per token
+        (default 0).  ``logits``: "last", "all", or one flag per token.
+        Returns the number of output rows (see ``get_logits``).
+        """
+        cdef CContext * c = self._get()
+        cdef const int32_t[::1] tv = _as_tokens(tokens)
+        cdef Py_ssize_t n = tv.shape[0]
+        if n == 0:
+            raise InvalidArgumentError("cannot decode an empty batch")
+        cdef const int32_t[::1] pv
+        cdef const int32_t[::1] sv
+        cdef const int8_t * lp = NULL
+        cdef const int32_t * pp = NULL
+        cdef const int32_t * sp = NULL
+        cdef int8_t[::1] lv
+        cdef int32_t n_out
+        if pos is not None:
+            pv = _as_tokens(pos)
+            if pv.shape[0] != n:
+                raise InvalidArgumentError(f"pos has {pv.shape[0]} entries for {n} tokens")
+            pp = &pv[0]
+        if seq_ids is not None:
+            sv = _as_tokens(seq_ids)
+            if sv.shape[0] != n:
+                raise InvalidArgumentError(f"seq_ids has {sv.shape[0]} entries for {n} tokens")
+            sp = &sv[0]
+        if isinstance(logits, str):
+            if logits == "all":
+                larr = np.ones(n, dtype=np.int8)
+            elif logits == "last":
+                larr = np.zeros(n, dtype=np.int8)
+                if sp == NULL:
+                    larr[n - 1] = 1
+                else:
+                    # the last token of each sequence
+                    seen = set()
+                    for i in range(n - 1, -1, -1):
+                        if sv[i] not in seen:
+                            seen.add(sv[i])
+                            larr[i] = 1
+            else:
+                raise InvalidArgumentError(f"logits={logits!r}: expected 'last', 'all' or a flag per token")
+        else:
+            larr = np.ascontiguousarray(np.asarray(logits, dtype=bool), dtype=np.int8)
+            if larr.ndim != 1 or larr.shape[0] != n:
+                raise InvalidArgumentError(f"logits needs one flag per token ({n})")
+        lv = larr
+        lp = &lv[0]
+        n_out = 0
+        for i in range(n):
+            n_out += lv[i]
+        if self._n_seq_views:
+            raise ViewsExportedError(
+                "pooled-embedding views of this context are alive and the next decode frees them; "
+                "delete them (or copy) first")
+        if self._n_views and c.would_grow_outputs(<int32_t> n, n_out):
+            raise ViewsExportedError(
+                f"this decode asks for more output rows than ever before, so llama.cpp would move the "
+                f"buffer that {self._n_views} live logits/embeddings view(s) read; delete them (or copy) first")
+        c = self._enter()
+        try:
+            with nogil:  # the forward pass
+                n_out = c.decode(&tv[0], <int32_t> n, pp, sp, lp)
+        finally:
+            self._leave()
+        return n_out
+
+    @property
+    def n_outputs(self):
+        """Output rows of the last decode."""
+        return self._get().last_n_outputs()
+
+    def get_logits(self):
+        """Read-only (n_outputs, n_vocab) float32 view of the last decode's logits (no copy).
+
+        The view shows llama.cpp's buffer: the next decode overwrites it.
+        """
+        cdef CContext * c = self._get()
+        cdef int32_t n_out = c.last_n_outputs()
+        cdef float * p = llama_get_logits(c.raw()) if n_out else NULL
+        if p == NULL:
+            raise InvalidArgumentError("no logits: decode a batch with outputs first")
+        return _make_view(self, p, n_out, c.n_vocab(), 2, 1)
+
+    def get_embeddings(self):
+        """Read-only (n_outputs, n_embd) view of per-token embeddings (pooling 'none')."""
+        cdef CContext * c = self._get()
+        if not self.embeddings:
+            raise InvalidArgumentError("create the context with embeddings=True")
+        cdef int32_t n_out = c.last_n_outputs()
+        cdef float * p = llama_get_embeddings(c.raw()) if n_out else NULL
+        if p == NULL:
+            raise InvalidArgumentError("no token embeddings: decode with outputs first (and pooling='none')")
+        return _make_view(self, p, n_out, llama_model_n_embd(self.model._model), 2, 1)
+
+    def get_embeddings_seq(self, int seq_id):
+        """Read-only view of sequence ``seq_id``'s pooled embedding (freed by the next decode)."""
+        cdef CContext * c = self._get()
+        if not self.embeddings:
+            raise InvalidArgumentError("create the context with embeddings=True")
+        if seq_id < 0 or seq_id >= c.n_seq_max():
+            raise InvalidArgumentError(f"sequence id {seq_id} is out of range [0, {c.n_seq_max()})")
+        cdef float * p = llama_get_embeddings_seq(c.raw(), seq_id)
+        if p == NULL:
+            raise InvalidArgumentError(f"no pooled embedding for sequence {seq_id}: decode it with pooling on first")
+        return _make_view(self, p, 1, llama_model_n_embd(self.model._model), 1, 2)
+
+    # -- generation ---------------------------------------------------------
+
+    def generate(self, tokens, Sampler sampler not None, *, max_tokens=16, seq_id=0,
+                 stop_sequences=(), ignore_eos=False, callback=None):
+        """Decode ``tokens`` after what sequence ``seq_id`` holds, then sample up to ``max_tokens``.
+
+        The whole loop runs in C++ without the GIL.  ``callback(token)``, if
+        given, is called per token with the GIL; a truthy return stops.
+        ``stop_sequences``: token sequences that end generation (included in
+        the output).  Returns ``(tokens: np.ndarray[int32], finish_reason)``
+        with finish_reason one of "stop" (end-of-generation token),
+        "length" (max_tokens or the context is full), "stop_sequence",
+        "callback".
+        """
+        if sampler.model is not self.model:
+            raise InvalidArgumentError("this sampler was made for another model")
+        if callback is not None and not callable(callback):
+            raise TypeError("callback must be callable")
+        _check_int(max_tokens, "max_tokens", -1, INT32_MAX)
+        _check_int(seq_id, "seq_id", 0, INT32_MAX)
+        cdef CContext * c = self._get()
+        cdef const int32_t[::1] tv = _as_tokens(tokens)
+        cdef CGenParams gp
+        gp.max_tokens = max_tokens
+        gp.seq_id = seq_id
+        gp.ignore_eos = bool(ignore_eos)
+        cdef vector[llama_token] sv
+        cdef const int32_t[::1] s
+        for seq in stop_sequences:
+            s = _as_tokens(seq)
+            sv.clear()
+            for i in range(s.shape[0]):
+                sv.push_back(s[i])
+            gp.stop_sequences.push_back(sv)
+        if self._n_seq_views:
+            raise ViewsExportedError("pooled-embedding views are alive; delete them before generating")
+        if self._n_views and c.would_grow_outputs(1, 1):
+            raise ViewsExportedError("logits views are alive and generation would move their buffer")
+        if sampler._in_use:
+            raise ContextBusyError("this sampler is in use by another request")
+        cdef _CbState st
+        st.fn = <PyObject *> callback
+        st.error = NULL
+        cdef token_cb_fn cb = NULL
+        if callback is not None:
+            cb = _token_trampoline
+        cdef CGenResult res
+        cdef const int32_t * tp = &tv[0] if tv.shape[0] else NULL
+        cdef int32_t n_tok = <int32_t> tv.shape[0]
+        cdef llama_sampler * smpl = sampler._smpl
+        sampler._in_use = True
+        c = self._enter()
+        try:
+            with nogil:  # prompt + token loop; the callback re-takes the GIL only if given
+                res = c.generate(smpl, tp, n_tok, gp, cb, &st)
+        finally:
+            self._leave()
+            sampler._in_use = False
+        if st.error != NULL:
+            err = <object> st.error
+            Py_DECREF(err)
+            raise err
+        out = np.empty(res.tokens.size(), dtype=np.int32)
+        cdef int32_t[::1] ov = out
+        if res.tokens.size():
+            memcpy(&ov[0], res.tokens.data(), res.tokens.size() * sizeof(int32_t))
+        return out, _FINISH[<int> res.finish]
+
+    def cancel(self):
+        """Abort the running decode/generate (from any thread); it raises CancelledError."""
+        if self._c != NULL:
+            self._c.cancel()
+
+    # -- KV cache -----------------------------------------------------------
+
+    def kv_clear(self):
+        cdef CContext * c = self._enter()
+        try:
+            if c.has_memory():
+                c.kv_clear()
+        finally:
+            self._leave()
+
+    def kv_remove(self, int seq_id=-1, int p0=-1, int p1=-1):
+        """Remove positions [p0, p1) of ``seq_id`` (-1: all sequences / open ends)."""
+        cdef CContext * c = self._enter()
+        try:
+            if not c.has_memory():
+                return True
+            return c.kv_remove(seq_id, p0, p1)
+        finally:
+            self._leave()
+
+    def kv_copy(self, int src, int dst, int p0=-1, int p1=-1):
+        cdef CContext * c = self._enter()
+        try:
+            if c.has_memory():
+                c.kv_copy(src, dst, p0, p1)
+        finally:
+            self._leave()
+
+    def kv_keep(self, int seq_id):
+        cdef CContext * c = self._enter()
+        try:
+            if c.has_memory():
+                c.kv_keep(seq_id)
+        finally:
+            self._leave()
+
+    def seq_pos_max(self, int seq_id=0):
+        """Last position held for ``seq_id`` (-1 if empty)."""
+        cdef CContext * c = self._enter()
+        try:
+            if not c.has_memory():
+                return -1
+            return c.seq_pos_max(seq_id)
+        finally:
+            self._leave()
+
+    def __repr__(self):
+        if self._c == NULL:
+            return "<llamax.Context closed>"
+        return f"<llamax.Context n_ctx={self.n_ctx} n_seq_max={self.n_seq_max}>"

@@ -1,0 +1,100 @@
+"""The llamax exception hierarchy.
+
+Every class derives from :class:`LlamaxError` and from the builtin that a
+caller would catch without knowing llamax (``ValueError``, ``KeyError``,
+``OSError``, ``MemoryError``, ...).  This module imports nothing, so the
+native core can raise these classes without importing the high-level API.
+"""
+
+__all__ = [
+    "LlamaxError", "InvalidArgumentError", "TokenError", "ContextOverflowError",
+    "InvalidGGUFError", "LoadError", "AdapterMismatchError", "ControlVectorError",
+    "AdapterInUseError", "DecodeError", "KVCacheFullError", "CancelledError",
+    "OutOfMemoryError", "GrammarError", "ContextBusyError", "ClosedError",
+    "InvalidUtf8Error", "ViewsExportedError", "UnknownAdapterError",
+]
+
+
+class LlamaxError(Exception):
+    """Base class of every error llamax raises on purpose."""
+
+
+class InvalidArgumentError(LlamaxError, ValueError):
+    """An argument has the right type but a value llamax can't use."""
+
+
+class TokenError(LlamaxError, ValueError):
+    """A token id outside ``[0, n_vocab)``."""
+
+
+class ContextOverflowError(LlamaxError, ValueError):
+    """The input does not fit in the context window (``n_ctx``)."""
+
+
+class InvalidGGUFError(LlamaxError, ValueError):
+    """A file is not a GGUF file, or a corrupt or truncated one."""
+
+
+class LoadError(LlamaxError, OSError):
+    """A file can't be opened: missing, a directory, no permission."""
+
+
+class AdapterMismatchError(LlamaxError, ValueError):
+    """A LoRA adapter does not fit this base model (architecture, shapes)."""
+
+
+class ControlVectorError(LlamaxError, ValueError):
+    """A control vector has the wrong ``n_embd``, layer range, length or values."""
+
+
+class AdapterInUseError(LlamaxError, RuntimeError):
+    """An adapter can't be freed while a context has it applied."""
+
+
+class DecodeError(LlamaxError, RuntimeError):
+    """``llama_decode`` failed; ``code`` is its return code when known."""
+
+
+class KVCacheFullError(DecodeError):
+    """No KV cache slot for the batch (``llama_decode`` returned 1)."""
+
+
+class CancelledError(DecodeError):
+    """The computation was cancelled (``llama_decode`` returned 2)."""
+
+
+class OutOfMemoryError(LlamaxError, MemoryError):
+    """llama.cpp could not allocate a buffer."""
+
+
+class GrammarError(LlamaxError, ValueError):
+    """A GBNF grammar that llama.cpp can't parse."""
+
+
+class ContextBusyError(LlamaxError, RuntimeError):
+    """The context is in use by another thread (e.g. ``close()`` during a decode)."""
+
+
+class ClosedError(LlamaxError, ValueError):
+    """The object was closed (like I/O on a closed file)."""
+
+
+class InvalidUtf8Error(LlamaxError, ValueError):
+    """Detokenized bytes are not valid UTF-8 (use ``errors=`` or bytes)."""
+
+
+class ViewsExportedError(LlamaxError, BufferError):
+    """An operation would free memory that exported numpy views still read."""
+
+
+class UnknownAdapterError(LlamaxError, KeyError):
+    """No adapter is loaded or registered under that name."""
+
+
+# Index = llamax::ErrorKind in csrc/llamax.h.
+_SHIM_KINDS = (
+    InvalidArgumentError, TokenError, ContextOverflowError, InvalidGGUFError,
+    AdapterMismatchError, ControlVectorError, AdapterInUseError, KVCacheFullError,
+    CancelledError, DecodeError, OutOfMemoryError, LoadError, GrammarError,
+    ContextBusyError,
+)

@@ -1,0 +1,108 @@
+# Declarations of csrc/ (namespace llamax).  Every function that can throw is
+# `except +translate_exception`, which raises the llamax.LlamaxError subclass
+# named by the C++ error's kind (csrc/pyerrors.h).
+from libc.stdint cimport int8_t, int32_t, int64_t
+from libcpp cimport bool as cbool
+from libcpp.memory cimport shared_ptr
+from libcpp.string cimport string
+from libcpp.vector cimport vector
+
+from llamax.includes.llama cimport (
+    llama_adapter_lora, llama_context, llama_context_params, llama_model, llama_pos,
+    llama_sampler, llama_seq_id, llama_token,
+)
+
+
+cdef extern from "pyerrors.h" namespace "llamax":
+    # the `except +` handler for every shim call below (C++ -> LlamaxError)
+    void translate_exception()
+    void register_error(int kind, object cls)
+
+
+cdef extern from "llamax.h" namespace "llamax" nogil:
+    ctypedef void (*log_sink_fn)(int level, const char * text) noexcept
+    ctypedef int (*token_cb_fn)(void * user, llama_token token) noexcept
+
+    cdef cppclass CMutex "std::mutex":
+        void lock()
+        void unlock()
+        cbool try_lock()
+
+    string take_last_log_error()
+    void log_install(log_sink_fn sink)
+    void log_set_min_level(int level)
+
+    cdef cppclass CAdapter "llamax::Adapter":
+        llama_adapter_lora * ptr
+        const llama_model * model
+        string path
+        int attached "n_attached.load"()
+
+    cdef cppclass CControlVector "llamax::ControlVector":
+        int32_t n_embd
+        int32_t layer_start
+        int32_t layer_end
+        vector[float] data
+
+    ctypedef shared_ptr[const CControlVector] CControlVectorPtr "llamax::ControlVectorPtr"
+
+    cdef cppclass CGenParams "llamax::GenParams":
+        int32_t max_tokens
+        int32_t seq_id
+        cbool ignore_eos
+        vector[vector[llama_token]] stop_sequences
+
+    cdef enum class CFinish "llamax::Finish":
+        Eog
+        Length
+        StopSequence
+        Callback
+        ContextFull
+
+    cdef cppclass CGenResult "llamax::GenResult":
+        vector[llama_token] tokens
+        CFinish finish
+        int32_t n_prompt
+
+    cdef cppclass CContext "llamax::Context":
+        CContext(llama_model * model, llama_context_params params) except +translate_exception
+        llama_context * raw()
+        CMutex & mutex()
+        cbool set_adapters(const vector[CAdapter *] & adapters, const vector[float] & scales) except +translate_exception
+        cbool set_control_vector(const CControlVectorPtr & cv) except +translate_exception
+        int32_t decode(const llama_token * tokens, int32_t n, const llama_pos * pos,
+                       const llama_seq_id * seq, const int8_t * logits) except +translate_exception
+        CGenResult generate(llama_sampler * smpl, const llama_token * prompt, int32_t n_prompt,
+                            const CGenParams & params, token_cb_fn cb, void * user) except +translate_exception
+        void kv_clear()
+        cbool kv_remove(llama_seq_id seq, llama_pos p0, llama_pos p1) except +translate_exception
+        void kv_copy(llama_seq_id src, llama_seq_id dst, llama_pos p0, llama_pos p1) except +translate_exception
+        void kv_keep(llama_seq_id seq) except +translate_exception
+        llama_pos seq_pos_max(llama_seq_id seq) except +translate_exception
+        void cancel()
+        int32_t last_n_outputs()
+        int64_t output_capacity()
+        int64_t n_state_calls()
+        void detach_all()
+        int32_t n_vocab()
+        int32_t n_ctx()
+        int32_t n_ctx_seq()
+        int32_t n_batch()
+        int32_t n_seq_max()
+        cbool would_grow_outputs(int32_t n_tokens, int32_t n_outputs)
+        cbool has_memory()
+
+    CAdapter * adapter_load(llama_model * model, const string & path) except +translate_exception
+    void adapter_free(CAdapter * a) except +translate_exception
+
+    CControlVectorPtr cvec_from_rows(const llama_model * model, const float * rows, size_t n_floats,
+                                     int32_t layer_start, int32_t layer_end) except +translate_exception
+    CControlVectorPtr cvec_from_padded(const llama_model * model, const float * flat, size_t n_floats,
+                                       int32_t layer_start, int32_t layer_end) except +translate_exception
+    CControlVectorPtr cvec_from_gguf(const llama_model * model, const string & path, float scale,
+                                     int32_t layer_start, int32_t layer_end) except +translate_exception
+    CControlVectorPtr cvec_sum(const vector[CControlVectorPtr] & parts,
+                               const vector[float] & scales) except +translate_exception
+
+    void check_gguf_file(const string & path) except +translate_exception
+

@@ -1,0 +1,177 @@
+# Raw mirror of the subset of llama.h (pinned llama.cpp 0c1e570) that llamax
+# uses.  Declarations only: no logic lives here.
+from libc.stdint cimport int8_t, int32_t, int64_t, uint32_t, uint64_t
+from libc.stdio cimport FILE
+
+
+cdef extern from "ggml.h" nogil:
+    ctypedef bint (*ggml_abort_callback)(void * data)
+
+    cdef enum ggml_log_level:
+        GGML_LOG_LEVEL_NONE
+        GGML_LOG_LEVEL_DEBUG
+        GGML_LOG_LEVEL_INFO
+        GGML_LOG_LEVEL_WARN
+        GGML_LOG_LEVEL_ERROR
+        GGML_LOG_LEVEL_CONT
+
+
+cdef extern from "llama.h" nogil:
+    cdef struct llama_vocab
+    cdef struct llama_model
+    cdef struct llama_context
+    cdef struct llama_sampler
+    cdef struct llama_adapter_lora
+    cdef struct llama_memory_i
+    ctypedef llama_memory_i * llama_memory_t
+
+    ctypedef int32_t llama_pos
+    ctypedef int32_t llama_token
+    ctypedef int32_t llama_seq_id
+
+    cdef uint32_t LLAMA_DEFAULT_SEED
+
+    cdef enum llama_pooling_type:
+        LLAMA_POOLING_TYPE_UNSPECIFIED
+        LLAMA_POOLING_TYPE_NONE
+        LLAMA_POOLING_TYPE_MEAN
+        LLAMA_POOLING_TYPE_CLS
+        LLAMA_POOLING_TYPE_LAST
+        LLAMA_POOLING_TYPE_RANK
+
+    cdef enum llama_load_mode:
+        LLAMA_LOAD_MODE_AUTO
+        LLAMA_LOAD_MODE_NONE
+        LLAMA_LOAD_MODE_MMAP
+
+    cdef enum llama_flash_attn_type:
+        LLAMA_FLASH_ATTN_TYPE_AUTO
+        LLAMA_FLASH_ATTN_TYPE_DISABLED
+        LLAMA_FLASH_ATTN_TYPE_ENABLED
+
+    cdef enum llama_vocab_type:
+        LLAMA_VOCAB_TYPE_NONE
+
+    ctypedef struct llama_token_data:
+        llama_token id
+        float logit
+        float p
+
+    ctypedef struct llama_logit_bias:
+        llama_token token
+        float bias
+
+    cdef struct llama_model_params:
+        int32_t n_gpu_layers
+        llama_load_mode load_mode
+        int32_t main_gpu
+        bint vocab_only
+        bint check_tensors
+
+    cdef struct llama_context_params:
+        uint32_t n_ctx
+        uint32_t n_batch
+        uint32_t n_ubatch
+        uint32_t n_seq_max
+        int32_t n_threads
+        int32_t n_threads_batch
+        llama_pooling_type pooling_type
+        llama_flash_attn_type flash_attn_type
+        ggml_abort_callback abort_callback
+        void * abort_callback_data
+        bint embeddings
+        bint offload_kqv
+        bint no_perf
+        bint kv_unified
+
+    ctypedef struct llama_sampler_chain_params:
+        bint no_perf
+
+    llama_model_params llama_model_default_params()
+    llama_context_params llama_context_default_params()
+    llama_sampler_chain_params llama_sampler_chain_default_params()
+
+    void llama_backend_init()
+    const char * llama_print_system_info()
+    bint llama_supports_gpu_offload()
+
+    llama_model * llama_model_load_from_file(const char * path_model, llama_model_params params)
+    void llama_model_free(llama_model * model)
+
+    const llama_vocab * llama_model_get_vocab(const llama_model * model)
+    int32_t llama_model_n_ctx_train(const llama_model * model)
+    int32_t llama_model_n_embd(const llama_model * model)
+    int32_t llama_model_n_layer(const llama_model * model)
+    int32_t llama_model_n_head(const llama_model * model)
+    uint64_t llama_model_size(const llama_model * model)
+    uint64_t llama_model_n_params(const llama_model * model)
+    int32_t llama_model_desc(const llama_model * model, char * buf, size_t buf_size)
+    int32_t llama_model_meta_count(const llama_model * model)
+    int32_t llama_model_meta_key_by_index(const llama_model * model, int32_t i, char * buf, size_t buf_size)
+    int32_t llama_model_meta_val_str_by_index(const llama_model * model, int32_t i, char * buf, size_t buf_size)
+    const char * llama_model_chat_template(const llama_model * model, const char * name)
+    bint llama_model_has_encoder(const llama_model * model)
+
+    llama_vocab_type llama_get_vocab_type "llama_vocab_type"(const llama_vocab * vocab)
+    int32_t llama_vocab_n_tokens(const llama_vocab * vocab)
+    bint llama_vocab_is_eog(const llama_vocab * vocab, llama_token token)
+    bint llama_vocab_is_control(const llama_vocab * vocab, llama_token token)
+    llama_token llama_vocab_bos(const llama_vocab * vocab)
+    llama_token llama_vocab_eos(const llama_vocab * vocab)
+    llama_token llama_vocab_eot(const llama_vocab * vocab)
+    llama_token llama_vocab_sep(const llama_vocab * vocab)
+    llama_token llama_vocab_nl(const llama_vocab * vocab)
+    llama_token llama_vocab_pad(const llama_vocab * vocab)
+    bint llama_vocab_get_add_bos(const llama_vocab * vocab)
+    bint llama_vocab_get_add_eos(const llama_vocab * vocab)
+    const char * llama_vocab_get_text(const llama_vocab * vocab, llama_token token)
+
+    int32_t llama_tokenize(const llama_vocab * vocab, const char * text, int32_t text_len,
+                           llama_token * tokens, int32_t n_tokens_max,
+                           bint add_special, bint parse_special)
+    int32_t llama_token_to_piece(const llama_vocab * vocab, llama_token token, char * buf,
+                                 int32_t length, int32_t lstrip, bint special)
+    int32_t llama_detokenize(const llama_vocab * vocab, const llama_token * tokens, int32_t n_tokens,
+                             char * text, int32_t text_len_max, bint remove_special, bint unparse_special)
+
+    uint32_t llama_n_ctx(const llama_context * ctx)
+    uint32_t llama_n_batch(const llama_context * ctx)
+    uint32_t llama_n_ubatch(const llama_context * ctx)
+    uint32_t llama_n_seq_max(const llama_context * ctx)
+    int32_t llama_n_threads(llama_context * ctx)
+    int32_t llama_n_threads_batch(llama_context * ctx)
+    void llama_set_n_threads(llama_context * ctx, int32_t n_threads, int32_t n_threads_batch)
+    void llama_set_embeddings(llama_context * ctx, bint embeddings)
+    llama_pooling_type llama_get_pooling_type "llama_pooling_type"(const llama_context * ctx)
+
+    float * llama_get_logits(llama_context * ctx)
+    float * llama_get_logits_ith(llama_context * ctx, int32_t i)
+    float * llama_get_embeddings(llama_context * ctx)
+    float * llama_get_embeddings_seq(llama_context * ctx, llama_seq_id seq_id)
+
+    uint64_t llama_adapter_get_alora_n_invocation_tokens(const llama_adapter_lora * adapter)
+    const llama_token * llama_adapter_get_alora_invocation_tokens(const llama_adapter_lora * adapter)
+    int32_t llama_adapter_meta_count(const llama_adapter_lora * adapter)
+    int32_t llama_adapter_meta_key_by_index(const llama_adapter_lora * adapter, int32_t i, char * buf, size_t buf_size)
+    int32_t llama_adapter_meta_val_str_by_index(const llama_adapter_lora * adapter, int32_t i, char * buf, size_t buf_size)
+
+    llama_sampler * llama_sampler_chain_init(llama_sampler_chain_params params)
+    void llama_sampler_chain_add(llama_sampler * chain, llama_sampler * smpl)
+    int32_t llama_sampler_chain_n(const llama_sampler * chain)
+    void llama_sampler_free(llama_sampler * smpl)
+    void llama_sampler_reset(llama_sampler * smpl)
+    void llama_sampler_accept(llama_sampler * smpl, llama_token token)
+    llama_token llama_sampler_sample(llama_sampler * smpl, llama_context * ctx, int32_t idx)
+    llama_sampler * llama_sampler_init_greedy()
+    llama_sampler * llama_sampler_init_dist(uint32_t seed)
+    llama_sampler * llama_sampler_init_top_k(int32_t k)
+    llama_sampler * llama_sampler_init_top_p(float p, size_t min_keep)
+    llama_sampler * llama_sampler_init_min_p(float p, size_t min_keep)
+    llama_sampler * llama_sampler_init_typical(float p, size_t min_keep)
+    llama_sampler * llama_sampler_init_temp(float t)
+    llama_sampler * llama_sampler_init_grammar(const llama_vocab * vocab, const char * grammar_str,
+                                               const char * grammar_root)
+    llama_sampler * llama_sampler_init_penalties(int32_t n_vocab, int32_t penalty_last_n, float penalty_repeat,
+                                                 float penalty_freq, float penalty_present)
+    llama_sampler * llama_sampler_init_logit_bias(int32_t n_vocab, int32_t n_logit_bias,
+                                                  const llama_logit_bias * logit_bias)

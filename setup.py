@@ -1,0 +1,80 @@
+"""Build llamax: the pinned llama.cpp (static, cached), the C++ shim and the
+Cython core, linked into one self-contained extension module.
+
+See third_party/llama_cpp.py for the fetch/verify/build of llama.cpp and the
+LLAMAX_* environment variables.
+"""
+import os
+import sys
+from pathlib import Path
+
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE / "third_party"))
+import llama_cpp as llama_build  # noqa: E402  (third_party/llama_cpp.py, build-time only)
+
+
+class LlamaxBuildExt(build_ext):
+    """Build llama.cpp first (cached), then compile csrc/ + Cython against it."""
+
+    def finalize_options(self):
+        super().finalize_options()
+        if self.parallel is None:
+            self.parallel = os.cpu_count() or 1
+
+    def run(self):
+        info = llama_build.build()
+        link = HERE / "third_party" / "llama.cpp"
+        try:  # a convenience link for developers; never committed (.gitignore)
+            if link.is_symlink() or not link.exists():
+                if link.is_symlink():
+                    link.unlink()
+                link.symlink_to(info["source"], target_is_directory=True)
+        except OSError:
+            pass
+        for ext in self.extensions:
+            ext.include_dirs[:0] = info["include_dirs"]
+            # Static archives, dependants first; the whole of llama.cpp ends
+            # up inside the extension (no libllama.so to find at run time).
+            ext.extra_objects = info["libraries"] + ext.extra_objects
+            ext.extra_link_args = ext.extra_link_args + info["extra_link_args"]
+            ext.extra_compile_args = ext.extra_compile_args + info["extra_compile_args"]
+        super().run()
+
+
+def extensions():
+    from Cython.Build import cythonize
+
+    if sys.platform == "win32":
+        cflags = ["/std:c++17", "/O2"]
+        lflags = []
+    else:
+        cflags = ["-std=c++17", "-O2", "-fvisibility=hidden", "-Wno-unused-function"]
+        lflags = []
+        if sys.platform.startswith("linux"):
+            # keep ggml's symbols out of the dynamic symbol table, so that
+            # another llama.cpp in the same process can't interpose on ours
+            lflags.append("-Wl,--exclude-libs,ALL")
+    ext = Extension(
+        "llamax._core",
+        sources=["llamax/_core.pyx", "csrc/llamax.cpp"],
+        include_dirs=["csrc"],
+        language="c++",
+        extra_compile_args=cflags,
+        extra_link_args=lflags,
+        define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
+    )
+    return cythonize(
+        [ext],
+        language_level=3,
+        compiler_directives={"embedsignature": True},
+        build_dir=os.environ.get("LLAMAX_CYTHON_BUILD_DIR") or None,
+    )
+
+
+setup(
+    ext_modules=extensions(),
+    cmdclass={"build_ext": LlamaxBuildExt},
+)

@@ -1,0 +1,350 @@
+"""Fetch, verify and build the pinned llama.cpp for llamax.
+
+Used by setup.py (and by the benchmarks, to build llama-bench from the very
+same tree and flags).  Nothing here is imported at run time.
+
+The source is the ``vendor/llama.cpp`` folder of the llama-cpp-python 0.3.36
+sdist on PyPI (upstream commit 0c1e570).  The sdist is downloaded once, its
+sha256 checked, and both the archive and the extracted tree are cached under
+``~/.cache/llamax`` (``LLAMAX_CACHE_DIR`` moves it).  ``LLAMAX_LLAMA_CPP_DIR``
+points at a local llama.cpp tree instead and skips the download.
+
+The build is cached too, keyed by the pin, the backend and every CMake
+argument, so a rebuild of the shim or the Cython modules never rebuilds
+llama.cpp.
+
+Environment:
+  LLAMAX_BACKEND   cpu | cuda | metal (Metal by default on Apple silicon)
+  LLAMAX_CPU       host (default: the x86 SIMD sets /proc/cpuinfo lists,
+                   AMX always off) | baseline (AVX2+FMA+F16C, for wheels)
+                   | native (-march=native: dies with SIGILL on VMs that
+                   advertise AMX they can't run)
+  LLAMAX_SANITIZE  address | undefined | thread
+  CMAKE_ARGS       extra CMake arguments, passed through last
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import shlex
+import shutil
+import subprocess
+import sys
+import tarfile
+import urllib.request
+from pathlib import Path
+
+PIN_VERSION = "0.3.36"
+PIN_COMMIT = "0c1e570"
+SDIST_NAME = f"llama_cpp_python-{PIN_VERSION}.tar.gz"
+SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
+SDIST_URL = (
+    "https://files.pythonhosted.org/packages/ec/e9/"
+    "e7de2b0463ea3ffbf0ede6cb21b58c1258a8f6521aae45ca773a59fe7cf3/" + SDIST_NAME
+)
+SIMPLE_INDEX = "https://pypi.org/simple/llama-cpp-python/"
+
+# Static archives in link order: dependants first.
+CPU_LIBS = ["llama", "ggml", "ggml-cpu", "ggml-base"]
+
+
+def log(msg: str) -> None:
+    print(f"[llamax-build] {msg}", file=sys.stderr, flush=True)
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("LLAMAX_CACHE_DIR")
+    if root:
+        return Path(root).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "llamax"
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _download(url: str, dest: Path) -> None:
+    tmp = dest.with_suffix(dest.suffix + ".part")
+    log(f"downloading {url}")
+    with urllib.request.urlopen(url, timeout=300) as r, open(tmp, "wb") as f:
+        shutil.copyfileobj(r, f, 1 << 20)
+    tmp.replace(dest)
+
+
+def fetch_sdist() -> Path:
+    """Return the verified sdist archive, downloading it if needed."""
+    dl = cache_dir() / "dl"
+    dl.mkdir(parents=True, exist_ok=True)
+    path = dl / SDIST_NAME
+    if path.exists() and _sha256(path) == SDIST_SHA256:
+        return path
+    urls = [os.environ.get("LLAMAX_SDIST_URL") or SDIST_URL]
+    errors = []
+    for url in urls:
+        try:
+            _download(url, path)
+        except OSError as e:  # URLError is an OSError
+            errors.append(f"{url}: {e}")
+            continue
+        digest = _sha256(path)
+        if digest == SDIST_SHA256:
+            return path
+        path.unlink()
+        errors.append(f"{url}: sha256 {digest} != pinned {SDIST_SHA256}")
+    raise RuntimeError(
+        "could not fetch the pinned llama.cpp source:\n  " + "\n  ".join(errors)
+        + f"\nPut {SDIST_NAME} in {dl} or set LLAMAX_LLAMA_CPP_DIR to a llama.cpp tree."
+    )
+
+
+def source_dir() -> Path:
+    """Return the llama.cpp source tree (fetched, verified, extracted, cached)."""
+    local = os.environ.get("LLAMAX_LLAMA_CPP_DIR")
+    if local:
+        p = Path(local).expanduser().resolve()
+        if not (p / "include" / "llama.h").is_file():
+            raise RuntimeError(f"LLAMAX_LLAMA_CPP_DIR={local} has no include/llama.h")
+        return p
+    root = cache_dir() / "src" / f"llama_cpp_python-{PIN_VERSION}"
+    tree = root / "vendor" / "llama.cpp"
+    stamp = root / ".llamax-verified"
+    if stamp.is_file() and stamp.read_text().strip() == SDIST_SHA256:
+        return tree
+    archive = fetch_sdist()
+    if root.exists():
+        shutil.rmtree(root)
+    log(f"extracting {archive.name}")
+    with tarfile.open(archive) as tf:
+        if sys.version_info >= (3, 12):
+            tf.extractall(root.parent, filter="data")
+        else:
+            tf.extractall(root.parent)
+    if not (tree / "include" / "llama.h").is_file():
+        raise RuntimeError(f"{archive} has no vendor/llama.cpp/include/llama.h")
+    stamp.write_text(SDIST_SHA256 + "\n")
+    return tree
+
+
+def backend() -> str:
+    b = os.environ.get("LLAMAX_BACKEND", "").strip().lower()
+    if not b:
+        b = "metal" if sys.platform == "darwin" and platform.machine() == "arm64" else "cpu"
+    if b not in ("cpu", "cuda", "metal"):
+        raise RuntimeError(f"LLAMAX_BACKEND={b!r}: expected cpu, cuda or metal")
+    return b
+
+
+def _host_x86_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+# ggml option -> /proc/cpuinfo flag
+_X86_OPTIONS = [
+    ("GGML_SSE42", "sse4_2"),
+    ("GGML_AVX", "avx"),
+    ("GGML_AVX2", "avx2"),
+    ("GGML_FMA", "fma"),
+    ("GGML_F16C", "f16c"),
+    ("GGML_BMI2", "bmi2"),
+    ("GGML_AVX_VNNI", "avx_vnni"),
+    ("GGML_AVX512", "avx512f"),
+    ("GGML_AVX512_VBMI", "avx512_vbmi"),
+    ("GGML_AVX512_VNNI", "avx512_vnni"),
+    ("GGML_AVX512_BF16", "avx512_bf16"),
+]
+
+
+def cpu_args() -> list[str]:
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return []  # ggml's defaults are right for arm64 (and Apple)
+    mode = os.environ.get("LLAMAX_CPU", "host").strip().lower()
+    amx_off = ["-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"]
+    if mode == "native":
+        return ["-DGGML_NATIVE=ON"]
+    if mode == "baseline":
+        on = {"GGML_SSE42", "GGML_AVX", "GGML_AVX2", "GGML_FMA", "GGML_F16C", "GGML_BMI2"}
+    elif mode == "host":
+        flags = _host_x86_flags()
+        on = {opt for opt, flag in _X86_OPTIONS if flag in flags}
+    else:
+        raise RuntimeError(f"LLAMAX_CPU={mode!r}: expected host, baseline or native")
+    args = ["-DGGML_NATIVE=OFF"]
+    args += [f"-D{opt}={'ON' if opt in on else 'OFF'}" for opt, _ in _X86_OPTIONS]
+    return args + amx_off
+
+
+def sanitize_flags() -> list[str]:
+    s = os.environ.get("LLAMAX_SANITIZE", "").strip().lower()
+    if not s:
+        return []
+    if s not in ("address", "undefined", "thread"):
+        raise RuntimeError(f"LLAMAX_SANITIZE={s!r}: expected address, undefined or thread")
+    return [f"-fsanitize={s}", "-fno-omit-frame-pointer", "-g"]
+
+
+def cmake_args() -> list[str]:
+    b = backend()
+    args = [
+        "-DCMAKE_BUILD_TYPE=Release",
+        "-DBUILD_SHARED_LIBS=OFF",
+        "-DCMAKE_POSITION_INDEPENDENT_CODE=ON",
+        "-DLLAMA_BUILD_TESTS=OFF",
+        "-DLLAMA_BUILD_EXAMPLES=OFF",
+        "-DLLAMA_BUILD_SERVER=OFF",
+        "-DLLAMA_BUILD_TOOLS=ON",  # only llama-bench is ever built from them
+        "-DLLAMA_BUILD_COMMON=ON",
+        "-DLLAMA_BUILD_APP=OFF",
+        "-DLLAMA_OPENSSL=OFF",
+        "-DGGML_BACKEND_DL=OFF",
+    ]
+    san = sanitize_flags()
+    if san:
+        flags = " ".join(san)
+        args += [f"-DCMAKE_C_FLAGS={flags}", f"-DCMAKE_CXX_FLAGS={flags}",
+                 "-DGGML_OPENMP=OFF" if "-fsanitize=thread" in san else "-DGGML_OPENMP=ON"]
+    if b == "cpu":
+        args += cpu_args()
+        if sys.platform == "darwin":
+            args += ["-DGGML_METAL=OFF"]
+    elif b == "cuda":
+        args += ["-DGGML_CUDA=ON"] + cpu_args()
+    elif b == "metal":
+        args += ["-DGGML_METAL=ON", "-DGGML_METAL_EMBED_LIBRARY=ON"]
+    extra = os.environ.get("CMAKE_ARGS", "")
+    return args + shlex.split(extra)
+
+
+def build_key(args: list[str]) -> str:
+    h = hashlib.sha256()
+    h.update(f"{PIN_VERSION}:{SDIST_SHA256}:{os.environ.get('LLAMAX_LLAMA_CPP_DIR', '')}".encode())
+    for a in args:
+        h.update(b"\0" + a.encode())
+    cc = os.environ.get("CC", "") + "|" + os.environ.get("CXX", "")
+    h.update(cc.encode())
+    return h.hexdigest()[:16]
+
+
+def build_dir(args: list[str] | None = None) -> Path:
+    args = cmake_args() if args is None else args
+    return cache_dir() / "build" / f"{backend()}-{build_key(args)}"
+
+
+def _cache_value(bdir: Path, key: str) -> str | None:
+    try:
+        for line in (bdir / "CMakeCache.txt").read_text(errors="replace").splitlines():
+            if line.startswith(key + ":"):
+                return line.split("=", 1)[1]
+    except OSError:
+        pass
+    return None
+
+
+def _needs_configure(bdir: Path) -> bool:
+    """Configure when new, or when the cmake/ninja that configured the cached
+    build are gone (pip's isolated build environments are temporary): a
+    re-configure with the current tools keeps every object file."""
+    if not (bdir / "CMakeCache.txt").exists():
+        return True
+    for key in ("CMAKE_COMMAND", "CMAKE_MAKE_PROGRAM"):
+        v = _cache_value(bdir, key)
+        if v and not Path(v).exists():
+            return True
+    cur = shutil.which("cmake")
+    cached = _cache_value(bdir, "CMAKE_COMMAND")
+    return bool(cur and cached and Path(cur).resolve() != Path(cached).resolve())
+
+
+def _generator(bdir: Path) -> list[str]:
+    gen = _cache_value(bdir, "CMAKE_GENERATOR")
+    ninja = shutil.which("ninja")
+    if gen is None:
+        gen = "Ninja" if ninja else None
+    if gen is None:
+        return []
+    out = ["-G", gen]
+    if gen == "Ninja" and ninja:
+        out.append(f"-DCMAKE_MAKE_PROGRAM={ninja}")
+    return out
+
+
+def build(targets: list[str] | None = None) -> dict:
+    """Configure and build llama.cpp; return paths the extension needs."""
+    src = source_dir()
+    args = cmake_args()
+    bdir = build_dir(args)
+    bdir.mkdir(parents=True, exist_ok=True)
+    (bdir / "llamax-cmake-args.txt").write_text("\n".join(args) + "\n")
+    jobs = os.environ.get("LLAMAX_BUILD_JOBS") or str(os.cpu_count() or 2)
+    if _needs_configure(bdir):
+        log(f"configuring llama.cpp in {bdir}")
+        cmd = ["cmake", "-S", str(src), "-B", str(bdir)] + _generator(bdir) + args
+        if shutil.which("ccache"):
+            cmd += ["-DCMAKE_C_COMPILER_LAUNCHER=ccache", "-DCMAKE_CXX_COMPILER_LAUNCHER=ccache"]
+        subprocess.check_call(cmd)
+    targets = targets or ["llama"]
+    log(f"building {' '.join(targets)} (cached in {bdir})")
+    subprocess.check_call(["cmake", "--build", str(bdir), "--config", "Release",
+                           "-j", jobs, "--target", *targets])
+    return link_info(src, bdir)
+
+
+def _find_lib(bdir: Path, name: str) -> Path | None:
+    for pat in (f"lib{name}.a", f"{name}.lib"):
+        for p in bdir.rglob(pat):
+            return p
+    return None
+
+
+def link_info(src: Path, bdir: Path) -> dict:
+    names = list(CPU_LIBS)
+    b = backend()
+    if b == "cuda":
+        names.insert(names.index("ggml-cpu"), "ggml-cuda")
+    elif b == "metal":
+        names.insert(names.index("ggml-cpu"), "ggml-metal")
+        names.insert(names.index("ggml-cpu"), "ggml-blas")
+    libs = []
+    for n in names:
+        p = _find_lib(bdir, n)
+        if p is None:
+            if n == "ggml-blas":
+                continue
+            raise RuntimeError(f"llama.cpp build in {bdir} has no static lib{n}.a")
+        libs.append(str(p))
+    cache = (bdir / "CMakeCache.txt").read_text(errors="replace")
+    openmp = "GGML_OPENMP:BOOL=ON" in cache or "GGML_OPENMP:BOOL=" not in cache
+    extra_link = []
+    if openmp and sys.platform != "darwin":
+        extra_link.append("-fopenmp")
+    if b == "cuda":
+        extra_link += ["-lcudart", "-lcublas", "-lcublasLt", "-lcuda"]
+    if b == "metal" or sys.platform == "darwin":
+        extra_link += ["-framework", "Foundation", "-framework", "Metal",
+                       "-framework", "MetalKit", "-framework", "Accelerate"]
+    return {
+        "source": src,
+        "build": bdir,
+        "include_dirs": [str(src / "include"), str(src / "ggml" / "include"), str(src / "src")],
+        "libraries": libs,
+        "extra_link_args": extra_link + sanitize_flags(),
+        "extra_compile_args": sanitize_flags(),
+    }
+
+
+if __name__ == "__main__":
+    # python third_party/llama_cpp.py [target ...]   e.g. llama-bench
+    info = build(sys.argv[1:] or None)
+    print(info["build"])
