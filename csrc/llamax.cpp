@@ -373,6 +373,12 @@ Context::Context(llama_model * model, llama_context_params params) {
     n_vocab_ = llama_vocab_n_tokens(vocab_);
     n_ctx_ = (int32_t) llama_n_ctx(ctx_);
     n_ctx_seq_ = (int32_t) llama_n_ctx_seq(ctx_);
+    // llama.cpp pads n_ctx up (to 256); the caller's n_ctx is the limit
+    // llamax enforces, so a context behaves the same whatever the padding.
+    if (params.n_ctx > 0) {
+        n_ctx_ = std::min<int32_t>(n_ctx_, (int32_t) params.n_ctx);
+        n_ctx_seq_ = std::min<int32_t>(n_ctx_seq_, (int32_t) params.n_ctx);
+    }
     n_batch_ = (int32_t) llama_n_batch(ctx_);
     n_seq_max_ = (int32_t) llama_n_seq_max(ctx_);
     out_capacity_ = n_seq_max_;  // llama.cpp reserves this many outputs at creation

@@ -1,0 +1,199 @@
+"""Write GGUF files llamax consumes: LoRA adapters, control vectors, tiny models.
+
+Seeded and deterministic, so tests and benchmarks can make their own data
+for any base model instead of downloading it.  Needs the ``gguf`` package
+(``pip install gguf``; it is in the ``test`` extra).
+
+Shapes follow llama.cpp: a weight ``W`` with ggml shape ``[n_in, n_out]``
+(numpy ``(n_out, n_in)``) gets ``lora_a`` of ggml shape ``[n_in, r]`` and
+``lora_b`` of ``[r, n_out]``; llama.cpp adds
+``scale * alpha / r * (B @ A) @ x``.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import numpy as np
+
+__all__ = ["make_lora", "make_control_vector", "make_tiny_llama", "merge_lora", "model_shapes"]
+
+DEFAULT_TARGETS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+
+
+def _gguf():
+    try:
+        import gguf
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise ImportError("llamax.gguf_tools needs the 'gguf' package: pip install gguf") from e
+    return gguf
+
+
+def _field(reader, key):
+    f = reader.fields.get(key)
+    return None if f is None else f.contents()
+
+
+def model_shapes(model_path: str | os.PathLike) -> tuple[str, dict[str, tuple[int, ...]]]:
+    """(architecture, {tensor name: ggml shape}) of a GGUF model, without loading its data."""
+    gguf = _gguf()
+    r = gguf.GGUFReader(os.fspath(model_path))
+    arch = _field(r, "general.architecture")
+    return arch, {t.name: tuple(int(x) for x in t.shape) for t in r.tensors}
+
+
+def make_lora(model_path, out_path, *, rank: int = 8, alpha: float | None = None, seed: int = 0,
+              targets: Iterable[str] = DEFAULT_TARGETS, layers: Sequence[int] | None = None,
+              std: float = 0.02, arch: str | None = None, drop_b: bool = False,
+              general_type: str = "adapter", shape_offset: int = 0) -> Path:
+    """Write a seeded random LoRA adapter for the model at ``model_path``.
+
+    ``targets`` names the per-block weights (``attn_q``, ``ffn_up``, ...);
+    ``layers`` limits the blocks (default: all).  ``alpha`` defaults to
+    ``rank`` (llama.cpp's scale factor alpha/rank = 1).  The last three
+    options make deliberately broken adapters for error tests: ``arch``
+    overrides the architecture, ``drop_b`` leaves out the ``lora_b`` halves,
+    ``shape_offset`` makes ``lora_a`` the wrong width.
+    """
+    gguf = _gguf()
+    model_arch, shapes = model_shapes(model_path)
+    rng = np.random.default_rng(seed)
+    out_path = Path(out_path)
+    w = gguf.GGUFWriter(os.fspath(out_path), arch or model_arch)
+    w.add_string("general.type", general_type)
+    w.add_string("adapter.type", "lora")
+    w.add_float32("adapter.lora.alpha", float(rank if alpha is None else alpha))
+    targets = tuple(targets)
+    n_written = 0
+    for name in sorted(shapes, key=_tensor_order):
+        parts = name.split(".")
+        if len(parts) != 4 or parts[0] != "blk" or parts[3] != "weight" or parts[2] not in targets:
+            continue
+        if layers is not None and int(parts[1]) not in layers:
+            continue
+        n_in, n_out = shapes[name][0], shapes[name][1]
+        a = (rng.standard_normal((rank, n_in + shape_offset)) * std).astype(np.float32)
+        b = (rng.standard_normal((n_out, rank)) * std).astype(np.float32)
+        w.add_tensor(name + ".lora_a", a)
+        if not drop_b:
+            w.add_tensor(name + ".lora_b", b)
+        n_written += 1
+    if n_written == 0:
+        raise ValueError(f"no tensor of {model_path} matches targets {targets}")
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out_path
+
+
+def _tensor_order(name: str):
+    parts = name.split(".")
+    if parts[0] == "blk" and len(parts) > 1 and parts[1].isdigit():
+        return (1, int(parts[1]), name)
+    return (0, 0, name)
+
+
+def lora_deltas(lora_path, scale: float = 1.0) -> dict[str, np.ndarray]:
+    """{base tensor name: scale * alpha/r * B @ A} in numpy (n_out, n_in) layout."""
+    gguf = _gguf()
+    r = gguf.GGUFReader(os.fspath(lora_path))
+    alpha = float(_field(r, "adapter.lora.alpha") or 0.0)
+    halves: dict[str, dict[str, np.ndarray]] = {}
+    for t in r.tensors:
+        base, _, half = t.name.rpartition(".")
+        halves.setdefault(base, {})[half] = np.array(t.data, dtype=np.float32)
+    out = {}
+    for base, h in halves.items():
+        a, b = h["lora_a"], h["lora_b"]
+        rank = a.shape[0]
+        s = scale * (alpha / rank if alpha else 1.0)
+        out[base] = (s * (b.astype(np.float64) @ a.astype(np.float64))).astype(np.float32)
+    return out
+
+
+def make_control_vector(out_path, n_embd: int, layers: Iterable[int], *, seed: int = 0,
+                        std: float = 0.1, model_hint: str = "llama", zeros: bool = False) -> Path:
+    """Write a llama.cpp control-vector GGUF: one ``direction.N`` F32 tensor per layer N."""
+    gguf = _gguf()
+    rng = np.random.default_rng(seed)
+    layers = sorted(set(int(i) for i in layers))
+    w = gguf.GGUFWriter(os.fspath(out_path), "controlvector")
+    w.add_string("controlvector.model_hint", model_hint)
+    w.add_int32("controlvector.layer_count", len(layers))
+    for il in layers:
+        v = np.zeros(n_embd, np.float32) if zeros else (rng.standard_normal(n_embd) * std).astype(np.float32)
+        w.add_tensor(f"direction.{il}", v)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return Path(out_path)
+
+
+def make_tiny_llama(out_path, tokenizer_from, *, n_embd: int = 64, n_layer: int = 2, n_head: int = 4,
+                    n_head_kv: int = 2, n_ff: int = 128, n_ctx: int = 512, seed: int = 0,
+                    deltas: dict[str, np.ndarray] | None = None) -> Path:
+    """A small random F32 llama model with the tokenizer of another GGUF.
+
+    ``deltas`` ({tensor name: numpy (n_out, n_in) array}) are added to the
+    weights: with :func:`lora_deltas` this writes a LoRA merged into the
+    model, which run-time LoRA must reproduce.
+    """
+    gguf = _gguf()
+    src = gguf.GGUFReader(os.fspath(tokenizer_from))
+    n_vocab = len(src.fields["tokenizer.ggml.tokens"].data)
+    rng = np.random.default_rng(seed)
+    w = gguf.GGUFWriter(os.fspath(out_path), "llama")
+    w.add_string("general.name", "llamax tiny test llama")
+    w.add_uint32("general.file_type", 0)
+    w.add_context_length(n_ctx)
+    w.add_embedding_length(n_embd)
+    w.add_block_count(n_layer)
+    w.add_feed_forward_length(n_ff)
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_head_kv)
+    w.add_rope_dimension_count(n_embd // n_head)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_vocab_size(n_vocab)
+    for key, field in src.fields.items():
+        if not key.startswith("tokenizer."):
+            continue
+        vtype = field.types[0]
+        sub = field.types[1] if len(field.types) > 1 else None
+        w.add_key_value(key, field.contents(), vtype, sub_type=sub)
+    deltas = deltas or {}
+    head_dim = n_embd // n_head
+
+    def mat(name, n_out, n_in):
+        m = (rng.standard_normal((n_out, n_in)) / np.sqrt(n_in)).astype(np.float32)
+        if name in deltas:
+            m = m + deltas[name]
+        w.add_tensor(name, m)
+
+    mat("token_embd.weight", n_vocab, n_embd)
+    w.add_tensor("output_norm.weight", np.ones(n_embd, np.float32))
+    mat("output.weight", n_vocab, n_embd)
+    for i in range(n_layer):
+        p = f"blk.{i}."
+        w.add_tensor(p + "attn_norm.weight", np.ones(n_embd, np.float32))
+        mat(p + "attn_q.weight", n_embd, n_embd)
+        mat(p + "attn_k.weight", n_head_kv * head_dim, n_embd)
+        mat(p + "attn_v.weight", n_head_kv * head_dim, n_embd)
+        mat(p + "attn_output.weight", n_embd, n_embd)
+        w.add_tensor(p + "ffn_norm.weight", np.ones(n_embd, np.float32))
+        mat(p + "ffn_gate.weight", n_ff, n_embd)
+        mat(p + "ffn_up.weight", n_ff, n_embd)
+        mat(p + "ffn_down.weight", n_embd, n_ff)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return Path(out_path)
+
+
+def merge_lora(out_path, tokenizer_from, lora_path, *, scale: float = 1.0, **tiny_kwargs) -> Path:
+    """:func:`make_tiny_llama` with the adapter at ``lora_path`` merged in (same seed = same base)."""
+    return make_tiny_llama(out_path, tokenizer_from, deltas=lora_deltas(lora_path, scale), **tiny_kwargs)

@@ -1,0 +1,215 @@
+"""Generation: deterministic, equal to a Python decode+sample loop, stop rules."""
+import numpy as np
+import pytest
+
+import llamax
+from conftest import greedy
+
+PROMPT = "The three primary colors are"
+
+
+def test_greedy_is_deterministic(model, ctx):
+    toks = model.tokenize(PROMPT)
+    a, fa = ctx.generate(toks, greedy(model), max_tokens=32)
+    ctx.kv_clear()
+    b, fb = ctx.generate(toks, greedy(model), max_tokens=32)
+    assert a.dtype == np.int32 and len(a) == 32 and fa == "length"
+    assert a.tolist() == b.tolist()
+    # and on a fresh context
+    with llamax.Context(model, n_ctx=256, n_threads=1) as c2:
+        c, _ = c2.generate(toks, greedy(model), max_tokens=32)
+    assert c.tolist() == a.tolist()
+
+
+def test_generate_equals_python_loop(model, ctx):
+    toks = model.tokenize(PROMPT)
+    fast, _ = ctx.generate(toks, greedy(model), max_tokens=24, ignore_eos=True)
+    ctx.kv_clear()
+    s = greedy(model)
+    ctx.decode(toks)
+    out = []
+    for _ in range(24):
+        t = s.sample(ctx)
+        out.append(t)
+        ctx.decode([t])
+    assert out == fast.tolist()
+    # and the same by argmax over the logits view
+    ctx.kv_clear()
+    ctx.decode(toks)
+    out2 = []
+    for _ in range(24):
+        t = int(np.argmax(ctx.get_logits()[-1]))
+        out2.append(t)
+        ctx.decode([t])
+    assert out2 == fast.tolist()
+
+
+def test_seeded_sampling_reproducible(model, ctx):
+    toks = model.tokenize(PROMPT)
+    runs = []
+    for _ in range(2):
+        ctx.kv_clear()
+        s = llamax.Sampler(model, temperature=0.9, top_k=40, top_p=0.95, min_p=0.05, seed=1234,
+                           repeat_penalty=1.1)
+        runs.append(ctx.generate(toks, s, max_tokens=20, ignore_eos=True)[0].tolist())
+    assert runs[0] == runs[1]
+    ctx.kv_clear()
+    other = ctx.generate(toks, llamax.Sampler(model, temperature=0.9, seed=99), max_tokens=20,
+                         ignore_eos=True)[0].tolist()
+    assert other != runs[0]
+
+
+def test_stop_sequences_and_eog(model, ctx):
+    toks = model.tokenize(PROMPT)
+    full, _ = ctx.generate(toks, greedy(model), max_tokens=16, ignore_eos=True)
+    ctx.kv_clear()
+    stop = full[3:5].tolist()
+    out, fin = ctx.generate(toks, greedy(model), max_tokens=16, stop_sequences=[stop])
+    assert fin == "stop_sequence"
+    assert out.tolist() == full[:5].tolist()
+    # chat prompt: the model ends its turn with <|im_end|> (an EOG token, not returned)
+    ctx.kv_clear()
+    chat = model.tokenize("<|im_start|>user\nSay hi.<|im_end|>\n<|im_start|>assistant\n", parse_special=True)
+    out, fin = ctx.generate(chat, greedy(model), max_tokens=200)
+    assert fin == "stop"
+    assert not any(model.is_eog(int(t)) for t in out)
+
+
+def test_callback_streams_and_stops(model, ctx):
+    toks = model.tokenize(PROMPT)
+    seen = []
+    out, fin = ctx.generate(toks, greedy(model), max_tokens=30,
+                            callback=lambda t: seen.append(t) or len(seen) == 5)
+    assert fin == "callback" and seen == out.tolist() and len(seen) == 5
+
+
+def test_callback_exception_propagates(model, ctx):
+    class Boom(Exception):
+        pass
+
+    def cb(t):
+        raise Boom("from callback")
+
+    with pytest.raises(Boom):
+        ctx.generate(model.tokenize(PROMPT), greedy(model), max_tokens=5, callback=cb)
+    # the context is still usable
+    ctx.kv_clear()
+    out, _ = ctx.generate(model.tokenize(PROMPT), greedy(model), max_tokens=3)
+    assert len(out) == 3
+
+
+def test_long_prompt_in_batches(model):
+    with llamax.Context(model, n_ctx=1024, n_batch=64, n_ubatch=64, n_threads=2) as c:
+        toks = model.tokenize("word " * 300)
+        assert len(toks) > 64
+        out, _ = c.generate(toks, greedy(model), max_tokens=4, ignore_eos=True)
+        assert c.seq_pos_max(0) == len(toks) + len(out) - 2
+    with llamax.Context(model, n_ctx=1024, n_batch=512, n_threads=2) as c:
+        ref, _ = c.generate(toks, greedy(model), max_tokens=4, ignore_eos=True)
+    assert out.tolist() == ref.tolist()
+
+
+def test_prompt_longer_than_context(model):
+    with llamax.Context(model, n_ctx=64, n_threads=2) as c:
+        with pytest.raises(llamax.ContextOverflowError, match="n_ctx"):
+            c.generate(model.tokenize("word " * 100), greedy(model), max_tokens=4)
+        # still usable
+        out, _ = c.generate(model.tokenize("hi"), greedy(model), max_tokens=2, ignore_eos=True)
+        assert len(out) == 2
+
+
+def test_running_out_of_context_ends_with_length(model):
+    with llamax.Context(model, n_ctx=64, n_threads=2) as c:
+        toks = model.tokenize("Count: one two three")
+        out, fin = c.generate(toks, greedy(model), max_tokens=1000, ignore_eos=True)
+        assert fin == "length"
+        assert len(toks) + len(out) == 65  # the last sampled token is never decoded
+        assert c.seq_pos_max(0) == 63
+
+
+def test_empty_prompt_and_bad_tokens(model, ctx):
+    with pytest.raises(llamax.InvalidArgumentError, match="empty prompt"):
+        ctx.generate([], greedy(model))
+    for bad in (-1, model.n_vocab, 2**31 - 1):
+        with pytest.raises(llamax.TokenError):
+            ctx.generate([1, bad], greedy(model))
+        with pytest.raises(llamax.TokenError):
+            ctx.decode([bad])
+    with pytest.raises(llamax.InvalidArgumentError, match="empty batch"):
+        ctx.decode([])
+
+
+def test_decode_validation(model):
+    with llamax.Context(model, n_ctx=64, n_batch=16, n_seq_max=2, n_threads=2) as c:
+        with pytest.raises(llamax.InvalidArgumentError, match="n_batch"):
+            c.decode(list(range(1, 20)))
+        with pytest.raises(llamax.InvalidArgumentError, match="sequence id"):
+            c.decode([1, 2], seq_ids=[0, 2])
+        with pytest.raises(llamax.ContextOverflowError):
+            c.decode([1], pos=[64])
+        with pytest.raises(llamax.ContextOverflowError):
+            c.decode([1], pos=[-5])
+        with pytest.raises(llamax.InvalidArgumentError):
+            c.decode([1, 2], pos=[0])
+
+
+def test_multi_sequence_decode_matches_single(model):
+    a = model.tokenize("First sequence here")
+    b = model.tokenize("Another one")
+    with llamax.Context(model, n_ctx=256, n_seq_max=2, n_threads=2) as c:
+        toks = np.concatenate([a, b])
+        seqs = [0] * len(a) + [1] * len(b)
+        pos = list(range(len(a))) + list(range(len(b)))
+        n = c.decode(toks, pos=pos, seq_ids=seqs, logits="last")
+        assert n == 2
+        both = np.array(c.get_logits())
+    ref = []
+    for t in (a, b):
+        with llamax.Context(model, n_ctx=256, n_threads=2) as c:
+            c.decode(t)
+            ref.append(np.array(c.get_logits()[0]))
+    np.testing.assert_allclose(both[0], ref[0], atol=1e-3)
+    np.testing.assert_allclose(both[1], ref[1], atol=1e-3)
+
+
+def test_kv_operations(model):
+    with llamax.Context(model, n_ctx=256, n_seq_max=2, n_threads=2) as c:
+        toks = model.tokenize("Shared prefix and more")
+        c.decode(toks)
+        assert c.seq_pos_max(0) == len(toks) - 1
+        c.kv_copy(0, 1)
+        assert c.seq_pos_max(1) == len(toks) - 1
+        assert c.kv_remove(1, 3, -1)
+        assert c.seq_pos_max(1) == 2
+        c.kv_keep(1)
+        assert c.seq_pos_max(0) == -1
+        c.kv_clear()
+        assert c.seq_pos_max(1) == -1
+        with pytest.raises(llamax.InvalidArgumentError):
+            c.kv_copy(0, 5)
+
+
+def test_grammar(model, ctx):
+    g = 'root ::= "yes" | "no"'
+    out, fin = ctx.generate(model.tokenize("Is the sky blue? Answer:"), greedy(model, grammar=g),
+                            max_tokens=10)
+    assert model.detokenize_text(out) in ("yes", "no")
+    with pytest.raises(llamax.GrammarError):
+        llamax.Sampler(model, grammar="root ::= (")
+
+
+def test_logit_bias_bans_token(model, ctx):
+    toks = model.tokenize(PROMPT)
+    first, _ = ctx.generate(toks, greedy(model), max_tokens=1)
+    ctx.kv_clear()
+    other, _ = ctx.generate(toks, greedy(model, logit_bias={int(first[0]): float("-inf")}), max_tokens=1)
+    assert other[0] != first[0]
+
+
+@pytest.mark.parametrize("kw", [dict(temperature="hot"), dict(top_p=2.0), dict(top_k=-1),
+                                dict(seed=-1), dict(temperature=float("nan")),
+                                dict(logit_bias={10**9: 1.0}), dict(grammar=5),
+                                dict(repeat_penalty=0.0)])
+def test_sampler_bad_args(model, kw):
+    with pytest.raises((TypeError, ValueError)):
+        llamax.Sampler(model, **kw)
