@@ -43,6 +43,7 @@ cdef class Context:
     cdef int _busy            # Python-level users between GIL releases (see _enter)
     cdef int _n_views         # exported output views (logits / token embeddings)
     cdef int _n_seq_views     # exported pooled-embedding views
+    cdef bint _close_pending  # close() ran while views were alive: free when the last goes
     cdef tuple _adapters      # LoraAdapter objects applied here: kept alive on purpose
     cdef ControlVector _cvec
     cdef readonly bint embeddings
@@ -50,3 +51,4 @@ cdef class Context:
     cdef CContext * _get(self) except NULL
     cdef CContext * _enter(self) except NULL
     cdef void _leave(self) noexcept
+    cdef void _free(self) noexcept

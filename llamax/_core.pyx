@@ -240,10 +240,16 @@ cdef class _View:
             (<Context> self.owner)._n_seq_views += 1
 
     def __releasebuffer__(self, Py_buffer * buf):
+        cdef Context c
+        if self.kind == 0:
+            return
+        c = <Context> self.owner
         if self.kind == 1:
-            (<Context> self.owner)._n_views -= 1
-        elif self.kind == 2:
-            (<Context> self.owner)._n_seq_views -= 1
+            c._n_views -= 1
+        else:
+            c._n_seq_views -= 1
+        if c._close_pending and c._n_views == 0 and c._n_seq_views == 0:
+            c._free()  # close() was deferred until the last view went
 
 
 cdef object _make_view(object owner, float * ptr, Py_ssize_t rows, Py_ssize_t cols, int ndim, int kind):
@@ -339,6 +345,9 @@ cdef class Model:
         for c in children:
             if isinstance(c, Context) and (<Context> c)._busy:
                 raise ContextBusyError("a context of this model is in use by another thread")
+            if isinstance(c, Context) and ((<Context> c)._n_views or (<Context> c)._n_seq_views):
+                raise ViewsExportedError("numpy views of a context of this model are alive; "
+                                         "delete them (or copy what you need) before closing the model")
         for c in children:
             if isinstance(c, Context):
                 c.close()
@@ -972,7 +981,7 @@ cdef class Context:
         # Count Python-level users before the GIL is released, so that close()
         # (which runs with the GIL) never frees the context under them; then
         # take the per-context lock without the GIL.
-        if self._c == NULL:
+        if self._c == NULL or self._close_pending:
             raise ClosedError("the context is closed")
         self._busy += 1
         cdef CContext * c = self._c
@@ -985,27 +994,32 @@ cdef class Context:
         self._busy -= 1
 
     def close(self):
-        """Free the context now.  Idempotent.
+        """Close the context.  Idempotent.
 
-        ContextBusyError while another thread uses it; ViewsExportedError
-        while numpy views of its outputs are alive.
+        ContextBusyError while another thread uses it.  If numpy views of its
+        outputs are alive, the context is closed for use at once and its
+        native memory is freed when the last view goes.
         """
-        if self._c == NULL:
+        if self._c == NULL or self._close_pending:
             return
         if self._busy:
             raise ContextBusyError("the context is in use by another thread; close it when that call returns")
         if self._n_views or self._n_seq_views:
-            raise ViewsExportedError(
-                f"{self._n_views + self._n_seq_views} numpy view(s) of this context's outputs are alive; "
-                "delete them (or copy what you need) before close()")
-        del self._c
-        self._c = NULL
+            self._close_pending = True
+            return
+        self._free()
+
+    cdef void _free(self) noexcept:
+        if self._c != NULL:
+            del self._c  # detaches its adapters, then llama_free
+            self._c = NULL
+        self._close_pending = False
         self._adapters = ()
         self._cvec = None
 
     @property
     def closed(self):
-        return self._c == NULL
+        return self._c == NULL or self._close_pending
 
     def __enter__(self):
         return self
@@ -1014,7 +1028,7 @@ cdef class Context:
         self.close()
 
     cdef CContext * _get(self) except NULL:
-        if self._c == NULL:
+        if self._c == NULL or self._close_pending:
             raise ClosedError("the context is closed")
         return self._c
 
