@@ -516,13 +516,16 @@ def table(res: dict) -> str:
     m, tp, st, g = res["machine"], res["throughput"], res["state_costs"], res["gil"]
     n = tp["tg"]["ratio"]["n"]
     lines = [
-        f"# llamax engine benchmark ({res['date']})",
+        f"# llamax engine benchmark ({res['date']}{', --quick smoke run' if res['quick'] else ''})",
         "",
         f"{res['model_name']}, {res['threads']} threads, {m['cpu_model']} ({m['cpus_usable']} usable CPUs), "
         f"Python {m['python']}, numpy {m['numpy']}, llama.cpp {m['llama_cpp_pin']['upstream_commit']} "
         f"(llama-cpp-python {m['llama_cpp_pin']['llama_cpp_python_sdist']} sdist), "
         f"load average {_la(res['loadavg_start'])} → {_la(res['loadavg_end'])}.",
-        f"Medians of {n} interleaved pairs after a warm-up pair, (min–max); ratios are medians of per-pair ratios.",
+        f"Medians of {n} interleaved pairs after a warm-up pair, (min–max); ratios are medians of per-pair ratios."
+        + (" Load average above half the CPUs: other work was running, numbers are noisy."
+           if res["loadavg_start"] and max(res["loadavg_start"][0], (res["loadavg_end"] or [0])[0])
+           > 0.5 * (m["cpus_usable"] or 1) else ""),
         "",
         "| throughput | llamax | llama-bench | llamax / llama-bench |",
         "|---|---|---|---|",
@@ -575,6 +578,8 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--runs", type=int, default=5, help="measured pairs (after one warm-up pair)")
     ap.add_argument("--quick", action="store_true", help="smoke check: 2 pairs, short micro-benchmarks")
+    ap.add_argument("--gil-threads", type=int,
+                    help="n_threads of the generate in the GIL check (default: leave one core free)")
     ap.add_argument("--llama-bench", help="llama-bench binary (default: the cached pinned build)")
     ap.add_argument("--out", default=str(RESULTS), help="results folder")
     args = ap.parse_args(argv)
@@ -596,23 +601,30 @@ def main(argv=None):
     res["model_info"] = {"n_vocab": model.n_vocab, "n_embd": model.n_embd, "n_layer": model.n_layer,
                          "description": model.description}
     runner = LlamaxRunner(model, args.threads)
-    print(f"throughput: {runs} pairs + warm-up, llama-bench {exe}", file=sys.stderr, flush=True)
+    t_start = time.monotonic()
+
+    def phase(name):
+        print(f"[{time.monotonic() - t_start:6.1f}s] {name}", file=sys.stderr, flush=True)
+
+    phase(f"throughput: {runs} pairs + warm-up, llama-bench {exe}")
     res["throughput"] = throughput(exe, model_path, runner, args.threads, runs)
     runner.close()
 
-    print("state-change and view costs", file=sys.stderr, flush=True)
+    phase("state-change and view costs")
     res["state_costs"] = state_costs(model, model_path, args.threads, args.quick)
 
-    print("GIL check", file=sys.stderr, flush=True)
+    phase("GIL check")
     gil_reps = 2 if args.quick else 5
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    # First with a core left free for the counter (isolates the GIL), then,
-    # if that differs, with the benchmark's own thread count.
-    gil_threads = [max(1, min(args.threads, cores - 1))]
-    if args.threads not in gil_threads:
-        gil_threads.append(args.threads)
-    res["gil"] = [gil_check(model, t, gil_reps) for t in gil_threads]
+    # llama.cpp's workers spin at barriers; with them on every core, a third
+    # busy thread gets them preempted mid-graph and generate slows down by
+    # orders of magnitude, which measures the scheduler, not the GIL.  So a
+    # core is left free for the counter (1 thread on a 2-core machine).
+    gil_threads = args.gil_threads or max(1, min(args.threads, cores - 1))
+    res["gil"] = [gil_check(model, gil_threads, gil_reps)]
     res["loadavg_end"] = loadavg()
+    res["elapsed_s"] = time.monotonic() - t_start
+    phase("done")
     model.close()
 
     md = table(res)

@@ -1,0 +1,44 @@
+"""Smoke test for an installed llamax (wheel checks, cibuildwheel).
+
+Run from anywhere: it needs only the installed package, and fetches the
+SmolLM2 test model into the cache if it is not there.  With --vocab PATH it
+only tokenizes (for builders without network access to the model).
+"""
+import os
+import sys
+import tempfile
+
+import numpy as np
+
+import llamax
+
+
+def _model_path():
+    if len(sys.argv) > 1:
+        return sys.argv[1]
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path.insert(0, here)
+    import data  # the repo's test data helper
+    return str(data.smollm2())
+
+
+def main():
+    # an installed package, not a checkout's source folder
+    assert "site-packages" in llamax.__file__ or "dist-packages" in llamax.__file__, llamax.__file__
+    path = _model_path()
+    m = llamax.Model(path)
+    c = llamax.Context(m, n_ctx=256, n_threads=2)
+    toks = m.tokenize("The capital of France is")
+    out, finish = c.generate(toks, llamax.Sampler(m), max_tokens=8, ignore_eos=True)
+    text = m.detokenize_text(out, errors="replace")
+    c.kv_clear()
+    c.decode(toks)
+    logits = c.get_logits()
+    assert logits.shape == (1, m.n_vocab) and not logits.flags.writeable
+    print(f"llamax {llamax.__version__} from {os.path.dirname(llamax.__file__)}")
+    print(f"generated {len(out)} tokens ({finish}): {text!r}")
+    print("smoke OK")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Build a wheel, install it into a fresh venv and run the smoke test from
+# outside the source tree (so nothing can be imported from the checkout).
+set -euo pipefail
+repo="$(cd "$(dirname "$0")/.." && pwd)"
+work="$(mktemp -d)"
+trap 'rm -rf "$work"' EXIT
+python3 -m pip wheel "$repo" --no-deps -w "$work/dist"
+python3 -m venv "$work/venv"
+"$work/venv/bin/pip" install -q "$work"/dist/llamax-*.whl
+cp "$repo/tests/smoke.py" "$work/"
+model="$(python3 "$repo/tests/data.py" | head -1)"   # cached SmolLM2 path
+# a fresh venv has no path into the checkout: llamax can only come from the wheel
+cd "$work" && "$work/venv/bin/python" -I "$work/smoke.py" "$model"
+echo "wheel OK: $(ls "$work"/dist)"
