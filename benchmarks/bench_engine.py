@@ -329,37 +329,9 @@ def deferred_reserve(ctx: llamax.Context, change, same, token: np.ndarray, n: in
 
 def make_loras(model_path: Path, out_dir: Path, rank: int = 8) -> tuple[list[Path], str]:
     """Two seeded random LoRA adapters for the model (same shapes, different weights)."""
-    try:
-        from llamax import gguf_tools
-        paths = [gguf_tools.make_lora(model_path, out_dir / f"lora{s}.gguf", rank=rank, seed=s)
-                 for s in (0, 1)]
-        return paths, "llamax.gguf_tools.make_lora (default targets)"
-    except ImportError:
-        return [_fallback_lora(model_path, out_dir / f"lora{s}.gguf", rank, s) for s in (0, 1)], \
-            "local fallback (attn_q only)"
-
-
-def _fallback_lora(model_path: Path, out: Path, rank: int, seed: int) -> Path:
-    # Used only while llamax.gguf_tools is unavailable: attn_q of every block,
-    # shapes read from the model so n_embd_out is right for any llama.
-    import gguf
-    r = gguf.GGUFReader(os.fspath(model_path))
-    arch = r.fields["general.architecture"].contents()
-    rng = np.random.default_rng(seed)
-    w = gguf.GGUFWriter(os.fspath(out), arch)  # writes general.architecture
-    w.add_string("general.type", "adapter")
-    w.add_string("adapter.type", "lora")
-    w.add_float32("adapter.lora.alpha", float(rank))
-    for t in r.tensors:
-        if t.name.startswith("blk.") and t.name.endswith(".attn_q.weight"):
-            n_in, n_out = int(t.shape[0]), int(t.shape[1])  # ggml order
-            w.add_tensor(t.name + ".lora_a", (rng.standard_normal((rank, n_in)) * 0.01).astype(np.float32))
-            w.add_tensor(t.name + ".lora_b", (rng.standard_normal((n_out, rank)) * 0.01).astype(np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return out
+    from llamax import gguf_tools
+    paths = [gguf_tools.make_lora(model_path, out_dir / f"lora{s}.gguf", rank=rank, seed=s) for s in (0, 1)]
+    return paths, "llamax.gguf_tools.make_lora (default targets)"
 
 
 def state_costs(model: llamax.Model, model_path: Path, threads: int, quick: bool) -> dict:

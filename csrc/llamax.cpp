@@ -383,6 +383,7 @@ Context::Context(llama_model * model, llama_context_params params) {
     n_seq_max_ = (int32_t) llama_n_seq_max(ctx_);
     out_capacity_ = n_seq_max_;  // llama.cpp reserves this many outputs at creation
     has_memory_ = llama_get_memory(ctx_) != nullptr;
+    set_threads(params.n_threads, params.n_threads_batch);
 }
 
 Context::~Context() {
@@ -390,6 +391,44 @@ Context::~Context() {
     if (ctx_ != nullptr) {
         llama_free(ctx_);
     }
+    free_threadpools();
+}
+
+void Context::free_threadpools() {
+    if (tp_batch_ != nullptr && tp_batch_ != tp_) {
+        ggml_threadpool_free(tp_batch_);
+    }
+    if (tp_ != nullptr) {
+        ggml_threadpool_free(tp_);
+    }
+    tp_ = tp_batch_ = nullptr;
+}
+
+void Context::set_threads(int32_t n_threads, int32_t n_threads_batch) {
+    if (n_threads < 1 || n_threads_batch < 1 || n_threads > GGML_MAX_N_THREADS ||
+        n_threads_batch > GGML_MAX_N_THREADS) {
+        throw Error(ErrorKind::InvalidArgument, "thread counts must be in [1, " +
+                                                    std::to_string(GGML_MAX_N_THREADS) + "]");
+    }
+    llama_detach_threadpool(ctx_);
+    free_threadpools();
+    ggml_threadpool_params p = ggml_threadpool_params_default(n_threads);
+    p.poll = 50;  // llama.cpp's tools' default: spin briefly between graphs
+    tp_ = ggml_threadpool_new(&p);
+    if (n_threads_batch != n_threads) {
+        ggml_threadpool_params pb = ggml_threadpool_params_default(n_threads_batch);
+        pb.poll = 50;
+        tp_batch_ = ggml_threadpool_new(&pb);
+    } else {
+        tp_batch_ = tp_;
+    }
+    if (tp_ == nullptr || tp_batch_ == nullptr) {
+        free_threadpools();
+        llama_set_n_threads(ctx_, n_threads, n_threads_batch);  // ggml's per-graph pools
+        return;
+    }
+    llama_attach_threadpool(ctx_, tp_, tp_batch_ == tp_ ? nullptr : tp_batch_);
+    llama_set_n_threads(ctx_, n_threads, n_threads_batch);
 }
 
 void Context::detach_all() {
@@ -629,7 +668,27 @@ GenResult Context::generate(llama_sampler * smpl, const llama_token * prompt, in
     llama_token tok;
     int8_t one = 1;
     for (;;) {
-        tok = llama_sampler_sample(smpl, ctx_, -1);
+        if (gp.plain_greedy) {
+            // A chain that is only llama.cpp's greedy sampler picks the first
+            // maximum logit; doing that directly skips building the
+            // n_vocab-sized candidate array every token.
+            const float * lg = llama_get_logits_ith(ctx_, -1);
+            if (lg == nullptr) {
+                throw Error(ErrorKind::Decode, with_reason("no logits after decode"));
+            }
+            int32_t best = 0;
+            float bv = lg[0];
+            for (int32_t i = 1; i < n_vocab_; ++i) {
+                if (lg[i] > bv) {
+                    bv = lg[i];
+                    best = i;
+                }
+            }
+            tok = best;
+            llama_sampler_accept(smpl, tok);
+        } else {
+            tok = llama_sampler_sample(smpl, ctx_, -1);
+        }
         if (!gp.ignore_eos && llama_vocab_is_eog(vocab_, tok)) {
             res.finish = Finish::Eog;
             return res;

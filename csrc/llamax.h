@@ -6,6 +6,7 @@
 #pragma once
 
 #include "llama.h"
+#include "ggml-cpu.h"
 
 #include <atomic>
 #include <cstdint>
@@ -101,6 +102,7 @@ struct GenParams {
     int32_t max_tokens = 16;    // < 0: until the context is full
     int32_t seq_id = 0;
     bool ignore_eos = false;
+    bool plain_greedy = false;  // the sampler chain is exactly one greedy sampler
     std::vector<std::vector<llama_token>> stop_sequences;
 };
 
@@ -151,6 +153,10 @@ public:
 
     void cancel() { abort_.store(true, std::memory_order_relaxed); }
 
+    // Persistent CPU thread pools (as llama-bench and llama-cli use): without
+    // them ggml builds a throwaway pool for every graph, every token.
+    void set_threads(int32_t n_threads, int32_t n_threads_batch);
+
     // Introspection (tests, views)
     int32_t last_n_outputs() const { return last_n_outputs_; }
     int64_t output_capacity() const { return out_capacity_; }
@@ -199,6 +205,9 @@ private:
     std::vector<llama_seq_id> seq_buf_;
     std::vector<llama_seq_id *> seqp_buf_;
     std::vector<int8_t> out_buf_;
+    ggml_threadpool_t tp_ = nullptr;
+    ggml_threadpool_t tp_batch_ = nullptr;
+    void free_threadpools();
 };
 
 // Model-level validation helpers used before llama.cpp sees the input.

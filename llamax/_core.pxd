@@ -35,6 +35,7 @@ cdef class Sampler:
     cdef readonly Model model
     cdef readonly dict params
     cdef bint _in_use
+    cdef bint _plain_greedy   # the chain is one greedy sampler: generate may argmax directly
 
 
 cdef class Context:

@@ -827,6 +827,7 @@ cdef class Sampler:
             llama_sampler_chain_add(chain, g)
         if temperature <= 0:
             llama_sampler_chain_add(chain, llama_sampler_init_greedy())
+            self._plain_greedy = llama_sampler_chain_n(chain) == 1
         else:
             if top_k > 0:
                 llama_sampler_chain_add(chain, llama_sampler_init_top_k(top_k))
@@ -1075,7 +1076,7 @@ cdef class Context:
         _check_int(n_threads_batch, "n_threads_batch", 1, 4096)
         cdef CContext * c = self._enter()
         try:
-            llama_set_n_threads(c.raw(), n_threads, n_threads_batch)
+            c.set_threads(n_threads, n_threads_batch)
         finally:
             self._leave()
 
@@ -1287,6 +1288,7 @@ cdef class Context:
         gp.max_tokens = max_tokens
         gp.seq_id = seq_id
         gp.ignore_eos = bool(ignore_eos)
+        gp.plain_greedy = sampler._plain_greedy
         cdef vector[llama_token] sv
         cdef const int32_t[::1] s
         for seq in stop_sequences:

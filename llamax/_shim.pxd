@@ -50,6 +50,7 @@ cdef extern from "llamax.h" namespace "llamax" nogil:
         int32_t max_tokens
         int32_t seq_id
         cbool ignore_eos
+        cbool plain_greedy
         vector[vector[llama_token]] stop_sequences
 
     cdef enum class CFinish "llamax::Finish":
@@ -80,6 +81,7 @@ cdef extern from "llamax.h" namespace "llamax" nogil:
         void kv_keep(llama_seq_id seq) except +translate_exception
         llama_pos seq_pos_max(llama_seq_id seq) except +translate_exception
         void cancel()
+        void set_threads(int32_t n_threads, int32_t n_threads_batch) except +translate_exception
         int32_t last_n_outputs()
         int64_t output_capacity()
         int64_t n_state_calls()
