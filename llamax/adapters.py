@@ -1,0 +1,212 @@
+"""LoRA adapters by name: loaded once, pinned by running requests, and (with
+``max_loaded``) loaded on demand with the least recently used one unloaded.
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Callable
+
+from llamax._core import LoraAdapter, Model
+from llamax._errors import AdapterInUseError, InvalidArgumentError, UnknownAdapterError
+
+__all__ = ["AdapterRegistry"]
+
+
+class _Entry:
+    __slots__ = ("name", "path", "adapter", "pins", "last_used", "registered")
+
+    def __init__(self, name, path, registered):
+        self.name = name
+        self.path = path
+        self.adapter: LoraAdapter | None = None
+        self.pins = 0
+        self.last_used = 0.0
+        self.registered = registered  # True: may be unloaded and loaded again on demand
+
+
+class AdapterRegistry:
+    """Name → adapter for one model.
+
+    ``detach`` is called (with the adapter) before an adapter is freed, so
+    that idle contexts let go of it first.
+    """
+
+    def __init__(self, model: Model, max_loaded: int | None = None,
+                 detach: Callable[[LoraAdapter], None] | None = None):
+        if max_loaded is not None and (isinstance(max_loaded, bool) or not isinstance(max_loaded, int)
+                                       or max_loaded < 1):
+            raise InvalidArgumentError(f"max_loaded_adapters must be a positive int or None, got {max_loaded!r}")
+        self._model = model
+        self._max = max_loaded
+        self._detach = detach or (lambda a: None)
+        self._entries: dict[str, _Entry] = {}
+        self._cond = threading.Condition(threading.RLock())
+
+    # -- management -------------------------------------------------------
+
+    @staticmethod
+    def _check_name(name):
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"an adapter name must be a non-empty str, not {name!r}")
+
+    def load(self, name: str, path) -> LoraAdapter:
+        """Load now (a bad file fails here, not at generation)."""
+        self._check_name(name)
+        path = os.fspath(path)
+        with self._cond:
+            if name in self._entries:
+                raise InvalidArgumentError(f"an adapter named {name!r} is already loaded; unload_lora() it first")
+            e = _Entry(name, path, registered=False)
+            self._make_room(1, keep=())
+            e.adapter = LoraAdapter(self._model, path)
+            e.last_used = time.monotonic()
+            self._entries[name] = e
+            return e.adapter
+
+    def register(self, name: str, path) -> None:
+        """Remember ``path`` under ``name``; load it the first time a request names it."""
+        self._check_name(name)
+        path = os.fspath(path)
+        if not os.path.exists(path):
+            from llamax._errors import LoadError
+            raise LoadError(f"{path}: no such file")
+        with self._cond:
+            if name in self._entries:
+                raise InvalidArgumentError(f"an adapter named {name!r} already exists; unload_lora() it first")
+            self._entries[name] = _Entry(name, path, registered=True)
+
+    def unload(self, name: str) -> None:
+        """Free and forget ``name``.  AdapterInUseError while a running request uses it."""
+        with self._cond:
+            e = self._entries.get(name)
+            if e is None:
+                raise UnknownAdapterError(name)
+            if e.pins:
+                raise AdapterInUseError(f"adapter {name!r} is used by {e.pins} running request(s)")
+            self._free(e)
+            del self._entries[name]
+
+    def list(self) -> list[dict]:
+        with self._cond:
+            return [{"name": e.name, "path": e.path, "loaded": e.adapter is not None,
+                     "on_demand": e.registered, "in_use": e.pins, "last_used": e.last_used}
+                    for e in self._entries.values()]
+
+    @property
+    def n_loaded(self):
+        with self._cond:
+            return sum(1 for e in self._entries.values() if e.adapter is not None)
+
+    def close(self):
+        with self._cond:
+            for e in self._entries.values():
+                self._free(e)
+            self._entries.clear()
+
+    # -- requests ---------------------------------------------------------
+
+    def acquire(self, specs) -> tuple[list, list[str]]:
+        """Resolve ``[{"name", "scale"}, ...]`` to ``[(LoraAdapter, scale)]`` and pin them.
+
+        Every name is checked before anything is loaded; an unknown one raises
+        UnknownAdapterError.  Call :meth:`release` with the returned names.
+        """
+        parsed = _parse_specs(specs)
+        if not parsed:
+            return [], []
+        names = [n for n, _ in parsed]
+        with self._cond:
+            for n in names:
+                if n not in self._entries:
+                    known = ", ".join(sorted(self._entries)) or "none"
+                    raise UnknownAdapterError(f"no adapter named {n!r} is loaded or registered (known: {known})")
+            if self._max is not None and len(names) > self._max:
+                raise InvalidArgumentError(
+                    f"the request names {len(names)} adapters but max_loaded_adapters={self._max}")
+            missing = [self._entries[n] for n in names if self._entries[n].adapter is None]
+            if missing:
+                self._make_room(len(missing), keep=set(names))
+                for e in missing:
+                    e.adapter = LoraAdapter(self._model, e.path)  # GIL released inside
+            now = time.monotonic()
+            out = []
+            for n, s in parsed:
+                e = self._entries[n]
+                e.pins += 1
+                e.last_used = now
+                out.append((e.adapter, s))
+            return out, names
+
+    def release(self, names) -> None:
+        if not names:
+            return
+        with self._cond:
+            for n in names:
+                e = self._entries.get(n)
+                if e is not None and e.pins > 0:
+                    e.pins -= 1
+            self._cond.notify_all()
+
+    # -- internals --------------------------------------------------------
+
+    def _make_room(self, n_new: int, keep) -> None:
+        """Unload least recently used, unpinned, on-demand adapters until
+        ``n_new`` more fit; wait for running requests if all are pinned."""
+        if self._max is None:
+            return
+        while True:
+            loaded = [e for e in self._entries.values() if e.adapter is not None]
+            excess = len(loaded) + n_new - self._max
+            if excess <= 0:
+                return
+            victims = sorted((e for e in loaded if e.pins == 0 and e.name not in keep),
+                             key=lambda e: e.last_used)
+            freed = 0
+            for e in victims:
+                try:
+                    self._free(e)
+                except AdapterInUseError:
+                    continue  # still applied on a busy context: try the next one
+                if not e.registered:
+                    del self._entries[e.name]  # load_lora() adapters can't come back by themselves
+                freed += 1
+                if freed >= excess:
+                    return
+            # every candidate is held by a running request: wait for one to finish
+            self._cond.wait(timeout=1.0)
+
+    def _free(self, e: _Entry) -> None:
+        if e.adapter is None:
+            return
+        self._detach(e.adapter)
+        e.adapter.close()  # AdapterInUseError if a busy context still has it applied
+        e.adapter = None
+
+
+def _parse_specs(specs):
+    if specs is None:
+        return []
+    if isinstance(specs, (str, bytes, dict)) or not hasattr(specs, "__iter__"):
+        raise TypeError("active_loras must be a list of {'name': str, 'scale': float}")
+    out = []
+    seen = set()
+    for i, s in enumerate(specs):
+        if not isinstance(s, dict):
+            raise TypeError(f"active_loras[{i}] must be a dict with 'name' and 'scale'")
+        unknown = set(s) - {"name", "scale"}
+        if unknown:
+            raise TypeError(f"active_loras[{i}] has unknown keys {sorted(unknown)}")
+        name = s.get("name")
+        if not isinstance(name, str):
+            raise TypeError(f"active_loras[{i}]['name'] must be a str")
+        scale = s.get("scale", 1.0)
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or scale != scale \
+                or scale in (float("inf"), float("-inf")):
+            raise InvalidArgumentError(f"active_loras[{i}]['scale'] must be a finite number")
+        if name in seen:
+            raise InvalidArgumentError(f"adapter {name!r} appears twice in active_loras")
+        seen.add(name)
+        out.append((name, float(scale)))
+    return out

@@ -1,0 +1,866 @@
+"""The high-level, multi-tenant API: ``Llama``.
+
+It feels like llama-cpp-python's ``Llama`` (switching is changing the import)
+and adds what one base model serving many tenants needs: LoRA adapters by
+name with a per-request *set* (``active_loras``), control vectors per
+request, assistant prefill, a pool of contexts with adapter affinity, and a
+prompt cache keyed by the adapter set and control vector as well as tokens.
+"""
+from __future__ import annotations
+
+import codecs
+import hashlib
+import itertools
+import logging
+import os
+import queue
+import random
+import threading
+import time
+import uuid
+import weakref
+from typing import Any, Iterator
+
+import numpy as np
+
+from llamax._core import Context, ControlVector, Model, Sampler
+from llamax._errors import ControlVectorError, InvalidArgumentError, LlamaxError, UnknownAdapterError
+from llamax.adapters import AdapterRegistry
+from llamax.chat import ChatTemplate, ChatTemplateError, prepare_prefill
+
+__all__ = ["Llama"]
+
+logger = logging.getLogger("llamax")
+
+_REMOVED = {
+    "lora_path": "per-request adapters replace it: llm.load_lora(name, path), then active_loras=[{'name': name, 'scale': 1.0}]",
+    "lora_scale": "the scale is per request: active_loras=[{'name': ..., 'scale': s}]",
+    "lora_base": "adapters apply to the loaded base model; load them with llm.load_lora(name, path)",
+}
+_DEFAULT_SEED = 0xFFFFFFFF
+
+
+class _Slot:
+    """One context of the pool, with what its KV holds and under which state."""
+
+    __slots__ = ("ctx", "busy", "key", "tokens", "last_used")
+
+    def __init__(self, ctx: Context):
+        self.ctx = ctx
+        self.busy = False
+        self.key = None            # state key the KV was computed under
+        self.tokens = np.empty(0, np.int32)  # tokens held in sequence 0's KV
+        self.last_used = 0.0
+
+
+def _lcp(a: np.ndarray, b: np.ndarray) -> int:
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    neq = np.flatnonzero(a[:n] != b[:n])
+    return int(neq[0]) if len(neq) else n
+
+
+class _Pool:
+    """K contexts over one model.  A request takes the free context whose
+    state and cached prefix match it best (adapter affinity), else the least
+    recently used one; it waits when all are busy."""
+
+    def __init__(self, slots):
+        self.slots = slots
+        self.cond = threading.Condition()
+
+    def acquire(self, key, tokens: np.ndarray) -> _Slot:
+        with self.cond:
+            while True:
+                free = [s for s in self.slots if not s.busy]
+                if free:
+                    def score(s):
+                        same = s.key == key
+                        return (same, _lcp(s.tokens, tokens) if same else 0, -s.last_used)
+                    best = max(free, key=score)
+                    best.busy = True
+                    return best
+                self.cond.wait()
+
+    def release(self, slot: _Slot) -> None:
+        with self.cond:
+            slot.busy = False
+            slot.last_used = time.monotonic()
+            self.cond.notify()
+
+    def detach(self, adapter) -> None:
+        """Make idle contexts drop ``adapter`` (before it is freed)."""
+        with self.cond:
+            for s in self.slots:
+                if not s.busy and s.ctx is not None and not s.ctx.closed \
+                        and any(a is adapter for a, _ in s.ctx.adapters):
+                    s.ctx.set_adapters([])
+                    s.key = None
+                    s.tokens = np.empty(0, np.int32)
+
+    def close(self):
+        with self.cond:
+            for s in self.slots:
+                s.ctx.close()
+
+
+class Llama:
+    """One base model serving many requests, each with its own adapters and control vector.
+
+    Constructor keywords follow llama-cpp-python's ``Llama``; unknown ones
+    raise ``TypeError``.  Added: ``n_contexts`` (a pool of contexts, so
+    tenants with different adapters run side by side) and
+    ``max_loaded_adapters`` (adapters registered with :meth:`register_lora`
+    are loaded on demand, least recently used unloaded).
+    """
+
+    def __init__(self, model_path: str, *, n_gpu_layers: int = 0, use_mmap: bool = True,
+                 vocab_only: bool = False, seed: int = _DEFAULT_SEED, n_ctx: int = 512,
+                 n_batch: int = 512, n_ubatch: int = 512, n_threads: int | None = None,
+                 n_threads_batch: int | None = None, embedding: bool = False, pooling: str | None = None,
+                 flash_attn: bool | None = None, chat_format: str | None = None,
+                 chat_template: str | None = None, verbose: bool = False, n_contexts: int = 1,
+                 max_loaded_adapters: int | None = None, lora_path=None, lora_scale=None, lora_base=None):
+        for name, value in (("lora_path", lora_path), ("lora_scale", lora_scale), ("lora_base", lora_base)):
+            if value is not None:
+                raise TypeError(f"Llama() no longer takes {name}: {_REMOVED[name]}")
+        if isinstance(n_contexts, bool) or not isinstance(n_contexts, int) or not 1 <= n_contexts <= 64:
+            raise InvalidArgumentError(f"n_contexts must be an int in [1, 64], got {n_contexts!r}")
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise TypeError("seed must be an int")
+        if verbose:
+            if not any(isinstance(h, logging.StreamHandler) and not isinstance(h, logging.NullHandler)
+                       for h in logger.handlers):
+                logger.addHandler(logging.StreamHandler())
+            from llamax._core import set_log_level
+            set_log_level(logging.INFO)
+        self.model_path = os.fspath(model_path)
+        self.verbose = verbose
+        self._model = Model(self.model_path, n_gpu_layers=n_gpu_layers, use_mmap=use_mmap, vocab_only=vocab_only)
+        self._ctx_kwargs = dict(n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, n_threads=n_threads,
+                                n_threads_batch=n_threads_batch, flash_attn=flash_attn)
+        self._seed = seed
+        self._rng = random.Random(None if seed == _DEFAULT_SEED else seed)
+        self._rng_lock = threading.Lock()
+        self._closed = False
+        self._pooling = pooling
+        slots = []
+        try:
+            if not vocab_only:
+                for _ in range(n_contexts):
+                    slots.append(_Slot(Context(self._model, **self._ctx_kwargs)))
+        except BaseException:
+            for s in slots:
+                s.ctx.close()
+            self._model.close()
+            raise
+        self._pool = _Pool(slots)
+        self._adapters = AdapterRegistry(self._model, max_loaded_adapters, detach=self._detach_adapter)
+        self._cvecs: dict[str, ControlVector] = {}
+        # Adapter identity for state keys: a serial per adapter object, never
+        # reused (an id() could be, once an adapter is freed).
+        self._serials = weakref.WeakKeyDictionary()
+        self._next_serial = itertools.count(1)
+        self._embed_lock = threading.Lock()
+        self._embed_ctx: Context | None = None
+        self._embed_key = None
+        self.chat_format = chat_format
+        self._template = self._make_template(chat_format, chat_template)
+        if embedding and not vocab_only:
+            self._embedding_context()
+
+    # -- lifetime ---------------------------------------------------------
+
+    def close(self) -> None:
+        """Free contexts, then adapters, then the model.  Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._pool.close()
+        if self._embed_ctx is not None:
+            self._embed_ctx.close()
+        self._adapters.close()
+        self._model.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def _check_open(self):
+        if self._closed:
+            from llamax._errors import ClosedError
+            raise ClosedError("this Llama is closed")
+
+    # -- model info (llama-cpp-python names) ------------------------------
+
+    @property
+    def model(self) -> Model:
+        """The native :class:`llamax.Model` (shared by all contexts)."""
+        return self._model
+
+    @property
+    def metadata(self) -> dict:
+        return self._model.metadata
+
+    def n_ctx(self) -> int:
+        return self._ctx_kwargs["n_ctx"]
+
+    def n_vocab(self) -> int:
+        return self._model.n_vocab
+
+    def n_embd(self) -> int:
+        return self._model.n_embd
+
+    def token_bos(self) -> int:
+        return self._model.token_bos
+
+    def token_eos(self) -> int:
+        return self._model.token_eos
+
+    def tokenize(self, text: bytes | str, add_bos: bool = True, special: bool = False) -> list[int]:
+        return self._model.tokenize(text, add_special=add_bos, parse_special=special).tolist()
+
+    def detokenize(self, tokens, prev_tokens=None, special: bool = False) -> bytes:
+        if prev_tokens:
+            both = self._model.detokenize(list(prev_tokens) + list(tokens), special=special)
+            return both[len(self._model.detokenize(list(prev_tokens), special=special)):]
+        return self._model.detokenize(tokens, special=special)
+
+    # -- adapters -----------------------------------------------------------
+
+    def load_lora(self, name: str, path) -> None:
+        """Load a LoRA adapter under ``name`` now; a file for another base model fails here."""
+        self._check_open()
+        self._adapters.load(name, path)
+
+    def register_lora(self, name: str, path) -> None:
+        """Register an adapter to be loaded the first time a request names it."""
+        self._check_open()
+        self._adapters.register(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        """Unload ``name``; AdapterInUseError while a running request uses it."""
+        self._check_open()
+        self._adapters.unload(name)
+
+    def list_loras(self) -> list[dict]:
+        return self._adapters.list()
+
+    def _detach_adapter(self, adapter) -> None:
+        self._pool.detach(adapter)
+        with self._embed_lock:
+            ec = self._embed_ctx
+            if ec is not None and any(a is adapter for a, _ in ec.adapters):
+                ec.set_adapters([])
+                self._embed_key = None
+
+    # -- control vectors ------------------------------------------------------
+
+    def load_control_vector(self, name: str, path) -> None:
+        """Load a llama.cpp control-vector GGUF under ``name`` (for ``control_vectors=[...]``)."""
+        self._check_open()
+        if not isinstance(name, str) or not name:
+            raise TypeError("a control vector name must be a non-empty str")
+        self._cvecs[name] = ControlVector.load(self._model, path)
+
+    def unload_control_vector(self, name: str) -> None:
+        try:
+            del self._cvecs[name]
+        except KeyError:
+            raise UnknownAdapterError(f"no control vector named {name!r}") from None
+
+    def list_control_vectors(self) -> list[str]:
+        return sorted(self._cvecs)
+
+    def _resolve_cvec(self, control_vector, control_vectors) -> ControlVector | None:
+        parts = []
+        if control_vector is not None:
+            if isinstance(control_vector, ControlVector):
+                parts.append((control_vector, 1.0))
+            elif isinstance(control_vector, dict):
+                unknown = set(control_vector) - {"data", "layer_start", "layer_end"}
+                if unknown:
+                    raise TypeError(f"control_vector has unknown keys {sorted(unknown)}")
+                for k in ("data", "layer_start", "layer_end"):
+                    if k not in control_vector:
+                        raise ControlVectorError(f"control_vector needs '{k}' (data is padded from layer 1)")
+                ls, le = control_vector["layer_start"], control_vector["layer_end"]
+                for k, v in (("layer_start", ls), ("layer_end", le)):
+                    if isinstance(v, bool) or not isinstance(v, int):
+                        raise TypeError(f"control_vector['{k}'] must be an int")
+                parts.append((ControlVector.from_padded(self._model, control_vector["data"], ls, le), 1.0))
+            else:
+                raise TypeError("control_vector must be a dict {'data', 'layer_start', 'layer_end'} "
+                                "or a llamax.ControlVector")
+        if control_vectors:
+            if isinstance(control_vectors, (dict, str)):
+                raise TypeError("control_vectors must be a list of {'name', 'scale', ...}")
+            for i, spec in enumerate(control_vectors):
+                if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
+                    raise TypeError(f"control_vectors[{i}] must be a dict with a 'name'")
+                unknown = set(spec) - {"name", "scale", "layer_start", "layer_end"}
+                if unknown:
+                    raise TypeError(f"control_vectors[{i}] has unknown keys {sorted(unknown)}")
+                cv = self._cvecs.get(spec["name"])
+                if cv is None:
+                    raise UnknownAdapterError(f"no control vector named {spec['name']!r} is loaded")
+                scale = spec.get("scale", 1.0)
+                ls, le = spec.get("layer_start"), spec.get("layer_end")
+                if ls is not None or le is not None:
+                    ls = cv.layer_start if ls is None else ls
+                    le = cv.layer_end if le is None else le
+                    data = np.zeros(self._model.n_embd * max(le, cv.layer_end), np.float32)
+                    data[: cv.data.size] = cv.data
+                    cv = ControlVector.from_padded(self._model, data, ls, le)
+                parts.append((cv, scale))
+        if not parts:
+            return None
+        if len(parts) == 1 and parts[0][1] == 1.0:
+            return parts[0][0]
+        return ControlVector.combine(parts)
+
+    # -- state ---------------------------------------------------------------
+
+    @staticmethod
+    def _cvec_key(cv: ControlVector | None):
+        if cv is None:
+            return None
+        return (cv.layer_start, cv.layer_end, hashlib.blake2b(cv.data.tobytes(), digest_size=16).digest())
+
+    def _state(self, active_loras, control_vector, control_vectors):
+        """Resolve the request's state.  Returns (adapter set, pinned names,
+        control vector, state key).  Unknown names raise before anything runs."""
+        cv = self._resolve_cvec(control_vector, control_vectors)
+        adapters, names = self._adapters.acquire(active_loras)
+        ids = []
+        with self._rng_lock:
+            for a, _ in adapters:
+                if a not in self._serials:
+                    self._serials[a] = next(self._next_serial)
+                ids.append(self._serials[a])
+        key = (tuple(zip(ids, (s for _, s in adapters))), self._cvec_key(cv))
+        return adapters, names, cv, key
+
+    def _next_seed(self, seed):
+        if seed is not None:
+            if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+                raise InvalidArgumentError("seed must be a non-negative int")
+            return seed & 0xFFFFFFFF
+        with self._rng_lock:
+            return self._rng.getrandbits(32) & 0xFFFFFFFE
+
+    # -- templates -----------------------------------------------------------
+
+    def _make_template(self, chat_format, chat_template):
+        sp = self._model.special_tokens
+        tokens = dict(bos_token=self._token_str(sp["bos"]), eos_token=self._token_str(sp["eos"]))
+        if chat_format is not None:
+            if chat_template is not None:
+                raise InvalidArgumentError("pass chat_format or chat_template, not both")
+            return ChatTemplate.by_name(chat_format, **tokens)
+        src = chat_template if chat_template is not None else self._model.chat_template()
+        return None if src is None else ChatTemplate(src, **tokens)
+
+    def _token_str(self, tok):
+        return self._model.token_text(tok) if 0 <= tok < self._model.n_vocab else ""
+
+    def apply_chat_template(self, messages, *, add_generation_prompt=True, tools=None) -> str:
+        if self._template is None:
+            raise ChatTemplateError("the model has no chat template: pass chat_format= or chat_template=")
+        return self._template.render(messages, add_generation_prompt=add_generation_prompt, tools=tools)
+
+    # -- completion ----------------------------------------------------------
+
+    def __call__(self, prompt, **kwargs):
+        return self.create_completion(prompt, **kwargs)
+
+    def create_completion(self, prompt, suffix=None, max_tokens: int | None = 16, temperature: float = 0.8,
+                          top_p: float = 0.95, min_p: float = 0.05, typical_p: float = 1.0,
+                          logprobs: int | None = None, echo: bool = False, stop=None,
+                          frequency_penalty: float = 0.0, presence_penalty: float = 0.0,
+                          repeat_penalty: float = 1.0, top_k: int = 40, stream: bool = False,
+                          seed: int | None = None, model: str | None = None, logit_bias=None,
+                          grammar=None, active_loras=None, control_vector=None, control_vectors=None):
+        """OpenAI-style text completion (``stream=True`` gives chunks)."""
+        self._check_open()
+        if suffix is not None:
+            raise InvalidArgumentError("suffix (fill-in-the-middle) is not supported")
+        if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int) or logprobs < 0):
+            raise InvalidArgumentError("logprobs must be a non-negative int (top alternatives per token)")
+        tokens = self._prompt_tokens(prompt)
+        req = self._request(tokens, max_tokens=max_tokens, temperature=temperature, top_p=top_p, min_p=min_p,
+                            typical_p=typical_p, stop=stop, frequency_penalty=frequency_penalty,
+                            presence_penalty=presence_penalty, repeat_penalty=repeat_penalty, top_k=top_k,
+                            seed=seed, logit_bias=logit_bias, grammar=grammar, logprobs=logprobs,
+                            active_loras=active_loras, control_vector=control_vector,
+                            control_vectors=control_vectors)
+        cid = f"cmpl-{uuid.uuid4()}"
+        created = int(time.time())
+        name = model or self.model_path
+        prompt_text = self._model.detokenize_text(tokens, errors="replace") if echo else ""
+        if stream:
+            return self._stream_completion(req, cid, created, name, prompt_text)
+        res = req.run()
+        choice = {"text": prompt_text + res.text, "index": 0,
+                  "logprobs": res.completion_logprobs(prompt_text) if logprobs is not None else None,
+                  "finish_reason": res.finish_reason}
+        return {"id": cid, "object": "text_completion", "created": created, "model": name,
+                "choices": [choice], "usage": res.usage()}
+
+    def _stream_completion(self, req, cid, created, name, prompt_text):
+        def chunk(text, finish=None, lp=None):
+            return {"id": cid, "object": "text_completion", "created": created, "model": name,
+                    "choices": [{"text": text, "index": 0, "logprobs": lp, "finish_reason": finish}]}
+        if prompt_text:
+            yield chunk(prompt_text)
+        res = None
+        for piece in req.stream():
+            if isinstance(piece, _Result):
+                res = piece
+            elif piece:
+                yield chunk(piece)
+        yield chunk("", res.finish_reason) | {"usage": res.usage()}
+
+    # -- chat -----------------------------------------------------------------
+
+    def create_chat_completion(self, messages, functions=None, function_call=None, tools=None,
+                               tool_choice=None, temperature: float = 0.2, top_p: float = 0.95,
+                               top_k: int = 40, min_p: float = 0.05, typical_p: float = 1.0,
+                               stream: bool = False, stop=None, seed: int | None = None,
+                               response_format=None, max_tokens: int | None = None,
+                               presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+                               repeat_penalty: float = 1.0, model: str | None = None, logit_bias=None,
+                               logprobs: bool | None = None, top_logprobs: int | None = None, grammar=None,
+                               active_loras=None, control_vector=None, control_vectors=None,
+                               assistant_prefill: bool = False):
+        """OpenAI-style chat completion through the model's chat template.
+
+        ``assistant_prefill=True`` continues the final, partial assistant
+        message: the reply's content is the continuation only.
+        """
+        self._check_open()
+        if functions is not None or function_call is not None:
+            raise InvalidArgumentError("functions/function_call are not supported; pass tools= to the template")
+        if tool_choice not in (None, "none", "auto"):
+            raise InvalidArgumentError("tool_choice other than 'none'/'auto' is not supported")
+        if response_format is not None:
+            raise InvalidArgumentError("response_format is not supported; use grammar= (GBNF)")
+        if self._template is None:
+            raise ChatTemplateError("the model has no chat template: pass chat_format= or chat_template=")
+        if assistant_prefill:
+            head, partial = prepare_prefill(messages)
+            text = self._template.render(head, add_generation_prompt=True, tools=tools) + partial
+        else:
+            text = self._template.render(messages, add_generation_prompt=True, tools=tools)
+        n_top = None
+        if logprobs:
+            n_top = 0 if top_logprobs is None else top_logprobs
+            if isinstance(n_top, bool) or not isinstance(n_top, int) or not 0 <= n_top <= 20:
+                raise InvalidArgumentError("top_logprobs must be an int in [0, 20]")
+        # The template wrote the BOS (if any) and the special tokens as text.
+        tokens = self._model.tokenize(text, add_special=False, parse_special=True)
+        req = self._request(tokens, max_tokens=max_tokens, temperature=temperature, top_p=top_p, min_p=min_p,
+                            typical_p=typical_p, stop=stop, frequency_penalty=frequency_penalty,
+                            presence_penalty=presence_penalty, repeat_penalty=repeat_penalty, top_k=top_k,
+                            seed=seed, logit_bias=logit_bias, grammar=grammar, logprobs=n_top,
+                            active_loras=active_loras, control_vector=control_vector,
+                            control_vectors=control_vectors)
+        cid = f"chatcmpl-{uuid.uuid4()}"
+        created = int(time.time())
+        name = model or self.model_path
+        if stream:
+            return self._stream_chat(req, cid, created, name)
+        res = req.run()
+        choice = {"index": 0, "message": {"role": "assistant", "content": res.text},
+                  "logprobs": res.chat_logprobs() if logprobs else None, "finish_reason": res.finish_reason}
+        return {"id": cid, "object": "chat.completion", "created": created, "model": name,
+                "choices": [choice], "usage": res.usage()}
+
+    def _stream_chat(self, req, cid, created, name):
+        def chunk(delta, finish=None):
+            return {"id": cid, "object": "chat.completion.chunk", "created": created, "model": name,
+                    "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+        yield chunk({"role": "assistant"})
+        res = None
+        for piece in req.stream():
+            if isinstance(piece, _Result):
+                res = piece
+            elif piece:
+                yield chunk({"content": piece})
+        yield chunk({}, res.finish_reason) | {"usage": res.usage()}
+
+    # -- embeddings --------------------------------------------------------------
+
+    def _embedding_context(self) -> Context:
+        if self._embed_ctx is None:
+            pooling = self._pooling
+            if pooling is None:
+                arch = self._model.metadata.get("general.architecture", "")
+                pt = self._model.metadata.get(f"{arch}.pooling_type")
+                pooling = {"0": "none", "1": "mean", "2": "cls", "3": "last", "4": "rank"}.get(pt, "mean")
+            if pooling == "none":
+                raise InvalidArgumentError("embeddings need pooling (mean, cls or last), not 'none'")
+            n_ctx = self._ctx_kwargs["n_ctx"]
+            self._embed_ctx = Context(self._model, n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, n_seq_max=8,
+                                      n_threads=self._ctx_kwargs["n_threads"],
+                                      n_threads_batch=self._ctx_kwargs["n_threads_batch"],
+                                      embeddings=True, pooling=pooling)
+        return self._embed_ctx
+
+    def embed(self, input, normalize: bool = False, truncate: bool = True, active_loras=None,
+              control_vector=None, control_vectors=None):
+        """Pooled embedding(s): a list of floats for a str, a list of lists for a list of str."""
+        vecs, _ = self._embed(input, normalize, truncate, active_loras, control_vector, control_vectors)
+        return vecs[0].tolist() if isinstance(input, str) else [v.tolist() for v in vecs]
+
+    def create_embedding(self, input, model: str | None = None, normalize: bool = False, truncate: bool = True,
+                         active_loras=None, control_vector=None, control_vectors=None):
+        vecs, n_tokens = self._embed(input, normalize, truncate, active_loras, control_vector, control_vectors)
+        return {"object": "list", "model": model or self.model_path,
+                "data": [{"object": "embedding", "embedding": v.tolist(), "index": i} for i, v in enumerate(vecs)],
+                "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens}}
+
+    def _embed(self, input, normalize, truncate, active_loras, control_vector, control_vectors):
+        self._check_open()
+        texts = [input] if isinstance(input, str) else input
+        if not isinstance(texts, (list, tuple)) or not all(isinstance(t, str) for t in texts):
+            raise TypeError("input must be a str or a list of str")
+        if not texts:
+            raise InvalidArgumentError("input is empty")
+        adapters, names, cv, key = self._state(active_loras, control_vector, control_vectors)
+        try:
+            with self._embed_lock:
+                ctx = self._embedding_context()
+                limit = ctx.n_ctx
+                toks = []
+                for i, t in enumerate(texts):
+                    tk = self._model.tokenize(t, add_special=True)
+                    if len(tk) == 0:
+                        tk = np.array([self._model.token_bos if self._model.token_bos >= 0 else 0], np.int32)
+                    if len(tk) > limit:
+                        if not truncate:
+                            from llamax._errors import ContextOverflowError
+                            raise ContextOverflowError(
+                                f"input {i} has {len(tk)} tokens, more than n_ctx={limit}: pass truncate=True")
+                        tk = tk[:limit]
+                    toks.append(tk)
+                if self._embed_key != key:
+                    ctx.set_adapters(adapters)
+                    ctx.set_control_vector(cv)
+                    self._embed_key = key
+                out = np.empty((len(toks), self._model.n_embd), np.float32)
+                i = 0
+                while i < len(toks):
+                    # as many whole inputs as fit in one batch, one sequence each
+                    j, n = i, 0
+                    while j < len(toks) and j - i < ctx.n_seq_max and n + len(toks[j]) <= ctx.n_batch:
+                        n += len(toks[j])
+                        j += 1
+                    batch = np.concatenate(toks[i:j])
+                    seqs = np.concatenate([np.full(len(toks[k]), k - i, np.int32) for k in range(i, j)])
+                    pos = np.concatenate([np.arange(len(toks[k]), dtype=np.int32) for k in range(i, j)])
+                    ctx.kv_clear()
+                    ctx.decode(batch, pos=pos, seq_ids=seqs, logits="all")
+                    for k in range(i, j):
+                        v = ctx.get_embeddings_seq(k - i)
+                        out[k] = v
+                        del v
+                    i = j
+                ctx.kv_clear()
+        finally:
+            self._adapters.release(names)
+        if normalize:
+            norms = np.linalg.norm(out, axis=1, keepdims=True)
+            out = out / np.where(norms == 0, 1, norms)
+        return out, int(sum(len(t) for t in toks))
+
+    # -- the request engine ---------------------------------------------------------
+
+    def _prompt_tokens(self, prompt) -> np.ndarray:
+        if isinstance(prompt, (str, bytes)):
+            tokens = self._model.tokenize(prompt, add_special=True, parse_special=False)
+        elif isinstance(prompt, (list, tuple, np.ndarray)):
+            tokens = np.asarray(prompt)
+            if tokens.size and tokens.dtype.kind not in "iu":
+                raise TypeError("a token prompt must be a list of ints")
+            tokens = tokens.astype(np.int32)
+        else:
+            raise TypeError(f"prompt must be str, bytes or a list of token ids, not {type(prompt).__name__}")
+        if len(tokens) == 0:
+            bos = self._model.token_bos
+            if bos < 0:
+                raise InvalidArgumentError("empty prompt and the model has no BOS token")
+            tokens = np.array([bos], np.int32)
+        return tokens
+
+    def _request(self, tokens, *, max_tokens, stop, logprobs, active_loras, control_vector, control_vectors,
+                 seed, **sampling):
+        if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)):
+            raise TypeError("max_tokens must be an int or None")
+        if max_tokens is None or max_tokens <= 0:
+            max_tokens = -1  # until the context is full
+        if stop is None:
+            stops = []
+        elif isinstance(stop, str):
+            stops = [stop]
+        elif isinstance(stop, (list, tuple)) and all(isinstance(s, str) for s in stop):
+            stops = [s for s in stop if s]
+        else:
+            raise TypeError("stop must be a str or a list of str")
+        grammar = sampling.pop("grammar")
+        if grammar is not None and not isinstance(grammar, str):
+            grammar = getattr(grammar, "_grammar", None) or getattr(grammar, "grammar", None)
+            if not isinstance(grammar, str):
+                raise TypeError("grammar must be a GBNF string")
+        sampler = Sampler(self._model, temperature=sampling["temperature"], top_k=sampling["top_k"],
+                          top_p=sampling["top_p"], min_p=sampling["min_p"], typical_p=sampling["typical_p"],
+                          repeat_penalty=sampling["repeat_penalty"],
+                          frequency_penalty=sampling["frequency_penalty"],
+                          presence_penalty=sampling["presence_penalty"], seed=self._next_seed(seed),
+                          grammar=grammar, logit_bias=sampling["logit_bias"])
+        # Resolved last: it pins adapters, which the request must release.
+        adapters, names, cv, key = self._state(active_loras, control_vector, control_vectors)
+        return _Request(self, tokens, sampler, max_tokens, stops, logprobs, adapters, names, cv, key)
+
+
+class _Result:
+    __slots__ = ("text", "tokens", "n_prompt", "finish_reason", "logprobs", "model")
+
+    def __init__(self, model):
+        self.model = model
+        self.text = ""
+        self.tokens = []
+        self.n_prompt = 0
+        self.finish_reason = "length"
+        self.logprobs = []  # per token: (logprob, [(token, logprob), ...])
+
+    def usage(self):
+        return {"prompt_tokens": self.n_prompt, "completion_tokens": len(self.tokens),
+                "total_tokens": self.n_prompt + len(self.tokens)}
+
+    def completion_logprobs(self, prefix=""):
+        m = self.model
+        toks, offs, lps, tops = [], [], [], []
+        off = len(prefix)
+        for t, (lp, top) in zip(self.tokens, self.logprobs):
+            piece = m.token_to_piece(t).decode("utf-8", "replace")
+            toks.append(piece)
+            offs.append(off)
+            off += len(piece)
+            lps.append(lp)
+            tops.append({m.token_to_piece(a).decode("utf-8", "replace"): b for a, b in top})
+        return {"tokens": toks, "text_offset": offs, "token_logprobs": lps, "top_logprobs": tops}
+
+    def chat_logprobs(self):
+        m = self.model
+        content = []
+        for t, (lp, top) in zip(self.tokens, self.logprobs):
+            b = m.token_to_piece(t)
+            content.append({"token": b.decode("utf-8", "replace"), "logprob": lp, "bytes": list(b),
+                            "top_logprobs": [{"token": m.token_to_piece(a).decode("utf-8", "replace"),
+                                              "logprob": c, "bytes": list(m.token_to_piece(a))} for a, c in top]})
+        return {"content": content}
+
+
+class _Request:
+    """One generation: pick a context, apply state, reuse the cached prefix
+    (only under the same state), run the C++ loop, assemble text."""
+
+    def __init__(self, llm: Llama, tokens, sampler, max_tokens, stops, logprobs, adapters, names, cv, key):
+        self.llm = llm
+        self.tokens = tokens
+        self.sampler = sampler
+        self.max_tokens = max_tokens
+        self.stops = stops
+        self.logprobs = logprobs
+        self.adapters = adapters
+        self.names = names
+        self.cv = cv
+        self.key = key
+        self.cancel = threading.Event()
+        self._released = False
+
+    def _release(self):
+        if not self._released:
+            self._released = True
+            self.llm._adapters.release(self.names)
+
+    def __del__(self):
+        # a stream that was never iterated still holds its adapter pins
+        try:
+            self._release()
+        except Exception:
+            pass
+
+    def run(self) -> _Result:
+        return self._execute(None)
+
+    def stream(self) -> Iterator:
+        """Yield text pieces, then the _Result.  Generation runs in a worker
+        thread (GIL released in C++); the consumer stopping early cancels it."""
+        q: queue.Queue = queue.Queue()
+        done = object()
+
+        def work():
+            try:
+                q.put(self._execute(q.put))
+            except BaseException as e:  # handed to the consumer, never lost
+                q.put(e)
+            finally:
+                q.put(done)
+
+        t = threading.Thread(target=work, daemon=True, name="llamax-stream")
+        t.start()
+        try:
+            while True:
+                item = q.get()
+                if item is done:
+                    break
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            self.cancel.set()
+            t.join()
+
+    def _execute(self, emit) -> _Result:
+        llm = self.llm
+        model = llm._model
+        res = _Result(model)
+        res.n_prompt = len(self.tokens)
+        slot = None
+        try:
+            slot = llm._pool.acquire(self.key, self.tokens)
+            ctx = slot.ctx
+            ctx.set_adapters(self.adapters)     # no-op when already applied
+            ctx.set_control_vector(self.cv)     # no-op when identical
+            # Reuse KV only if it was computed under this very state.
+            n_keep = _lcp(slot.tokens, self.tokens) if slot.key == self.key else 0
+            if n_keep == len(self.tokens):
+                n_keep -= 1  # the last prompt token is decoded again for its logits
+            if n_keep > 0:
+                ctx.kv_remove(0, n_keep, -1)
+            else:
+                ctx.kv_clear()
+            slot.key = self.key
+            slot.tokens = self.tokens[:n_keep]
+            text = _TextAssembler(model, self.stops, emit)
+            want_cb = emit is not None or self.stops or self.logprobs is not None
+            lps = res.logprobs
+
+            def on_token(tok):
+                if self.cancel.is_set():
+                    return True
+                if self.logprobs is not None:
+                    lps.append(_logprobs(ctx, tok, self.logprobs))
+                return text.add(tok)
+
+            try:
+                out, finish = ctx.generate(self.tokens[n_keep:], self.sampler, max_tokens=self.max_tokens,
+                                           callback=on_token if want_cb else None)
+            except BaseException:
+                slot.key = None
+                slot.tokens = np.empty(0, np.int32)
+                raise
+            n_kv = ctx.seq_pos_max(0) + 1
+            full = np.concatenate([self.tokens, out])
+            slot.tokens = full[:n_kv]
+            res.tokens = out.tolist()
+            if finish == "callback":
+                finish = "stop" if text.stopped else "length"
+            elif finish == "stop_sequence":
+                finish = "stop"
+            res.finish_reason = finish
+            if not want_cb:
+                text.add_all(out)
+            res.text = text.finish()
+            if text.stopped:
+                # tokens past the stop string are not part of the answer
+                res.tokens = res.tokens[: text.n_tokens_used]
+                res.logprobs = res.logprobs[: text.n_tokens_used]
+            return res
+        finally:
+            if slot is not None:
+                llm._pool.release(slot)
+            self._release()
+
+
+def _logprobs(ctx: Context, tok: int, n_top: int):
+    row = ctx.get_logits()[-1]
+    m = float(row.max())
+    lse = m + float(np.log(np.exp(row - m).sum()))
+    lp = float(row[tok]) - lse
+    top = []
+    if n_top:
+        idx = np.argpartition(row, -n_top)[-n_top:]
+        idx = idx[np.argsort(row[idx])[::-1]]
+        top = [(int(i), float(row[i]) - lse) for i in idx]
+    del row
+    return lp, top
+
+
+class _TextAssembler:
+    """Token bytes → text.  Streams only what is final: an incomplete UTF-8
+    sequence waits for its next bytes, and a tail that could be the start of
+    a stop string waits until it can't.  Cuts at the first stop string."""
+
+    def __init__(self, model: Model, stops, emit):
+        self.model = model
+        self.stops = stops
+        self.emit = emit
+        self.decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        self.text = ""
+        self.n_emitted = 0
+        self.stopped = False
+        self.n_tokens_used = 0
+        self.hold = max((len(s) for s in stops), default=0)
+
+    def add(self, tok) -> bool:
+        self.n_tokens_used += 1
+        self.text += self.decoder.decode(self.model.token_to_piece(int(tok)))
+        if not self.stops:
+            self._flush(len(self.text))
+            return False
+        start = max(0, self.n_emitted - self.hold)
+        cut = -1
+        for s in self.stops:
+            i = self.text.find(s, start)
+            if i >= 0 and (cut < 0 or i < cut):
+                cut = i
+        if cut >= 0:
+            self.text = self.text[:cut]
+            self.decoder.reset()
+            self.stopped = True
+            self._flush(len(self.text))
+            return True
+        self._flush(len(self.text) - self._partial_stop_len())
+        return False
+
+    def _partial_stop_len(self) -> int:
+        # the longest tail of the text that is a proper prefix of a stop string
+        best = 0
+        for s in self.stops:
+            for k in range(min(len(s) - 1, len(self.text)), best, -1):
+                if self.text.endswith(s[:k]):
+                    best = k
+                    break
+        return best
+
+    def _flush(self, upto):
+        if self.emit is not None and upto > self.n_emitted:
+            self.emit(self.text[self.n_emitted:upto])
+            self.n_emitted = upto
+
+    def add_all(self, tokens):
+        piece = self.model.token_to_piece
+        self.text += self.decoder.decode(b"".join(piece(int(t)) for t in tokens))
+        self.n_tokens_used = len(tokens)
+
+    def finish(self) -> str:
+        if not self.stopped:
+            self.text += self.decoder.decode(b"", final=True)
+        self._flush(len(self.text))
+        return self.text
