@@ -54,8 +54,11 @@ def run_py(code, timeout=300):
     test, not the run).  Returns the CompletedProcess."""
     env = dict(os.environ)
     env["PYTHONPATH"] = str(HERE) + os.pathsep + env.get("PYTHONPATH", "")
+    # cwd away from the repo root: `python -c` puts cwd first on sys.path, and the
+    # source folder llamax/ (without a built extension) must not shadow the
+    # installed package
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
-                          text=True, timeout=timeout, env=env)
+                          text=True, timeout=timeout, env=env, cwd=str(HERE / "core"))
 
 
 def greedy(model, **kw):

@@ -16,10 +16,8 @@ import llamax
 def _model_path():
     if len(sys.argv) > 1:
         return sys.argv[1]
-    here = os.path.dirname(os.path.abspath(__file__))
-    sys.path.insert(0, here)
-    import data  # the repo's test data helper
-    return str(data.smollm2())
+    from llamax.models import default_model
+    return str(default_model(progress=True))
 
 
 def main():
