@@ -9,7 +9,7 @@ python3 -m pip wheel "$repo" --no-deps -w "$work/dist"
 python3 -m venv "$work/venv"
 "$work/venv/bin/pip" install -q "$work"/dist/llamax-*.whl
 cp "$repo/tests/smoke.py" "$work/"
-model="$(python3 "$repo/tests/data.py" | head -1)"   # cached SmolLM2 path
 # a fresh venv has no path into the checkout: llamax can only come from the wheel
-cd "$work" && "$work/venv/bin/python" -I "$work/smoke.py" "$model"
+# (the model comes from the cache, or is fetched: llamax.models.default_model)
+cd "$work" && "$work/venv/bin/python" -I "$work/smoke.py"
 echo "wheel OK: $(ls "$work"/dist)"
