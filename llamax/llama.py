@@ -34,7 +34,7 @@ logger = logging.getLogger("llamax")
 
 _REMOVED = {
     "lora_path": "per-request adapters replace it: llm.load_lora(name, path), then active_loras=[{'name': name, 'scale': 1.0}]",
-    "lora_scale": "the scale is per request: active_loras=[{'name': ..., 'scale': s}]",
+    "lora_scale": "the scale is per request: llm.load_lora(name, path), then active_loras=[{'name': name, 'scale': s}]",
     "lora_base": "adapters apply to the loaded base model; load them with llm.load_lora(name, path)",
 }
 _DEFAULT_SEED = 0xFFFFFFFF
@@ -598,6 +598,9 @@ class Llama:
 
     def _request(self, tokens, *, max_tokens, stop, logprobs, active_loras, control_vector, control_vectors,
                  seed, **sampling):
+        if not self._pool.slots:
+            # vocab_only=True: no context to run on (the pool would wait forever)
+            raise InvalidArgumentError("the model was loaded with vocab_only=True: it has no weights to run")
         if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)):
             raise TypeError("max_tokens must be an int or None")
         if max_tokens is None or max_tokens <= 0:

@@ -1,0 +1,162 @@
+"""Runs inside the llama-cpp-python venv (benchmarks/peers.py) and measures it.
+
+Two modes:
+  python peer_worker.py serve           JSON requests on stdin, one per line, JSON
+                                        answers on stdout (so the orchestrator can
+                                        interleave contestants without reloads)
+  python peer_worker.py rss SPEC_JSON   one-shot: load K instances, print peak RSS
+
+Only the standard library, numpy and llama_cpp are used here.
+"""
+import json
+import resource
+import sys
+import threading
+import time
+
+import llama_cpp
+from llama_cpp import Llama
+
+_models = {}
+
+
+def _llm(model, threads, n_ctx, lora=None, scale=1.0):
+    key = (model, threads, n_ctx, lora, scale)
+    if key not in _models:
+        _models[key] = Llama(model_path=model, n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
+                             n_batch=512, n_ubatch=512, verbose=False, lora_path=lora, lora_scale=scale)
+    return _models[key]
+
+
+def tg(req):
+    """Seconds for 128 greedy tokens via Llama.generate after BOS (like llama-bench tg128)."""
+    llm = _llm(req["model"], req["threads"], 256)
+    bos = llm.token_bos()
+    llm.reset()
+    t0 = time.perf_counter()
+    n = 0
+    for _tok in llm.generate([bos], top_k=1, temp=0.0, reset=True):
+        n += 1
+        if n == req["n_gen"]:
+            break
+    return {"seconds": time.perf_counter() - t0, "n": n}
+
+
+def completion(req):
+    """Seconds for create_completion(max_tokens=n_gen) (the high-level path)."""
+    llm = _llm(req["model"], req["threads"], 256)
+    llm.reset()
+    t0 = time.perf_counter()
+    r = llm.create_completion(req["prompt"], max_tokens=req["n_gen"], temperature=0.0, top_k=1)
+    dt = time.perf_counter() - t0
+    return {"seconds": dt, "n": r["usage"]["completion_tokens"]}
+
+
+def pp(req):
+    """Seconds to evaluate a prompt of n_prompt tokens."""
+    llm = _llm(req["model"], req["threads"], 1024)
+    toks = [llm.token_bos()] + [(i * 7919) % 1000 + 100 for i in range(req["n_prompt"] - 1)]
+    llm.reset()
+    t0 = time.perf_counter()
+    llm.eval(toks)
+    return {"seconds": time.perf_counter() - t0, "n": len(toks)}
+
+
+def tenants(req):
+    """Round-robin requests over adapter sets.  mode 'reload': one Llama,
+    re-created with lora_path whenever the adapter changes (llama-cpp-python's
+    only way to switch); mode 'instances': one Llama per adapter."""
+    lat = []
+    cur = None
+    llm = None
+    insts = {}
+    t_all = time.perf_counter()
+    for tenant, prompt in req["requests"]:
+        lora = req["loras"][tenant]
+        t0 = time.perf_counter()
+        if req["mode"] == "reload":
+            if cur != (lora,) or llm is None:
+                if llm is not None:
+                    llm.close()
+                llm = Llama(model_path=req["model"], n_ctx=req["n_ctx"], n_threads=req["threads"],
+                            n_threads_batch=req["threads"], verbose=False, lora_path=lora)
+                cur = (lora,)
+            m = llm
+        else:
+            if tenant not in insts:
+                insts[tenant] = Llama(model_path=req["model"], n_ctx=req["n_ctx"], n_threads=req["threads"],
+                                      n_threads_batch=req["threads"], verbose=False, lora_path=lora)
+            m = insts[tenant]
+        m.create_completion(prompt, max_tokens=req["max_tokens"], temperature=0.0, top_k=1)
+        lat.append(time.perf_counter() - t0)
+    total = time.perf_counter() - t_all
+    for m in insts.values():
+        m.close()
+    if llm is not None:
+        llm.close()
+    return {"latencies": lat, "total": total}
+
+
+def gil(req):
+    """A pure-Python counter thread's count during a 128-token generate."""
+    llm = _llm(req["model"], req["threads"], 256)
+    stop = threading.Event()
+    box = {}
+
+    def count():
+        n = 0
+        while not stop.is_set():
+            n += 1
+        box["n"] = n
+
+    t = threading.Thread(target=count)
+    bos = llm.token_bos()
+    t0 = time.perf_counter()
+    t.start()
+    k = 0
+    for _tok in llm.generate([bos], top_k=1, temp=0.0, reset=True):
+        k += 1
+        if k == 128:
+            break
+    stop.set()
+    t.join()
+    return {"count": box["n"], "seconds": time.perf_counter() - t0}
+
+
+def ttft(req):
+    """Seconds to the first streamed chunk for a prompt (the instance's own
+    prefix reuse applies when the same prompt comes again)."""
+    llm = _llm(req["model"], req["threads"], 2048)
+    if req.get("cold"):
+        llm.reset()
+    t0 = time.perf_counter()
+    for _ in llm.create_completion(req["prompt"], max_tokens=4, temperature=0.0, top_k=1, stream=True):
+        break
+    dt = time.perf_counter() - t0
+    return {"seconds": dt}
+
+
+def serve():
+    ops = {"tg": tg, "pp": pp, "completion": completion, "tenants": tenants, "gil": gil, "ttft": ttft}
+    print(json.dumps({"ready": True, "version": llama_cpp.__version__}), flush=True)
+    for line in sys.stdin:
+        req = json.loads(line)
+        try:
+            out = ops[req["op"]](req)
+        except Exception as e:  # reported, the orchestrator decides
+            out = {"error": f"{type(e).__name__}: {e}"}
+        print(json.dumps(out), flush=True)
+
+
+def rss(spec):
+    insts = [Llama(model_path=spec["model"], n_ctx=spec["n_ctx"], n_threads=1, verbose=False,
+                   lora_path=spec.get("lora")) for _ in range(spec["k"])]
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    print(json.dumps({"peak_rss": peak, "k": len(insts)}))
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "serve":
+        serve()
+    else:
+        rss(json.loads(sys.argv[2]))

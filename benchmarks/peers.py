@@ -1,0 +1,72 @@
+"""Peers for the benchmarks, prepared and cached once.
+
+llama-cpp-python 0.3.36 is built from the very sdist llamax takes llama.cpp
+from (same upstream commit), with the same CPU flags as llamax's llama.cpp
+build, into its own venv under ``~/.cache/llamax/peers``:
+
+    python3 benchmarks/peers.py          # prepare (about 7 minutes on 2 cores)
+
+``describe()`` says how it was built, for the benchmark output.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import venv
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "third_party"))
+import llama_cpp as llama_build  # noqa: E402  (our build helper, not the peer)
+
+
+def _peer_cmake_args() -> list[str]:
+    # the CPU flags of llamax's own llama.cpp build, OpenMP as in ours
+    return llama_build.cpu_args() + ["-DGGML_OPENMP=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF"]
+
+
+def peer_dir() -> Path:
+    args = _peer_cmake_args()
+    key = hashlib.sha256(("\0".join(args) + llama_build.SDIST_SHA256).encode()).hexdigest()[:12]
+    return llama_build.cache_dir() / "peers" / f"llama-cpp-python-{llama_build.PIN_VERSION}-{key}"
+
+
+def python() -> Path:
+    return peer_dir() / "bin" / "python"
+
+
+def describe() -> dict:
+    p = peer_dir() / "llamax-peer.json"
+    return json.loads(p.read_text()) if p.exists() else {}
+
+
+def ensure(log=print) -> Path:
+    """Build llama-cpp-python into its venv if it isn't there yet; return its python."""
+    d = peer_dir()
+    stamp = d / "llamax-peer.json"
+    if stamp.exists() and python().exists():
+        return python()
+    sdist = llama_build.fetch_sdist()
+    log(f"building llama-cpp-python {llama_build.PIN_VERSION} from {sdist.name} into {d} (several minutes)")
+    venv.EnvBuilder(with_pip=True, clear=True).create(d)
+    env = dict(os.environ)
+    args = _peer_cmake_args()
+    env["CMAKE_ARGS"] = " ".join(args)
+    env["CMAKE_BUILD_PARALLEL_LEVEL"] = str(os.cpu_count() or 2)
+    env.pop("LLAMAX_CACHE_DIR", None)
+    subprocess.check_call([str(python()), "-m", "pip", "install", "-q", "--no-cache-dir", str(sdist)], env=env)
+    info = {
+        "package": f"llama-cpp-python=={llama_build.PIN_VERSION}",
+        "source": f"{sdist.name} (sha256 {llama_build.SDIST_SHA256[:16]}..., llama.cpp {llama_build.PIN_COMMIT})",
+        "CMAKE_ARGS": env["CMAKE_ARGS"],
+        "venv": str(d),
+    }
+    stamp.write_text(json.dumps(info, indent=2))
+    return python()
+
+
+if __name__ == "__main__":
+    print(ensure())

@@ -1,0 +1,112 @@
+"""Fixtures of the high-level API tests: generated adapters and shared ``Llama`` instances.
+
+The seeded adapters of the top-level ``lora_paths`` fixture (std 0.02) do not
+change SmolLM2's greedy answers to the seed example's prompts (checked: the
+quicksort answer is the same token for token with and without them), so the
+``coder`` and ``translator`` adapters here are made with std 0.05, which
+does change them (see test_seed_example).
+"""
+import pytest
+
+import llamax
+from llamax import gguf_tools as gt
+
+N_CTX = 1024
+# One thread per context.  The machine these tests run on has 2 cores and is
+# shared: with 2 threads, ggml's spinning barriers stall whenever another
+# process holds a core (measured: 32 greedy tokens took 58 s with n_threads=2
+# during a compile job, 0.4 s with n_threads=1).
+N_THREADS = 1
+
+
+def make_llama(path, **kw):
+    """A Llama with the suite's context settings (each costs a model load)."""
+    kw.setdefault("n_ctx", N_CTX)
+    kw.setdefault("n_threads", N_THREADS)
+    return llamax.Llama(str(path), **kw)
+
+
+def forget_cache(llm):
+    """Make the next requests decode their whole prompt: the idle contexts
+    forget which state their KV was computed under, so nothing is reused.
+
+    A request that reuses a cached prefix decodes the rest of its prompt in a
+    smaller batch, and llama.cpp's results depend on batch sizes (up to ~0.7
+    in a logit on this model), so its greedy answer can differ from a cold
+    run's.  Tests that compare two answers, and are not about the cache
+    (test_cache_and_pool.py is), compare cold runs with cold runs.
+    """
+    for slot in llm._pool.slots:
+        assert not slot.busy
+        slot.key = None
+
+
+class ColdRequests:
+    """A shared Llama whose every request starts cold (see forget_cache)."""
+
+    def __init__(self, llm):
+        self._llm = llm
+
+    def __getattr__(self, name):
+        return getattr(self._llm, name)
+
+    def __call__(self, *args, **kwargs):
+        forget_cache(self._llm)
+        return self._llm(*args, **kwargs)
+
+    def create_completion(self, *args, **kwargs):
+        forget_cache(self._llm)
+        return self._llm.create_completion(*args, **kwargs)
+
+    def create_chat_completion(self, *args, **kwargs):
+        forget_cache(self._llm)
+        return self._llm.create_chat_completion(*args, **kwargs)
+
+
+@pytest.fixture(scope="session")
+def api_loras(gen_dir, smollm2_path):
+    """The seed example's two adapters, generated (no real ones exist for this base)."""
+    return {
+        "coder": gt.make_lora(smollm2_path, gen_dir / "coder.gguf", rank=4, seed=1, std=0.05),
+        "translator": gt.make_lora(smollm2_path, gen_dir / "translator.gguf", rank=8, seed=2,
+                                   targets=("attn_q", "ffn_up"), std=0.05),
+    }
+
+
+@pytest.fixture(scope="session")
+def third_lora(gen_dir, smollm2_path):
+    return gt.make_lora(smollm2_path, gen_dir / "third.gguf", rank=4, seed=3, targets=("attn_v",), std=0.05)
+
+
+@pytest.fixture(scope="session")
+def llm(smollm2_path, api_loras):
+    """One Llama with ``coder`` and ``translator`` loaded, shared by the tests
+    that don't change its adapters."""
+    m = make_llama(smollm2_path)
+    m.load_lora("coder", api_loras["coder"])
+    m.load_lora("translator", api_loras["translator"])
+    yield ColdRequests(m)
+    m.close()
+
+
+@pytest.fixture(scope="session")
+def base_llm(smollm2_path):
+    """A Llama that never has an adapter or control vector loaded: the reference base model."""
+    m = make_llama(smollm2_path)
+    yield ColdRequests(m)
+    m.close()
+
+
+@pytest.fixture(scope="session")
+def base_chat(base_llm):
+    """content of the base model's greedy answer to one user message (memoized)."""
+    memo = {}
+
+    def answer(content, max_tokens):
+        key = (content, max_tokens)
+        if key not in memo:
+            r = base_llm.create_chat_completion([{"role": "user", "content": content}],
+                                                temperature=0, max_tokens=max_tokens)
+            memo[key] = r["choices"][0]["message"]["content"]
+        return memo[key]
+    return answer
