@@ -339,7 +339,9 @@ def plot(res, path: Path):
     axes[0].bar(range(len(names)), [med(d[n]) for n in names],
                 yerr=[[med(d[n]) - min(d[n]) for n in names], [max(d[n]) - med(d[n]) for n in names]],
                 color=["#2a7", "#2a7", "#888", "#888"])
-    axes[0].set_xticks(range(len(names)), [n.replace(" ", "\n", 1) for n in names], fontsize=7)
+    short = [n.replace("llama-cpp-python", "l-c-py").replace("Llama.", "").replace("Context.", "")
+             .replace(" ", "\n", 1) for n in names]
+    axes[0].set_xticks(range(len(names)), short, fontsize=8)
     axes[0].set_ylabel("tokens/s")
     axes[0].set_title("decode, 128 tokens")
     t = res["tenants"]["results"]

@@ -71,6 +71,30 @@ def _demo(args) -> int:
     return 0 if same else 1
 
 
+def _bench(args) -> int:
+    """Run the benchmark scripts of a llamax checkout (they build llama-bench and
+    llama-cpp-python from the pinned source, so they need the repository)."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    import llamax
+    candidates = [Path(args.repo)] if args.repo else [Path.cwd(), Path(llamax.__file__).resolve().parent.parent]
+    repo = next((c for c in candidates if (c / "benchmarks" / "bench_engine.py").exists()), None)
+    if repo is None:
+        print("python -m llamax bench runs from a llamax checkout (or pass --repo PATH)", file=sys.stderr)
+        return 2
+    extra = []
+    if args.model:
+        extra += ["--model", args.model]
+    extra += ["--threads", str(args.threads), "--runs", str(args.runs)] + (["--quick"] if args.quick else [])
+    rc = 0
+    for script in ("bench_engine.py", "bench_serving.py"):
+        rc |= subprocess.call([sys.executable, str(repo / "benchmarks" / script)] + extra, cwd=str(repo),
+                              env=dict(os.environ))
+    return rc
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m llamax", description="llamax command line")
     sub = p.add_subparsers(dest="cmd", metavar="command")
@@ -78,9 +102,17 @@ def main(argv=None) -> int:
     d.add_argument("--model", help="a GGUF model (default: SmolLM2-135M-Instruct, fetched and cached)")
     d.add_argument("--threads", type=int, default=None, help="CPU threads (default: all)")
     d.add_argument("--max-tokens", type=int, default=48)
+    b = sub.add_parser("bench", help="benchmarks against llama-bench and llama-cpp-python (from a checkout)")
+    b.add_argument("--model", help="a GGUF model (default: SmolLM2-135M-Instruct)")
+    b.add_argument("--threads", type=int, default=2)
+    b.add_argument("--runs", type=int, default=5)
+    b.add_argument("--quick", action="store_true", help="fewer runs, for a smoke check")
+    b.add_argument("--repo", help="the llamax checkout (default: the current folder)")
     args = p.parse_args(argv)
     if args.cmd == "demo":
         return _demo(args)
+    if args.cmd == "bench":
+        return _bench(args)
     p.print_help()
     return 0
 

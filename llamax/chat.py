@@ -68,7 +68,27 @@ def _make_env(budget: _Budget):
 
     class _Env(ImmutableSandboxedEnvironment):
         # Attribute and item lookups, calls and ranges are where a template's
-        # work happens: each checks the render's deadline.
+        # work happens: each checks the render's deadline.  `*`, `**` and `+`
+        # are intercepted too: one expression ('x' * 10**10) could otherwise
+        # allocate gigabytes before any output-size check sees it.
+        intercepted_binops = frozenset(["*", "**", "+"])
+
+        def call_binop(self, context, operator, left, right):
+            budget.check()
+            if operator == "**":
+                if isinstance(right, (int, float)) and abs(right) > 64 and isinstance(left, (int, float)) \
+                        and abs(left) > 1:
+                    raise ChatTemplateError("chat template computes a huge power")
+            elif operator == "*":
+                for seq, n in ((left, right), (right, left)):
+                    if isinstance(seq, (str, list, tuple)) and isinstance(n, int) and len(seq) * n > MAX_OUTPUT_CHARS:
+                        raise ChatTemplateError("chat template builds a value larger than its output limit")
+            elif operator == "+":
+                if isinstance(left, (str, list, tuple)) and isinstance(right, (str, list, tuple)) \
+                        and len(left) + len(right) > MAX_OUTPUT_CHARS:
+                    raise ChatTemplateError("chat template builds a value larger than its output limit")
+            return super().call_binop(context, operator, left, right)
+
         def getattr(self, obj, attribute):
             budget.check()
             return super().getattr(obj, attribute)

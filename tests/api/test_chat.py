@@ -190,6 +190,10 @@ HOSTILE = {
                      "took longer than"),
     "huge_output": ("{% for i in range(100000) %}{{ 'x' * 1000 }}{% endfor %}", "exceeds"),
     "raise_exception": ("{{ raise_exception('no') }}", "raised: no"),
+    # one expression that would allocate ~10 GB before any output check
+    "string_bomb": ("{{ 'x' * 10**10 }}", "larger than its output limit"),
+    "power_bomb": ("{{ 2 ** (2 ** 40) }}", "huge power"),
+    "concat_bomb": ("{% set s = 'x' * 4000000 %}{{ s + s }}", "larger than its output limit"),
     "recursion": ("{% macro f(n) %}{{ f(n) }}{% endmacro %}{{ f(1) }}", "recursed"),
 }
 
