@@ -22,8 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import resource
 import statistics
 import subprocess
 import sys
@@ -37,6 +35,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(HERE))
+import bench_engine  # noqa: E402  (llama-bench runner, machine info)
 import data  # noqa: E402
 import peers  # noqa: E402
 
@@ -81,12 +80,17 @@ def _gen_loras(model_path: Path, out: Path):
     return [gguf_tools.make_lora(model_path, out / f"tenant_lora{s}.gguf", rank=8, seed=s) for s in (1, 2)]
 
 
-def decode_apis(model_path, threads, runs, peer):
+def decode_apis(model_path, threads, runs, peer, bench_exe):
+    """Decode (128 tokens) and prompt (512 tokens) speed through every API,
+    interleaved with llama-bench, and each contestant's overhead per token
+    over llama-bench computed pair by pair."""
     m = llamax.Model(model_path)
     ctx = llamax.Context(m, n_ctx=256, n_threads=threads)
+    pctx = llamax.Context(m, n_ctx=1024, n_batch=512, n_threads=threads)
     llm = llamax.Llama(model_path=str(model_path), n_ctx=256, n_threads=threads)
     smp = llamax.Sampler(m)
     bos = m.token_bos
+    prompt512 = np.array([bos] + [(i * 7919) % 1000 + 100 for i in range(511)], np.int32)
 
     def lx_generate():
         ctx.kv_clear()
@@ -101,6 +105,12 @@ def decode_apis(model_path, threads, runs, peer):
         r = llm.create_completion("Once upon a time", max_tokens=N_GEN, temperature=0.0, top_k=1)
         return r["usage"]["completion_tokens"] / (time.perf_counter() - t0)
 
+    def lx_pp():
+        pctx.kv_clear()
+        t0 = time.perf_counter()
+        pctx.decode(prompt512)
+        return len(prompt512) / (time.perf_counter() - t0)
+
     def peer_generate():
         r = peer(op="tg", model=str(model_path), threads=threads, n_gen=N_GEN)
         return r["n"] / r["seconds"]
@@ -110,25 +120,52 @@ def decode_apis(model_path, threads, runs, peer):
                  prompt="Once upon a time")
         return r["n"] / r["seconds"]
 
-    contestants = {"llamax Context.generate": lx_generate, "llamax Llama.create_completion": lx_completion,
-                   "llama-cpp-python Llama.generate": peer_generate,
-                   "llama-cpp-python create_completion": peer_completion}
-    for f in contestants.values():
+    def peer_pp():
+        r = peer(op="pp", model=str(model_path), threads=threads, n_prompt=512)
+        return r["n"] / r["seconds"]
+
+    bench_rows = []
+
+    def llama_bench():
+        r = bench_engine.run_llama_bench(bench_exe, model_path, threads)
+        bench_rows.append(r["pp_ts"])
+        return r["tg_ts"]
+
+    tg = {"llama-bench tg128": llama_bench, "llamax Context.generate": lx_generate,
+          "llamax Llama.create_completion": lx_completion}
+    pp = {"llamax Context.decode": lx_pp}
+    if peer is not None:
+        tg |= {"llama-cpp-python Llama.generate": peer_generate,
+               "llama-cpp-python create_completion": peer_completion}
+        pp |= {"llama-cpp-python Llama.eval": peer_pp}
+    for f in list(tg.values()) + list(pp.values()):
         f()  # warm-up
-    samples = {k: [] for k in contestants}
+    bench_rows.clear()
+    samples = {k: [] for k in tg}
+    psamples = {"llama-bench pp512": bench_rows} | {k: [] for k in pp}
     for _ in range(runs):
-        for k, f in contestants.items():  # interleaved: A B C D A B C D ...
+        for k, f in tg.items():  # interleaved: A B C ... A B C ...
             samples[k].append(f())
-    ratios = {
-        "generate: llamax / llama-cpp-python": [a / b for a, b in zip(samples["llamax Context.generate"],
-                                                                      samples["llama-cpp-python Llama.generate"])],
-        "completion: llamax / llama-cpp-python": [a / b for a, b in zip(
-            samples["llamax Llama.create_completion"], samples["llama-cpp-python create_completion"])],
-    }
+        for k, f in pp.items():
+            psamples[k].append(f())
+    lb = samples["llama-bench tg128"]
+    overhead = {k: [(1 / a - 1 / b) * 1e6 for a, b in zip(v, lb)] for k, v in samples.items() if k != "llama-bench tg128"}
+    ratios = {f"{k} / llama-bench": [a / b for a, b in zip(v, lb)] for k, v in samples.items()
+              if k != "llama-bench tg128"}
+    lbp = psamples["llama-bench pp512"]
+    ratios |= {f"{k} / llama-bench pp512": [a / b for a, b in zip(v, lbp)] for k, v in psamples.items()
+               if k != "llama-bench pp512"}
+    if peer is not None:
+        ratios["generate: llamax / llama-cpp-python"] = [a / b for a, b in zip(
+            samples["llamax Context.generate"], samples["llama-cpp-python Llama.generate"])]
+        ratios["completion: llamax / llama-cpp-python"] = [a / b for a, b in zip(
+            samples["llamax Llama.create_completion"], samples["llama-cpp-python create_completion"])]
     llm.close()
     ctx.close()
+    pctx.close()
     m.close()
-    return {"samples_tok_s": samples, "ratios": ratios}
+    return {"samples_tok_s": samples, "prompt_samples_tok_s": psamples, "overhead_us_per_token": overhead,
+            "ratios": ratios}
 
 
 def tenants(model_path, threads, loras, peer, quick):
@@ -170,7 +207,7 @@ def tenants(model_path, threads, loras, peer, quick):
     res["llamax single tenant (base only)"] = {"latencies": lat, "total": time.perf_counter() - t_all}
     llm.close()
     peer_loras = {0: str(loras[0]), 1: str(loras[1]), 2: None}
-    for mode in ("reload", "instances"):
+    for mode in (("reload", "instances") if peer is not None else ()):
         r = peer(op="tenants", mode=mode, model=str(model_path), threads=threads, n_ctx=512,
                  loras={str(k): v for k, v in peer_loras.items()},
                  requests=[[str(t), p] for t, p in reqs], max_tokens=max_tokens)
@@ -194,7 +231,7 @@ print(json.dumps({"peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 """
 
 
-def memory(model_path, loras_dir, ks):
+def memory(model_path, loras_dir, ks, with_peer=True):
     out = {}
     base_size = os.path.getsize(model_path)
     paths = [gguf_tools.make_lora(model_path, loras_dir / f"mem_lora{i}.gguf", rank=8, seed=100 + i)
@@ -205,10 +242,12 @@ def memory(model_path, loras_dir, ks):
         r = subprocess.run([sys.executable, "-c", _RSS_LLAMAX, json.dumps(spec)], capture_output=True, text=True,
                            cwd=str(HERE), check=True)
         lx = json.loads(r.stdout.strip().splitlines()[-1])["peak_rss"]
-        spec_p = {"model": str(model_path), "n_ctx": 256, "k": k, "lora": str(paths[0])}
-        r = subprocess.run([str(peers.python()), str(HERE / "peer_worker.py"), "rss", json.dumps(spec_p)],
-                           capture_output=True, text=True, cwd=str(HERE), check=True)
-        pe = json.loads(r.stdout.strip().splitlines()[-1])["peak_rss"]
+        pe = float("nan")
+        if with_peer:
+            spec_p = {"model": str(model_path), "n_ctx": 256, "k": k, "lora": str(paths[0])}
+            r = subprocess.run([str(peers.python()), str(HERE / "peer_worker.py"), "rss", json.dumps(spec_p)],
+                               capture_output=True, text=True, cwd=str(HERE), check=True)
+            pe = json.loads(r.stdout.strip().splitlines()[-1])["peak_rss"]
         out[str(k)] = {"llamax_one_model_k_adapters": lx, "llama_cpp_python_k_instances": pe,
                        "files_base_plus_k_adapters": base_size + k * lora_size}
     return {"model_bytes": base_size, "adapter_bytes": lora_size, "by_k": out}
@@ -257,9 +296,10 @@ def gil(model_path, threads, peer, reps):
         stop.set()
         t.join()
         lx.append(box["n"] / (time.perf_counter() - t0) / solo)
-        r = peer(op="gil", model=str(model_path), threads=threads)
-        # the peer's solo rate is measured in this process: same interpreter, same machine
-        pe.append(r["count"] / r["seconds"] / solo)
+        if peer is not None:
+            r = peer(op="gil", model=str(model_path), threads=threads)
+            # the peer's solo rate is measured in this process: same interpreter, same machine
+            pe.append(r["count"] / r["seconds"] / solo)
     ctx.close()
     m.close()
     return {"n_threads": threads, "llamax": lx, "llama-cpp-python": pe}
@@ -286,25 +326,39 @@ def ttft(model_path, threads, peer, reps):
     for _ in range(reps):
         out["llamax cold"].append(first(True))
         out["llamax cached"].append(first(False))
-        out["llama-cpp-python cold"].append(peer(op="ttft", model=str(model_path), threads=threads,
-                                                 prompt=prompt, cold=True)["seconds"])
-        out["llama-cpp-python cached"].append(peer(op="ttft", model=str(model_path), threads=threads,
-                                                   prompt=prompt, cold=False)["seconds"])
+        if peer is not None:
+            out["llama-cpp-python cold"].append(peer(op="ttft", model=str(model_path), threads=threads,
+                                                     prompt=prompt, cold=True)["seconds"])
+            out["llama-cpp-python cached"].append(peer(op="ttft", model=str(model_path), threads=threads,
+                                                       prompt=prompt, cold=False)["seconds"])
     llm.close()
     return out
 
 
+def _row(v, scale=1.0, digits=1):
+    v = [x * scale for x in v]
+    return f"{med(v):.{digits}f} ({min(v):.{digits}f}–{max(v):.{digits}f})" if v else "—"
+
+
 def table(res) -> str:
+    peer = res["peer"]
     L = [f"# llamax serving benchmark ({res['date']})", "",
-         f"{Path(res['model']).name}, {res['threads']} threads, {res['machine']['cpu']}; "
-         f"llama-cpp-python: {res['peer'].get('package')} from {res['peer'].get('source')}, "
-         f"CMAKE_ARGS `{res['peer'].get('CMAKE_ARGS')}`.", ""]
+         f"{Path(res['model']).name}, {res['threads']} threads, {res['machine']['cpu_model']}; "
+         + (f"llama-cpp-python: {peer.get('package')} from {peer.get('source')}, "
+            f"CMAKE_ARGS `{peer.get('CMAKE_ARGS')}`." if peer else "llama-cpp-python not run (no --peers)."),
+         f"Medians of {res['runs']} interleaved runs after a warm-up, (min–max); ratios and overheads pair by pair.",
+         ""]
     d = res["decode"]
-    L += ["| decode, 128 tokens (tok/s) | median (min–max) |", "|---|---|"]
+    L += ["| decode, 128 tokens (tok/s) | median (min–max) | overhead vs llama-bench (µs/token) |",
+          "|---|---|---|"]
     for k, v in d["samples_tok_s"].items():
-        L.append(f"| {k} | {med(v):.1f} ({min(v):.1f}–{max(v):.1f}) |")
+        L.append(f"| {k} | {_row(v)} | {_row(d['overhead_us_per_token'][k], digits=0) if k in d['overhead_us_per_token'] else '—'} |")
+    L += ["", "| prompt, 512 tokens (tok/s) | median (min–max) |", "|---|---|"]
+    for k, v in d["prompt_samples_tok_s"].items():
+        L.append(f"| {k} | {_row(v)} |")
+    L += ["", "| ratio | median (min–max) |", "|---|---|"]
     for k, v in d["ratios"].items():
-        L.append(f"| ratio {k} | {med(v):.3f} ({min(v):.3f}–{max(v):.3f}) |")
+        L.append(f"| {k} | {_row(v, digits=3)} |")
     t = res["tenants"]
     L += ["", f"| multi-tenant: 3 tenants × {t['n_requests'] // 3} requests, {t['max_tokens']} tokens each "
           "| requests/s | p50 (s) | p95 (s) |", "|---|---|---|---|"]
@@ -320,12 +374,11 @@ def table(res) -> str:
     L += ["", f"| GIL: counter-thread rate during generate / solo (n_threads={g['n_threads']}) | median (min–max) |",
           "|---|---|"]
     for k in ("llamax", "llama-cpp-python"):
-        L.append(f"| {k} | {med(g[k]):.2f} ({min(g[k]):.2f}–{max(g[k]):.2f}) |")
+        L.append(f"| {k} | {_row(g[k], digits=2)} |")
     tt = res["ttft"]
     L += ["", f"| time to first token, {tt['prompt_tokens']}-token prompt (ms) | median (min–max) |", "|---|---|"]
     for k in ("llamax cold", "llamax cached", "llama-cpp-python cold", "llama-cpp-python cached"):
-        v = [x * 1000 for x in tt[k]]
-        L.append(f"| {k} | {med(v):.1f} ({min(v):.1f}–{max(v):.1f}) |")
+        L.append(f"| {k} | {_row(tt[k], scale=1000)} |")
     return "\n".join(L) + "\n"
 
 
@@ -338,7 +391,8 @@ def plot(res, path: Path):
     names = list(d)
     axes[0].bar(range(len(names)), [med(d[n]) for n in names],
                 yerr=[[med(d[n]) - min(d[n]) for n in names], [max(d[n]) - med(d[n]) for n in names]],
-                color=["#2a7", "#2a7", "#888", "#888"])
+                color=["#27a" if n.startswith("llama-bench") else "#2a7" if n.startswith("llamax") else "#888"
+                       for n in names])
     short = [n.replace("llama-cpp-python", "l-c-py").replace("Llama.", "").replace("Context.", "")
              .replace(" ", "\n", 1) for n in names]
     axes[0].set_xticks(range(len(names)), short, fontsize=8)
@@ -372,6 +426,10 @@ def main(argv=None):
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default=str(HERE / "results"))
+    ap.add_argument("--peers", action="store_true",
+                    help="also run llama-cpp-python 0.3.36, built from the same sdist and CPU flags "
+                         "into a cached venv (benchmarks/peers.py; the first build takes minutes)")
+    ap.add_argument("--llama-bench", default=None, help="llama-bench binary (default: the cached build)")
     a = ap.parse_args(argv)
     model_path = Path(a.model) if a.model else data.smollm2()
     runs = 2 if a.quick else a.runs
@@ -379,23 +437,24 @@ def main(argv=None):
     out.mkdir(parents=True, exist_ok=True)
     work = cache_dir() / "bench"
     loras = _gen_loras(model_path, work)
-    peer = Peer()
+    peer = Peer() if a.peers else None
+    exe = bench_engine.find_llama_bench(a.llama_bench)
     res = {"date": time.strftime("%Y-%m-%dT%H:%M:%S"), "argv": sys.argv, "model": str(model_path),
-           "threads": a.threads, "runs": runs, "peer": peers.describe(),
-           "machine": {"cpu": _cpu(), "cores": os.cpu_count(), "python": platform.python_version(),
-                       "numpy": np.__version__, "loadavg_start": os.getloadavg()}}
+           "threads": a.threads, "runs": runs, "peer": peers.describe() if peer is not None else {},
+           "machine": bench_engine.machine_info(exe) | {"loadavg_start": os.getloadavg()}}
     step = lambda s: print(f"[{time.strftime('%H:%M:%S')}] {s}", file=sys.stderr, flush=True)  # noqa: E731
     step("decode through each API")
-    res["decode"] = decode_apis(model_path, a.threads, runs, peer)
+    res["decode"] = decode_apis(model_path, a.threads, runs, peer, exe)
     step("multi-tenant serving")
     res["tenants"] = tenants(model_path, a.threads, loras, peer, a.quick)
     step("memory")
-    res["memory"] = memory(model_path, work, (1, 4) if a.quick else (1, 4, 16))
+    res["memory"] = memory(model_path, work, (1, 4) if a.quick else (1, 4, 16), with_peer=peer is not None)
     step("GIL")
     res["gil"] = gil(model_path, max(1, min(a.threads, (os.cpu_count() or 2) - 1)), peer, runs)
     step("time to first token")
     res["ttft"] = ttft(model_path, a.threads, peer, runs)
-    peer.close()
+    if peer is not None:
+        peer.close()
     res["machine"]["loadavg_end"] = os.getloadavg()
     (out / "serving.json").write_text(json.dumps(res, indent=1))
     md = table(res)
@@ -405,16 +464,6 @@ def main(argv=None):
     except ImportError:
         print("matplotlib is not installed: no plot (pip install matplotlib)", file=sys.stderr)
     print(md)
-
-
-def _cpu():
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 if __name__ == "__main__":

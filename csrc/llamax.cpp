@@ -625,7 +625,9 @@ GenResult Context::generate(llama_sampler * smpl, const llama_token * prompt, in
     }
     llama_memory_t mem = llama_get_memory(ctx_);
     llama_pos pos = llama_memory_seq_pos_max(mem, gp.seq_id) + 1;
-    if (n_prompt <= 0) {
+    if (n_prompt <= 0 && gp.from_saved_logits && !prompt_logits_.empty() && pos > 0) {
+        // the prompt is all in the KV already, and so are its final logits
+    } else if (n_prompt <= 0) {
         throw Error(ErrorKind::InvalidArgument,
                     "empty prompt: generation needs at least one new token to decode (a BOS token at least)");
     }
@@ -660,6 +662,15 @@ GenResult Context::generate(llama_sampler * smpl, const llama_token * prompt, in
         pos += n;
         res.n_prompt += n;
     }
+    bool saved = res.n_prompt == 0;
+    if (!saved) {
+        // keep the prompt's final logits: a repeat of this prompt under the
+        // same state can then start sampling without decoding anything
+        const float * lg = llama_get_logits_ith(ctx_, -1);
+        if (lg != nullptr) {
+            prompt_logits_.assign(lg, lg + n_vocab_);
+        }
+    }
     const int32_t max_tokens = gp.max_tokens < 0 ? INT32_MAX : gp.max_tokens;
     if (max_tokens == 0) {
         res.finish = Finish::Length;
@@ -668,7 +679,10 @@ GenResult Context::generate(llama_sampler * smpl, const llama_token * prompt, in
     llama_token tok;
     int8_t one = 1;
     for (;;) {
-        if (gp.plain_greedy) {
+        if (saved) {
+            saved = false;
+            tok = sample_saved(smpl, gp.plain_greedy);
+        } else if (gp.plain_greedy) {
             // A chain that is only llama.cpp's greedy sampler picks the first
             // maximum logit; doing that directly skips building the
             // n_vocab-sized candidate array every token.
@@ -720,6 +734,33 @@ GenResult Context::generate(llama_sampler * smpl, const llama_token * prompt, in
         raw_decode(b, 1);
         ++pos;
     }
+}
+
+llama_token Context::sample_saved(llama_sampler * smpl, bool plain_greedy) {
+    const float * lg = prompt_logits_.data();
+    if (plain_greedy) {
+        int32_t best = 0;
+        for (int32_t i = 1; i < n_vocab_; ++i) {
+            if (lg[i] > lg[best]) {
+                best = i;
+            }
+        }
+        llama_sampler_accept(smpl, best);
+        return best;
+    }
+    // what llama_sampler_sample does, on the saved row
+    cand_.resize(n_vocab_);
+    for (int32_t i = 0; i < n_vocab_; ++i) {
+        cand_[i] = llama_token_data{i, lg[i], 0.0f};
+    }
+    llama_token_data_array arr = {cand_.data(), cand_.size(), -1, false};
+    llama_sampler_apply(smpl, &arr);
+    if (arr.selected < 0 || arr.selected >= (int64_t) arr.size) {
+        throw Error(ErrorKind::Decode, "the sampler chain selected no token");
+    }
+    llama_token tok = arr.data[arr.selected].id;
+    llama_sampler_accept(smpl, tok);
+    return tok;
 }
 
 void Context::kv_clear() { llama_memory_clear(llama_get_memory(ctx_), true); }

@@ -103,6 +103,10 @@ struct GenParams {
     int32_t seq_id = 0;
     bool ignore_eos = false;
     bool plain_greedy = false;  // the sampler chain is exactly one greedy sampler
+    // With an empty prompt: sample the first token from the logits saved at
+    // the end of the last prompt this context decoded (the caller vouches
+    // that the KV still holds exactly that prompt, under the same state).
+    bool from_saved_logits = false;
     std::vector<std::vector<llama_token>> stop_sequences;
 };
 
@@ -161,6 +165,7 @@ public:
     int32_t last_n_outputs() const { return last_n_outputs_; }
     int64_t output_capacity() const { return out_capacity_; }
     int64_t n_state_calls() const { return n_state_calls_; }  // cvec/adapter calls that reached llama.cpp
+    bool has_saved_logits() const { return !prompt_logits_.empty(); }
     const std::vector<std::pair<Adapter *, float>> & adapters() const { return adapters_; }
     const ControlVectorPtr & control_vector() const { return cvec_; }
     void detach_all();  // forget the applied set (before free), decrementing attachments
@@ -205,6 +210,9 @@ private:
     std::vector<llama_seq_id> seq_buf_;
     std::vector<llama_seq_id *> seqp_buf_;
     std::vector<int8_t> out_buf_;
+    std::vector<float> prompt_logits_;  // logits after the last prompt generate() decoded
+    std::vector<llama_token_data> cand_;  // candidates for sampling from saved logits
+    llama_token sample_saved(llama_sampler * smpl, bool plain_greedy);
     ggml_threadpool_t tp_ = nullptr;
     ggml_threadpool_t tp_batch_ = nullptr;
     void free_threadpools();

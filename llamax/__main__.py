@@ -88,10 +88,11 @@ def _bench(args) -> int:
     if args.model:
         extra += ["--model", args.model]
     extra += ["--threads", str(args.threads), "--runs", str(args.runs)] + (["--quick"] if args.quick else [])
-    rc = 0
-    for script in ("bench_engine.py", "bench_serving.py"):
-        rc |= subprocess.call([sys.executable, str(repo / "benchmarks" / script)] + extra, cwd=str(repo),
-                              env=dict(os.environ))
+    rc = subprocess.call([sys.executable, str(repo / "benchmarks" / "bench_engine.py")] + extra, cwd=str(repo),
+                         env=dict(os.environ))
+    serving = extra + (["--peers"] if args.peers else [])
+    rc |= subprocess.call([sys.executable, str(repo / "benchmarks" / "bench_serving.py")] + serving,
+                          cwd=str(repo), env=dict(os.environ))
     return rc
 
 
@@ -107,6 +108,8 @@ def main(argv=None) -> int:
     b.add_argument("--threads", type=int, default=2)
     b.add_argument("--runs", type=int, default=5)
     b.add_argument("--quick", action="store_true", help="fewer runs, for a smoke check")
+    b.add_argument("--peers", action="store_true",
+                   help="also run llama-cpp-python 0.3.36 built from the same sdist and CPU flags (cached venv)")
     b.add_argument("--repo", help="the llamax checkout (default: the current folder)")
     args = p.parse_args(argv)
     if args.cmd == "demo":

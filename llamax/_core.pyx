@@ -1265,7 +1265,7 @@ cdef class Context:
     # -- generation ---------------------------------------------------------
 
     def generate(self, tokens, Sampler sampler not None, *, max_tokens=16, seq_id=0,
-                 stop_sequences=(), ignore_eos=False, callback=None):
+                 stop_sequences=(), ignore_eos=False, callback=None, from_saved_logits=False):
         """Decode ``tokens`` after what sequence ``seq_id`` holds, then sample up to ``max_tokens``.
 
         The whole loop runs in C++ without the GIL.  ``callback(token)``, if
@@ -1275,6 +1275,10 @@ cdef class Context:
         with finish_reason one of "stop" (end-of-generation token),
         "length" (max_tokens or the context is full), "stop_sequence",
         "callback".
+        ``from_saved_logits=True`` with an empty ``tokens`` samples the first
+        token from the logits saved at the end of the last prompt this
+        context decoded: for a repeated prompt whose KV is still in place
+        (the caller keeps that bookkeeping; llamax.Llama does).
         """
         if sampler.model is not self.model:
             raise InvalidArgumentError("this sampler was made for another model")
@@ -1289,6 +1293,7 @@ cdef class Context:
         gp.seq_id = seq_id
         gp.ignore_eos = bool(ignore_eos)
         gp.plain_greedy = sampler._plain_greedy
+        gp.from_saved_logits = bool(from_saved_logits)
         cdef vector[llama_token] sv
         cdef const int32_t[::1] s
         for seq in stop_sequences:

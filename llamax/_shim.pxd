@@ -51,6 +51,7 @@ cdef extern from "llamax.h" namespace "llamax" nogil:
         int32_t seq_id
         cbool ignore_eos
         cbool plain_greedy
+        cbool from_saved_logits
         vector[vector[llama_token]] stop_sequences
 
     cdef enum class CFinish "llamax::Finish":
@@ -85,6 +86,7 @@ cdef extern from "llamax.h" namespace "llamax" nogil:
         int32_t last_n_outputs()
         int64_t output_capacity()
         int64_t n_state_calls()
+        cbool has_saved_logits()
         void detach_all()
         int32_t n_vocab()
         int32_t n_ctx()

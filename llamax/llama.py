@@ -43,13 +43,14 @@ _DEFAULT_SEED = 0xFFFFFFFF
 class _Slot:
     """One context of the pool, with what its KV holds and under which state."""
 
-    __slots__ = ("ctx", "busy", "key", "tokens", "last_used")
+    __slots__ = ("ctx", "busy", "key", "tokens", "logits_n", "last_used")
 
     def __init__(self, ctx: Context):
         self.ctx = ctx
         self.busy = False
         self.key = None            # state key the KV was computed under
         self.tokens = np.empty(0, np.int32)  # tokens held in sequence 0's KV
+        self.logits_n = -1         # the context saved the logits after tokens[:logits_n]
         self.last_used = 0.0
 
 
@@ -98,6 +99,7 @@ class _Pool:
                     s.ctx.set_adapters([])
                     s.key = None
                     s.tokens = np.empty(0, np.int32)
+                    s.logits_n = -1
 
     def close(self):
         with self.cond:
@@ -742,14 +744,23 @@ class _Request:
             ctx.set_control_vector(self.cv)     # no-op when identical
             # Reuse KV only if it was computed under this very state.
             n_keep = _lcp(slot.tokens, self.tokens) if slot.key == self.key else 0
+            saved = False
             if n_keep == len(self.tokens):
-                n_keep -= 1  # the last prompt token is decoded again for its logits
+                # A repeat: the KV holds the whole prompt.  Sample from the
+                # logits saved after it (the same numbers as the first time,
+                # so the same answer) unless logprobs need the live buffer;
+                # else decode the last prompt token again for its logits.
+                if slot.logits_n == n_keep and self.logprobs is None:
+                    saved = True
+                else:
+                    n_keep -= 1
             if n_keep > 0:
                 ctx.kv_remove(0, n_keep, -1)
             else:
                 ctx.kv_clear()
             slot.key = self.key
             slot.tokens = self.tokens[:n_keep]
+            slot.logits_n = -1
             text = _TextAssembler(model, self.stops, emit)
             want_cb = emit is not None or self.stops or self.logprobs is not None
             lps = res.logprobs
@@ -763,11 +774,12 @@ class _Request:
 
             try:
                 out, finish = ctx.generate(self.tokens[n_keep:], self.sampler, max_tokens=self.max_tokens,
-                                           callback=on_token if want_cb else None)
+                                           callback=on_token if want_cb else None, from_saved_logits=saved)
             except BaseException:
                 slot.key = None
                 slot.tokens = np.empty(0, np.int32)
                 raise
+            slot.logits_n = len(self.tokens)
             n_kv = ctx.seq_pos_max(0) + 1
             full = np.concatenate([self.tokens, out])
             slot.tokens = full[:n_kv]

@@ -213,3 +213,25 @@ def test_logit_bias_bans_token(model, ctx):
 def test_sampler_bad_args(model, kw):
     with pytest.raises((TypeError, ValueError)):
         llamax.Sampler(model, **kw)
+
+
+def test_generate_from_saved_logits_repeats_exactly(model, ctx):
+    """A repeated prompt whose KV is still in place samples from the logits
+    saved after it: the same tokens as the first time, nothing decoded."""
+    toks = model.tokenize(PROMPT)
+    first, _ = ctx.generate(toks, greedy(model), max_tokens=12, ignore_eos=True)
+    ctx.kv_remove(0, len(toks), -1)  # keep exactly the prompt
+    again, _ = ctx.generate([], greedy(model), max_tokens=12, ignore_eos=True, from_saved_logits=True)
+    assert again.tolist() == first.tolist()
+    # with a sampling chain (not the greedy shortcut) too
+    ctx.kv_clear()
+    s1 = llamax.Sampler(model, temperature=0.7, top_k=20, seed=7)
+    a, _ = ctx.generate(toks, s1, max_tokens=8, ignore_eos=True)
+    ctx.kv_remove(0, len(toks), -1)
+    s2 = llamax.Sampler(model, temperature=0.7, top_k=20, seed=7)
+    b, _ = ctx.generate([], s2, max_tokens=8, ignore_eos=True, from_saved_logits=True)
+    assert a.tolist() == b.tolist()
+    # an empty context has nothing to continue from
+    ctx.kv_clear()
+    with pytest.raises(llamax.InvalidArgumentError, match="empty prompt"):
+        ctx.generate([], greedy(model), from_saved_logits=True)
