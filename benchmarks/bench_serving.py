@@ -219,15 +219,26 @@ def tenants(model_path, threads, loras, peer, quick):
     return {"n_requests": len(reqs), "max_tokens": max_tokens, "results": out}
 
 
-_RSS_LLAMAX = r"""
-import json, resource, sys
+# Peak RSS from VmHWM: ru_maxrss survives exec on Linux, so a child started
+# from a big parent would report the parent's peak.
+PEAK_RSS = r"""
+def peak_rss():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+"""
+
+_RSS_LLAMAX = PEAK_RSS + r"""
+import json, sys
 import llamax
 spec = json.loads(sys.argv[1])
 llm = llamax.Llama(model_path=spec["model"], n_ctx=spec["n_ctx"], n_threads=1)
 for i, p in enumerate(spec["loras"]):
     llm.load_lora(f"a{i}", p)
 llm.create_completion("hi", max_tokens=1, active_loras=[{"name": "a0", "scale": 1.0}] if spec["loras"] else None)
-print(json.dumps({"peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+print(json.dumps({"peak_rss": peak_rss()}))
 """
 
 
@@ -316,9 +327,11 @@ def ttft(model_path, threads, peer, reps):
         if cold:
             llm._pool.slots[0].key = None  # forget the cached prefix
         t0 = time.perf_counter()
+        dt = None
         for _ in llm.create_completion(prompt, max_tokens=4, temperature=0.0, stream=True):
+            dt = time.perf_counter() - t0  # at the first chunk, before the stream is closed
             break
-        return time.perf_counter() - t0
+        return dt
 
     first(True)
     out = {"prompt_tokens": n_tok, "llamax cold": [], "llamax cached": [],
@@ -430,6 +443,9 @@ def main(argv=None):
                     help="also run llama-cpp-python 0.3.36, built from the same sdist and CPU flags "
                          "into a cached venv (benchmarks/peers.py; the first build takes minutes)")
     ap.add_argument("--llama-bench", default=None, help="llama-bench binary (default: the cached build)")
+    ap.add_argument("--only", default=None,
+                    help="comma-separated sections to re-measure (decode,tenants,memory,gil,ttft); "
+                         "the others are kept from the existing serving.json")
     a = ap.parse_args(argv)
     model_path = Path(a.model) if a.model else data.smollm2()
     runs = 2 if a.quick else a.runs
@@ -443,16 +459,22 @@ def main(argv=None):
            "threads": a.threads, "runs": runs, "peer": peers.describe() if peer is not None else {},
            "machine": bench_engine.machine_info(exe) | {"loadavg_start": os.getloadavg()}}
     step = lambda s: print(f"[{time.strftime('%H:%M:%S')}] {s}", file=sys.stderr, flush=True)  # noqa: E731
-    step("decode through each API")
-    res["decode"] = decode_apis(model_path, a.threads, runs, peer, exe)
-    step("multi-tenant serving")
-    res["tenants"] = tenants(model_path, a.threads, loras, peer, a.quick)
-    step("memory")
-    res["memory"] = memory(model_path, work, (1, 4) if a.quick else (1, 4, 16), with_peer=peer is not None)
-    step("GIL")
-    res["gil"] = gil(model_path, max(1, min(a.threads, (os.cpu_count() or 2) - 1)), peer, runs)
-    step("time to first token")
-    res["ttft"] = ttft(model_path, a.threads, peer, runs)
+    only = set(a.only.split(",")) if a.only else None
+    if only:
+        old = json.loads((out / "serving.json").read_text())
+        res |= {k: v for k, v in old.items() if k in ("decode", "tenants", "memory", "gil", "ttft")}
+    sections = [
+        ("decode", "decode through each API", lambda: decode_apis(model_path, a.threads, runs, peer, exe)),
+        ("tenants", "multi-tenant serving", lambda: tenants(model_path, a.threads, loras, peer, a.quick)),
+        ("memory", "memory", lambda: memory(model_path, work, (1, 4) if a.quick else (1, 4, 16),
+                                            with_peer=peer is not None)),
+        ("gil", "GIL", lambda: gil(model_path, max(1, min(a.threads, (os.cpu_count() or 2) - 1)), peer, runs)),
+        ("ttft", "time to first token", lambda: ttft(model_path, a.threads, peer, runs)),
+    ]
+    for key, label, fn in sections:
+        if only is None or key in only:
+            step(label)
+            res[key] = fn()
     if peer is not None:
         peer.close()
     res["machine"]["loadavg_end"] = os.getloadavg()
