@@ -25,7 +25,6 @@ import os
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -36,6 +35,7 @@ ROOT = HERE.parent
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(HERE))
 import bench_engine  # noqa: E402  (llama-bench runner, machine info)
+from counter import Counter, solo_rate  # noqa: E402
 import data  # noqa: E402
 import peers  # noqa: E402
 
@@ -266,47 +266,16 @@ def memory(model_path, loras_dir, ks, with_peer=True):
 
 def gil(model_path, threads, peer, reps):
     """Counter-thread rate during a 128-token generate, as a fraction of its solo rate."""
-    def solo_rate(seconds):
-        stop = threading.Event()
-        box = {}
-
-        def count():
-            n = 0
-            while not stop.is_set():
-                n += 1
-            box["n"] = n
-
-        t = threading.Thread(target=count)
-        t0 = time.perf_counter()
-        t.start()
-        time.sleep(seconds)
-        stop.set()
-        t.join()
-        return box["n"] / (time.perf_counter() - t0)
-
     m = llamax.Model(model_path)
     ctx = llamax.Context(m, n_ctx=256, n_threads=threads)
     smp = llamax.Sampler(m)
     lx, pe = [], []
     for _ in range(reps):
         solo = solo_rate(0.5)
-        stop = threading.Event()
-        box = {}
-
-        def count():
-            n = 0
-            while not stop.is_set():
-                n += 1
-            box["n"] = n
-
         ctx.kv_clear()
-        t = threading.Thread(target=count)
-        t0 = time.perf_counter()
-        t.start()
-        ctx.generate([m.token_bos], smp, max_tokens=N_GEN, ignore_eos=True)
-        stop.set()
-        t.join()
-        lx.append(box["n"] / (time.perf_counter() - t0) / solo)
+        with Counter() as c:
+            ctx.generate([m.token_bos], smp, max_tokens=N_GEN, ignore_eos=True)
+        lx.append(c.rate / solo)
         if peer is not None:
             r = peer(op="gil", model=str(model_path), threads=threads)
             # the peer's solo rate is measured in this process: same interpreter, same machine

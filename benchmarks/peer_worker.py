@@ -6,15 +6,15 @@ Two modes:
                                         interleave contestants without reloads)
   python peer_worker.py rss SPEC_JSON   one-shot: load K instances, print peak RSS
 
-Only the standard library, numpy and llama_cpp are used here.
+Only the standard library, llama_cpp and counter.py (beside this file) are used here.
 """
 import json
 import resource
 import sys
-import threading
 import time
 
 import llama_cpp
+from counter import Counter  # benchmarks/counter.py (this script's folder)
 from llama_cpp import Llama
 
 _models = {}
@@ -100,27 +100,14 @@ def tenants(req):
 def gil(req):
     """A pure-Python counter thread's count during a 128-token generate."""
     llm = _llm(req["model"], req["threads"], 256)
-    stop = threading.Event()
-    box = {}
-
-    def count():
-        n = 0
-        while not stop.is_set():
-            n += 1
-        box["n"] = n
-
-    t = threading.Thread(target=count)
     bos = llm.token_bos()
-    t0 = time.perf_counter()
-    t.start()
-    k = 0
-    for _tok in llm.generate([bos], top_k=1, temp=0.0, reset=True):
-        k += 1
-        if k == 128:
-            break
-    stop.set()
-    t.join()
-    return {"count": box["n"], "seconds": time.perf_counter() - t0}
+    with Counter() as c:
+        k = 0
+        for _tok in llm.generate([bos], top_k=1, temp=0.0, reset=True):
+            k += 1
+            if k == 128:
+                break
+    return {"count": c.count, "seconds": c.seconds}
 
 
 def ttft(req):
