@@ -33,6 +33,8 @@ class AdapterRegistry:
     that idle contexts let go of it first.
     """
 
+    make_room_timeout = 60.0  # seconds to wait for a running request to release an adapter
+
     def __init__(self, model: Model, max_loaded: int | None = None,
                  detach: Callable[[LoraAdapter], None] | None = None):
         if max_loaded is not None and (isinstance(max_loaded, bool) or not isinstance(max_loaded, int)
@@ -156,6 +158,7 @@ class AdapterRegistry:
         ``n_new`` more fit; wait for running requests if all are pinned."""
         if self._max is None:
             return
+        deadline = time.monotonic() + self.make_room_timeout
         while True:
             loaded = [e for e in self._entries.values() if e.adapter is not None]
             excess = len(loaded) + n_new - self._max
@@ -175,7 +178,12 @@ class AdapterRegistry:
                 if freed >= excess:
                     return
             # every candidate is held by a running request: wait for one to finish
-            self._cond.wait(timeout=1.0)
+            # (bounded: a stream nobody consumes would otherwise hold its pins forever)
+            if time.monotonic() > deadline:
+                raise AdapterInUseError(
+                    f"all {self._max} loaded adapters are held by running requests; "
+                    "finish or close those requests, or raise max_loaded_adapters")
+            self._cond.wait(timeout=0.5)
 
     def _free(self, e: _Entry) -> None:
         if e.adapter is None:

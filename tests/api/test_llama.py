@@ -451,6 +451,23 @@ def test_adapters_on_demand_lru(smollm2_path, api_loras, third_lora):
         assert text(m(FOX, max_tokens=12, **G)) not in out.values()
 
 
+def test_on_demand_gives_up_when_every_adapter_is_held(smollm2_path, api_loras):
+    """All loaded adapters pinned by a stream nobody finishes: a request that
+    needs room raises after a bounded wait instead of hanging its thread."""
+    with make_llama(smollm2_path, max_loaded_adapters=1) as m:
+        m.register_lora("coder", api_loras["coder"])
+        m.register_lora("translator", api_loras["translator"])
+        m._adapters.make_room_timeout = 0.5
+        it = m(FOX, max_tokens=None, active_loras=[{"name": "coder", "scale": 1.0}], stream=True,
+               logit_bias={m.token_eos(): -1000.0}, **G)
+        next(it)
+        with pytest.raises(llamax.AdapterInUseError, match="held by running requests"):
+            m(FOX, max_tokens=2, active_loras=[{"name": "translator", "scale": 1.0}], **G)
+        it.close()   # the pin goes with the stream: now there is room
+        assert text(m(FOX, max_tokens=4, active_loras=[{"name": "translator", "scale": 1.0}], **G))
+        assert [e["in_use"] for e in m.list_loras()] == [0, 0]
+
+
 # -- 5. control vectors -------------------------------------------------------------------------
 
 def _padded(seed, layer_end, std=0.2):
