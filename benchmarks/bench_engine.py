@@ -334,6 +334,31 @@ def make_loras(model_path: Path, out_dir: Path, rank: int = 8) -> tuple[list[Pat
     return paths, "llamax.gguf_tools.make_lora (default targets)"
 
 
+def toggle_costs(ctx, apply, states, budget, batches, token, n_deferred):
+    """For a state setter (set_adapters / set_control_vector) and two states:
+    µs per switch (A ↔ B), µs per identical re-apply, the llama.cpp calls each
+    made, and the graph re-reserve the next decode pays after a switch."""
+    a, b = states
+
+    def switch(k):
+        for _ in range(k):
+            apply(a)
+            apply(b)
+
+    def reapply(k):
+        for _ in range(k):
+            apply(b)
+
+    n0 = ctx.n_state_calls
+    sw = per_call_us(switch, 2, budget, batches)
+    n1 = ctx.n_state_calls
+    re = per_call_us(reapply, 1, budget, batches)
+    n2 = ctx.n_state_calls
+    deferred = deferred_reserve(ctx, change=lambda i: apply(states[(i + 1) & 1]),
+                                same=lambda i: apply(states[i & 1]), token=token, n=n_deferred)
+    return sw, re, (n1 - n0, n2 - n1), deferred
+
+
 def state_costs(model: llamax.Model, model_path: Path, threads: int, quick: bool) -> dict:
     budget = 0.2 if quick else 0.5      # seconds per micro-benchmark
     batches = 3 if quick else 7
@@ -347,55 +372,23 @@ def state_costs(model: llamax.Model, model_path: Path, threads: int, quick: bool
         adapters = [llamax.LoraAdapter(model, p) for p in paths]
         out["lora"] = {"made_by": how, "rank": 8, "file_bytes": [p.stat().st_size for p in paths]}
         sets = [[(adapters[0], 1.0)], [(adapters[1], 1.0)]]
-        sa = ctx.set_adapters
-
-        def swap(k):
-            for _ in range(k):
-                sa(sets[0])
-                sa(sets[1])
-
-        def reapply(k):
-            for _ in range(k):
-                sa(sets[1])
-
-        n0 = ctx.n_state_calls
-        out["adapter_swap"] = per_call_us(swap, 2, budget, batches)
-        n1 = ctx.n_state_calls
-        out["adapter_reapply"] = per_call_us(reapply, 1, budget, batches)
-        n2 = ctx.n_state_calls
+        (out["adapter_swap"], out["adapter_reapply"], (n_sw, n_re),
+         out["adapter_deferred_reserve"]) = toggle_costs(ctx, ctx.set_adapters, sets, budget, batches, token,
+                                                         n_deferred)
         # Evidence that a swap reaches llama.cpp every time and a re-apply never does.
-        out["adapter_state_calls"] = {"during_swaps": n1 - n0, "during_reapplies": n2 - n1}
-        out["adapter_deferred_reserve"] = deferred_reserve(
-            ctx, change=lambda i: sa(sets[(i + 1) & 1]), same=lambda i: sa(sets[i & 1]),
-            token=token, n=n_deferred)
-        sa([])  # back to the base model; the adapters can be freed with the folder
+        out["adapter_state_calls"] = {"during_swaps": n_sw, "during_reapplies": n_re}
+        ctx.set_adapters([])  # back to the base model; the adapters can be freed with the folder
 
     rng = np.random.default_rng(0)
     n_rows = model.n_layer - 1          # llama.cpp control vectors cover layers 1..n_layer-1
     cvs = [llamax.ControlVector.from_rows(
         model, (rng.standard_normal(n_rows * model.n_embd) * 0.01).astype(np.float32), 1, model.n_layer - 1)
         for _ in range(2)]
-    scv = ctx.set_control_vector
-
-    def cv_apply(k):
-        for _ in range(k):
-            scv(cvs[0])
-            scv(cvs[1])
-
-    def cv_reapply(k):
-        for _ in range(k):
-            scv(cvs[1])
-
-    n0 = ctx.n_state_calls
-    out["cvec_apply"] = per_call_us(cv_apply, 2, budget, batches)
-    n1 = ctx.n_state_calls
-    out["cvec_reapply"] = per_call_us(cv_reapply, 1, budget, batches)
-    n2 = ctx.n_state_calls
-    out["cvec_state_calls"] = {"during_applies": n1 - n0, "during_reapplies": n2 - n1}
-    out["cvec_deferred_reserve"] = deferred_reserve(
-        ctx, change=lambda i: scv(cvs[(i + 1) & 1]), same=lambda i: scv(cvs[i & 1]),
-        token=token, n=n_deferred)
-    scv(None)
+    (out["cvec_apply"], out["cvec_reapply"], (n_ap, n_re),
+     out["cvec_deferred_reserve"]) = toggle_costs(ctx, ctx.set_control_vector, cvs, budget, batches, token,
+                                                  n_deferred)
+    out["cvec_state_calls"] = {"during_applies": n_ap, "during_reapplies": n_re}
+    ctx.set_control_vector(None)
 
     # Logits view: a fresh decode, then the view over its single output row.
     ctx.kv_clear()

@@ -393,12 +393,7 @@ class Llama:
         if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int) or logprobs < 0):
             raise InvalidArgumentError("logprobs must be a non-negative int (top alternatives per token)")
         tokens = self._prompt_tokens(prompt)
-        req = self._request(tokens, max_tokens=max_tokens, temperature=temperature, top_p=top_p, min_p=min_p,
-                            typical_p=typical_p, stop=stop, frequency_penalty=frequency_penalty,
-                            presence_penalty=presence_penalty, repeat_penalty=repeat_penalty, top_k=top_k,
-                            seed=seed, logit_bias=logit_bias, grammar=grammar, logprobs=logprobs,
-                            active_loras=active_loras, control_vector=control_vector,
-                            control_vectors=control_vectors)
+        req = self._request(tokens, logprobs=logprobs, **_request_args(locals()))
         cid = f"cmpl-{uuid.uuid4()}"
         created = int(time.time())
         name = model or self.model_path
@@ -464,12 +459,7 @@ class Llama:
                 raise InvalidArgumentError("top_logprobs must be an int in [0, 20]")
         # The template wrote the BOS (if any) and the special tokens as text.
         tokens = self._model.tokenize(text, add_special=False, parse_special=True)
-        req = self._request(tokens, max_tokens=max_tokens, temperature=temperature, top_p=top_p, min_p=min_p,
-                            typical_p=typical_p, stop=stop, frequency_penalty=frequency_penalty,
-                            presence_penalty=presence_penalty, repeat_penalty=repeat_penalty, top_k=top_k,
-                            seed=seed, logit_bias=logit_bias, grammar=grammar, logprobs=n_top,
-                            active_loras=active_loras, control_vector=control_vector,
-                            control_vectors=control_vectors)
+        req = self._request(tokens, logprobs=n_top, **_request_args(locals()))
         cid = f"chatcmpl-{uuid.uuid4()}"
         created = int(time.time())
         name = model or self.model_path
@@ -629,6 +619,18 @@ class Llama:
         # Resolved last: it pins adapters, which the request must release.
         adapters, names, cv, key = self._state(active_loras, control_vector, control_vectors)
         return _Request(self, tokens, sampler, max_tokens, stops, logprobs, adapters, names, cv, key)
+
+
+# What every generating endpoint hands to Llama._request, taken by name from
+# the endpoint's own arguments: one list, so no path can forget one (a fork
+# whose chat path dropped active_loras is the failure this prevents).
+_REQUEST_ARGS = ("max_tokens", "temperature", "top_p", "min_p", "typical_p", "stop", "frequency_penalty",
+                 "presence_penalty", "repeat_penalty", "top_k", "seed", "logit_bias", "grammar",
+                 "active_loras", "control_vector", "control_vectors")
+
+
+def _request_args(args: dict) -> dict:
+    return {k: args[k] for k in _REQUEST_ARGS}
 
 
 class _Result:
