@@ -12,7 +12,6 @@ imports it.
 import atexit
 import logging
 import os
-import threading
 import weakref
 
 import numpy as np
@@ -20,7 +19,7 @@ import numpy as np
 cimport cython
 from cpython.buffer cimport PyBUF_FORMAT, PyBUF_ND, PyBUF_STRIDES, PyBUF_WRITABLE
 from cpython.exc cimport PyErr_CheckSignals
-from cpython.ref cimport PyObject
+from cpython.ref cimport Py_DECREF, Py_INCREF, PyObject
 from libc.stdint cimport INT32_MAX, INT32_MIN, int8_t, int32_t, int64_t, uint32_t
 from libc.string cimport memcpy
 from libcpp cimport bool as cbool
@@ -915,8 +914,6 @@ cdef int _token_trampoline(void * user, llama_token token) noexcept with gil:
         Py_INCREF(e)
         return -1
 
-
-from cpython.ref cimport Py_INCREF, Py_DECREF
 
 
 cdef class Context:

@@ -19,12 +19,12 @@ import threading
 import time
 import uuid
 import weakref
-from typing import Any, Iterator
+from typing import Iterator
 
 import numpy as np
 
 from llamax._core import Context, ControlVector, Model, Sampler
-from llamax._errors import ControlVectorError, InvalidArgumentError, LlamaxError, UnknownAdapterError
+from llamax._errors import ControlVectorError, InvalidArgumentError, UnknownAdapterError
 from llamax.adapters import AdapterRegistry
 from llamax.chat import ChatTemplate, ChatTemplateError, prepare_prefill
 
