@@ -124,8 +124,26 @@ def ttft(req):
     return {"seconds": dt}
 
 
+_embedders = {}
+
+
+def embed(req):
+    """Seconds for Llama.embed over the sentences (one call, as a service
+    would make it); the vectors too when asked (for the parity column)."""
+    key = (req["model"], req["threads"])
+    if key not in _embedders:
+        _embedders[key] = Llama(model_path=req["model"], embedding=True, n_ctx=512, n_batch=512, n_ubatch=512,
+                                n_threads=req["threads"], n_threads_batch=req["threads"], verbose=False)
+    llm = _embedders[key]
+    t0 = time.perf_counter()
+    vecs = llm.embed(req["sentences"], normalize=True)
+    dt = time.perf_counter() - t0
+    return {"seconds": dt, "vectors": vecs if req.get("return_vectors") else None}
+
+
 def serve():
-    ops = {"tg": tg, "pp": pp, "completion": completion, "tenants": tenants, "gil": gil, "ttft": ttft}
+    ops = {"tg": tg, "pp": pp, "completion": completion, "tenants": tenants, "gil": gil, "ttft": ttft,
+           "embed": embed}
     print(json.dumps({"ready": True, "version": llama_cpp.__version__}), flush=True)
     for line in sys.stdin:
         req = json.loads(line)

@@ -157,6 +157,114 @@ void adapter_free(Adapter * a) {
     delete a;
 }
 
+int32_t wpm_long_words_to_unk(const llama_vocab * vocab, llama_token unk, llama_token * tokens, int32_t n) {
+    if (llama_vocab_type(vocab) != LLAMA_VOCAB_TYPE_WPM) {
+        return n;
+    }
+    constexpr int32_t kMaxWordChars = 100;  // BertTokenizer's max_input_chars_per_word
+    static const std::string kWordStart = "\xe2\x96\x81";  // the phantom space the converter puts on word starts
+    if (unk < 0) {
+        return n;
+    }
+    auto n_chars = [](const char * s) {
+        int32_t k = 0;
+        for (; *s; ++s) {
+            k += (static_cast<unsigned char>(*s) & 0xC0) != 0x80;  // count UTF-8 lead bytes
+        }
+        return k;
+    };
+    int32_t w = 0;  // write index
+    int32_t i = 0;
+    while (i < n) {
+        const char * text = llama_vocab_get_text(vocab, tokens[i]);
+        const bool special = llama_vocab_get_attr(vocab, tokens[i]) &
+                             (LLAMA_TOKEN_ATTR_CONTROL | LLAMA_TOKEN_ATTR_UNKNOWN | LLAMA_TOKEN_ATTR_USER_DEFINED);
+        if (special || !text || std::strncmp(text, kWordStart.c_str(), kWordStart.size()) != 0) {
+            tokens[w++] = tokens[i++];
+            continue;
+        }
+        // a word: this token and the continuation pieces after it
+        int32_t j = i + 1;
+        int32_t chars = n_chars(text) - 1;
+        while (j < n) {
+            const char * t = llama_vocab_get_text(vocab, tokens[j]);
+            const bool sp = llama_vocab_get_attr(vocab, tokens[j]) &
+                            (LLAMA_TOKEN_ATTR_CONTROL | LLAMA_TOKEN_ATTR_UNKNOWN | LLAMA_TOKEN_ATTR_USER_DEFINED);
+            if (sp || !t || std::strncmp(t, kWordStart.c_str(), kWordStart.size()) == 0) {
+                break;
+            }
+            chars += n_chars(t);
+            ++j;
+        }
+        if (chars > kMaxWordChars) {
+            tokens[w++] = unk;
+        } else {
+            for (int32_t k = i; k < j; ++k) {
+                tokens[w++] = tokens[k];
+            }
+        }
+        i = j;
+    }
+    return w;
+}
+
+void tokenize_many(const llama_vocab * vocab, llama_token unk,
+                   const std::vector<std::pair<const char *, int32_t>> & texts, bool add_special, bool parse_special, int32_t max_tokens, bool truncate,
+                   std::vector<llama_token> & flat, std::vector<int64_t> & offsets) {
+    offsets.clear();
+    offsets.reserve(texts.size() + 1);
+    offsets.push_back(static_cast<int64_t>(flat.size()));
+    const int32_t n_suffix = add_special ? (llama_vocab_get_add_eos(vocab) ? 1 : 0) +
+                                               (llama_vocab_get_add_sep(vocab) ? 1 : 0)
+                                         : 0;
+    std::vector<llama_token> buf;
+    for (size_t i = 0; i < texts.size(); ++i) {
+        const char * p = texts[i].first;
+        const int32_t n_text = texts[i].second;
+        buf.resize(static_cast<size_t>(n_text) + 8);
+        int32_t n = llama_tokenize(vocab, p, n_text, buf.data(), static_cast<int32_t>(buf.size()), add_special,
+                                   parse_special);
+        if (n == INT32_MIN) {
+            throw Error(ErrorKind::InvalidArgument, "input " + std::to_string(i) + ": too many tokens for int32");
+        }
+        if (n < 0) {
+            buf.resize(static_cast<size_t>(-n));
+            n = llama_tokenize(vocab, p, n_text, buf.data(), static_cast<int32_t>(buf.size()), add_special,
+                               parse_special);
+            if (n < 0) {
+                throw Error(ErrorKind::InvalidArgument, "input " + std::to_string(i) + ": tokenization failed");
+            }
+        }
+        n = wpm_long_words_to_unk(vocab, unk, buf.data(), n);
+        if (n == 0) {
+            llama_token t = llama_vocab_bos(vocab);
+            if (t < 0) {
+                t = llama_vocab_eos(vocab);
+            }
+            if (t < 0) {
+                throw Error(ErrorKind::InvalidArgument, "input " + std::to_string(i) +
+                                                            " has no tokens and the model has no BOS or EOS "
+                                                            "token to stand in for it");
+            }
+            buf[0] = t;
+            n = 1;
+        }
+        if (max_tokens > 0 && n > max_tokens) {
+            if (!truncate) {
+                throw Error(ErrorKind::ContextOverflow, "input " + std::to_string(i) + " has " + std::to_string(n) +
+                                                            " tokens, more than the limit of " +
+                                                            std::to_string(max_tokens) +
+                                                            ": shorten it or pass truncate=True");
+            }
+            const int32_t keep_tail = std::min(n_suffix, max_tokens - 1);
+            std::copy(buf.begin() + (n - keep_tail), buf.begin() + n, buf.begin() + (max_tokens - keep_tail));
+            n = max_tokens;
+        }
+        flat.insert(flat.end(), buf.begin(), buf.begin() + n);
+        offsets.push_back(static_cast<int64_t>(flat.size()));
+    }
+}
+
 // ---------------------------------------------------------------------------
 // Control vectors
 
@@ -605,6 +713,102 @@ int32_t Context::decode(const llama_token * tokens, int32_t n, const llama_pos *
                          seqp_buf_.data(), out_buf_.data()};
     raw_decode(batch, n_out);
     return n_out;
+}
+
+int32_t Context::embed(const llama_token * tokens, const int64_t * offsets, int32_t n_inputs, float * out,
+                       bool normalize) {
+    abort_.store(false, std::memory_order_relaxed);
+    const enum llama_pooling_type pt = llama_pooling_type(ctx_);
+    if (pt == LLAMA_POOLING_TYPE_NONE || pt == LLAMA_POOLING_TYPE_RANK || pt == LLAMA_POOLING_TYPE_UNSPECIFIED) {
+        throw Error(ErrorKind::InvalidArgument,
+                    "pooled embeddings need a context made with embeddings=True and pooling mean, cls or last");
+    }
+    if (n_inputs <= 0) {
+        throw Error(ErrorKind::InvalidArgument, "no inputs to embed");
+    }
+    if (offsets[0] != 0) {
+        throw Error(ErrorKind::InvalidArgument, "offsets must start at 0");
+    }
+    for (int32_t i = 0; i < n_inputs; ++i) {
+        const int64_t len = offsets[i + 1] - offsets[i];
+        if (len <= 0) {
+            throw Error(ErrorKind::InvalidArgument,
+                        "input " + std::to_string(i) + " has no tokens (offsets must increase strictly)");
+        }
+        const int64_t limit = std::min<int64_t>(n_batch_, n_ctx_seq_);
+        if (len > limit) {
+            throw Error(ErrorKind::ContextOverflow, "input " + std::to_string(i) + " has " + std::to_string(len) +
+                                                        " tokens, more than fit in one sequence (" +
+                                                        std::to_string(limit) + "): truncate it");
+        }
+    }
+    const int64_t total = offsets[n_inputs];
+    for (int64_t k = 0; k < total; ++k) {
+        if (tokens[k] < 0 || tokens[k] >= n_vocab_) {
+            throw Error(ErrorKind::Token, "token id " + std::to_string(tokens[k]) + " at flat index " +
+                                              std::to_string(k) + " is out of range [0, " + std::to_string(n_vocab_) +
+                                              ")");
+        }
+    }
+    const int32_t n_embd = llama_model_n_embd(model_);
+    llama_memory_t mem = llama_get_memory(ctx_);
+    int32_t n_batches = 0;
+    int32_t i = 0;
+    while (i < n_inputs) {
+        // as many whole inputs as fit
+        int32_t j = i;
+        while (j < n_inputs && j - i < n_seq_max_ && offsets[j + 1] - offsets[i] <= n_batch_) {
+            ++j;
+        }
+        const int32_t n = static_cast<int32_t>(offsets[j] - offsets[i]);
+        pos_buf_.resize(n);
+        nseq_buf_.assign(n, 1);
+        seq_buf_.resize(n);
+        seqp_buf_.resize(n);
+        out_buf_.assign(n, 1);
+        for (int32_t k = i; k < j; ++k) {
+            const int32_t b = static_cast<int32_t>(offsets[k] - offsets[i]);
+            const int32_t e = static_cast<int32_t>(offsets[k + 1] - offsets[i]);
+            for (int32_t t = b; t < e; ++t) {
+                pos_buf_[t] = t - b;
+                seq_buf_[t] = k - i;
+            }
+        }
+        for (int32_t t = 0; t < n; ++t) {
+            seqp_buf_[t] = &seq_buf_[t];
+        }
+        if (mem) {
+            llama_memory_clear(mem, true);
+        }
+        llama_batch batch = {n, const_cast<llama_token *>(tokens + offsets[i]), nullptr, pos_buf_.data(),
+                             nseq_buf_.data(), seqp_buf_.data(), out_buf_.data()};
+        raw_decode(batch, n);
+        ++n_batches;
+        for (int32_t k = i; k < j; ++k) {
+            const float * v = llama_get_embeddings_seq(ctx_, k - i);
+            if (!v) {
+                throw Error(ErrorKind::Decode, with_reason("llama.cpp returned no pooled embedding"));
+            }
+            float * dst = out + static_cast<int64_t>(k) * n_embd;
+            if (normalize) {
+                double ss = 0.0;
+                for (int32_t d = 0; d < n_embd; ++d) {
+                    ss += static_cast<double>(v[d]) * v[d];
+                }
+                const float inv = ss > 0.0 ? static_cast<float>(1.0 / std::sqrt(ss)) : 1.0f;
+                for (int32_t d = 0; d < n_embd; ++d) {
+                    dst[d] = v[d] * inv;
+                }
+            } else {
+                std::memcpy(dst, v, sizeof(float) * n_embd);
+            }
+        }
+        i = j;
+    }
+    if (mem) {
+        llama_memory_clear(mem, true);
+    }
+    return n_batches;
 }
 
 GenResult Context::generate(llama_sampler * smpl, const llama_token * prompt, int32_t n_prompt,

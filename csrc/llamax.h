@@ -145,6 +145,15 @@ public:
     int32_t decode(const llama_token * tokens, int32_t n, const llama_pos * pos,
                    const llama_seq_id * seq, const int8_t * logits);
 
+    // Pooled embeddings of many inputs in as few decodes as possible.  Input
+    // i is tokens[offsets[i], offsets[i+1]); whole inputs are packed into a
+    // batch (at most n_batch tokens and n_seq_max inputs, one sequence id
+    // each) and row i of `out` (n_inputs x n_embd floats, caller-owned)
+    // receives input i's pooled vector, L2-normalized when asked.  Everything
+    // is validated before the first decode.  Returns the batches decoded.
+    int32_t embed(const llama_token * tokens, const int64_t * offsets, int32_t n_inputs, float * out,
+                  bool normalize);
+
     GenResult generate(llama_sampler * smpl, const llama_token * prompt, int32_t n_prompt,
                        const GenParams & params, token_cb_fn cb, void * user);
 
@@ -217,6 +226,26 @@ private:
     ggml_threadpool_t tp_batch_ = nullptr;
     void free_threadpools();
 };
+
+// Hugging Face's BERT WordPiece turns a word of more than 100 characters
+// into one [UNK] (max_input_chars_per_word); llama.cpp's WPM tokenizer
+// splits it into pieces instead.  For a WPM vocabulary, rewrite such words
+// in place to [UNK] so that embeddings match the reference model.  Returns
+// the new length (n for other vocabularies).
+// `unk` is the vocabulary's [UNK] id (tokenizer.ggml.unknown_token_id), -1 for none.
+int32_t wpm_long_words_to_unk(const llama_vocab * vocab, llama_token unk, llama_token * tokens, int32_t n);
+
+// Tokenize many texts without the GIL.  texts[i] is (pointer, length) of
+// valid UTF-8.  Token ids are appended to `flat`; `offsets` gets n+1
+// entries (input i is flat[offsets[i], offsets[i+1])).  An input that
+// tokenizes to nothing gets the model's BOS (else EOS) so it can be
+// embedded; a model with neither raises.  max_tokens > 0 caps each input:
+// truncate keeps its head plus the special tokens the model appends (BERT's
+// [SEP]), as Hugging Face tokenizers truncate; otherwise an input over the
+// cap raises ContextOverflow naming it.
+void tokenize_many(const llama_vocab * vocab, llama_token unk,
+                   const std::vector<std::pair<const char *, int32_t>> & texts, bool add_special, bool parse_special, int32_t max_tokens, bool truncate,
+                   std::vector<llama_token> & flat, std::vector<int64_t> & offsets);
 
 // Model-level validation helpers used before llama.cpp sees the input.
 void check_gguf_file(const std::string & path);  // exists, regular, readable, GGUF magic

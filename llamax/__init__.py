@@ -14,10 +14,12 @@ from llamax._core import (  # noqa: F401
 
 from llamax.llama import Llama  # noqa: E402,F401
 from llamax.chat import ChatTemplate, ChatTemplateError  # noqa: E402,F401
+from llamax.embedder import Embedder, cos_sim  # noqa: E402,F401
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Model", "Context", "LoraAdapter", "ControlVector", "Sampler",
     "set_log_level", "system_info", "supports_gpu_offload", "Llama", "ChatTemplate", "ChatTemplateError",
+    "Embedder", "cos_sim",
 ] + list(_errors_all)

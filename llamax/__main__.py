@@ -93,6 +93,11 @@ def _bench(args) -> int:
     serving = extra + (["--peers"] if args.peers else [])
     rc |= subprocess.call([sys.executable, str(repo / "benchmarks" / "bench_serving.py")] + serving,
                           cwd=str(repo), env=dict(os.environ))
+    # embeddings: all-MiniLM-L6-v2, its own model (--model is for the generative runs)
+    emb = ["--threads", str(args.threads), "--runs", str(args.runs)] + (["--quick"] if args.quick else []) \
+        + ([] if args.peers else ["--no-peers"])
+    rc |= subprocess.call([sys.executable, str(repo / "benchmarks" / "bench_embeddings.py")] + emb,
+                          cwd=str(repo), env=dict(os.environ))
     return rc
 
 
@@ -109,7 +114,8 @@ def main(argv=None) -> int:
     b.add_argument("--runs", type=int, default=5)
     b.add_argument("--quick", action="store_true", help="fewer runs, for a smoke check")
     b.add_argument("--peers", action="store_true",
-                   help="also run llama-cpp-python 0.3.36 built from the same sdist and CPU flags (cached venv)")
+                   help="also run llama-cpp-python 0.3.36 built from the same sdist and CPU flags (cached venv) "
+                        "and, for embeddings, sentence-transformers (torch 2.13.0 CPU, cached venv)")
     b.add_argument("--repo", help="the llamax checkout (default: the current folder)")
     args = p.parse_args(argv)
     if args.cmd == "demo":

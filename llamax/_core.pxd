@@ -10,6 +10,7 @@ from llamax._shim cimport CAdapter, CContext, CControlVectorPtr
 cdef class Model:
     cdef llama_model * _model
     cdef const llama_vocab * _vocab
+    cdef int32_t _unk              # [UNK] id (WPM fix-up), -1 if none
     cdef readonly str path
     cdef readonly bint vocab_only
     cdef object _children      # weakref.WeakSet of Context / LoraAdapter

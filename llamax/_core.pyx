@@ -25,6 +25,7 @@ from libc.string cimport memcpy
 from libcpp cimport bool as cbool
 from libcpp.memory cimport shared_ptr
 from libcpp.string cimport string
+from libcpp.utility cimport pair
 from libcpp.vector cimport vector
 
 from llamax.includes.llama cimport *
@@ -320,6 +321,11 @@ cdef class Model:
                                    + (f" ({reason})" if reason else " (corrupt or unsupported GGUF)"))
         self._model = m
         self._vocab = llama_model_get_vocab(m)
+        self._unk = -1
+        if llama_get_vocab_type(self._vocab) == LLAMA_VOCAB_TYPE_WPM:
+            unk = self.metadata.get("tokenizer.ggml.unknown_token_id", "")
+            if unk.isdigit() and int(unk) < llama_vocab_n_tokens(self._vocab):
+                self._unk = int(unk)
 
     def __dealloc__(self):
         # Children hold strong references to the model, so none is alive here.
@@ -512,7 +518,59 @@ cdef class Model:
                 n = llama_tokenize(v, p, n_text, &ov[0], cap, add, parse)
             if n < 0:
                 raise InvalidArgumentError("tokenization failed")
+        if self._unk >= 0:
+            n = wpm_long_words_to_unk(v, self._unk, &ov[0], n)
         return out[:n]
+
+    def tokenize_batch(self, texts, *, add_special=True, parse_special=False, max_tokens=0, truncate=True):
+        """Tokenize a list of str without the GIL: ``(tokens, offsets)``.
+
+        ``tokens`` is one flat int32 array, ``offsets`` int64 with
+        ``len(texts) + 1`` entries (text i is ``tokens[offsets[i]:offsets[i+1]]``),
+        the layout ``Context.embed`` takes.  An empty text gets the BOS (else
+        EOS) token.  ``max_tokens > 0`` caps each text: ``truncate=True``
+        keeps the head and the special tokens the model appends (as Hugging
+        Face tokenizers do); ``truncate=False`` raises ContextOverflowError
+        naming the text.
+        """
+        self._ptr()
+        if isinstance(texts, (str, bytes)) or not isinstance(texts, (list, tuple)):
+            raise TypeError(f"texts must be a list of str, not {type(texts).__name__}")
+        _check_int(max_tokens, "max_tokens", 0, INT32_MAX)
+        cdef list encoded = []
+        for i, t in enumerate(texts):
+            if not isinstance(t, str):
+                raise TypeError(f"texts[{i}] is {type(t).__name__}, not str")
+            try:
+                b = t.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise InvalidUtf8Error(
+                    f"texts[{i}] has a lone surrogate at {e.start}: not encodable as UTF-8") from None
+            if len(b) >= INT32_MAX // 2:
+                raise InvalidArgumentError(f"texts[{i}] is too long to tokenize (1 GiB or more)")
+            encoded.append(b)
+        cdef vector[pair[const char *, int32_t]] views
+        views.reserve(len(encoded))
+        cdef bytes bb
+        cdef pair[const char *, int32_t] item
+        for bb in encoded:
+            item.first = <const char *> bb
+            item.second = <int32_t> len(bb)
+            views.push_back(item)
+        cdef vector[llama_token] flat
+        cdef vector[int64_t] offsets
+        cdef cbool add = bool(add_special), parse = bool(parse_special), trunc = bool(truncate)
+        cdef int32_t cap = max_tokens
+        with nogil:
+            tokenize_many(self._vocab, self._unk, views, add, parse, cap, trunc, flat, offsets)
+        tokens = np.empty(flat.size(), dtype=np.int32)
+        offs = np.empty(offsets.size(), dtype=np.int64)
+        cdef int32_t[::1] tv = tokens
+        cdef int64_t[::1] ov = offs
+        if flat.size():
+            memcpy(&tv[0], flat.data(), flat.size() * sizeof(int32_t))
+        memcpy(&ov[0], offsets.data(), offsets.size() * sizeof(int64_t))
+        return tokens, offs
 
     def token_to_piece(self, int token, *, special=False):
         """The bytes of one token (a piece may be a partial UTF-8 sequence)."""
@@ -1218,6 +1276,64 @@ cdef class Context:
         finally:
             self._leave()
         return n_out
+
+    def embed(self, tokens, offsets, *, normalize=False, out=None):
+        """Pooled embeddings of many inputs, batched, in one call without the GIL.
+
+        ``tokens``/``offsets`` as ``Model.tokenize_batch`` returns them (input
+        i is ``tokens[offsets[i]:offsets[i+1]]``).  Whole inputs are packed
+        into decodes of up to ``n_batch`` tokens and ``n_seq_max`` inputs;
+        row i of the result is input i's vector (L2-normalized with
+        ``normalize=True``), written straight into one float32 array of
+        shape ``(n_inputs, n_embd)`` -- ``out`` if given (C-contiguous,
+        writable), else a new one.  Needs ``embeddings=True`` and pooling
+        mean, cls or last.  Clears the KV memory of the sequences it uses.
+        """
+        cdef CContext * c = self._get()
+        if not self.embeddings:
+            raise InvalidArgumentError("create the context with embeddings=True")
+        cdef const int32_t[::1] tv = _as_tokens(tokens)
+        try:
+            offs = np.asarray(offsets)
+        except Exception:
+            raise TypeError("offsets must be a 1-D array of int") from None
+        if offs.ndim != 1 or (offs.size and offs.dtype.kind not in "iu"):
+            raise TypeError("offsets must be a 1-D array of int")
+        if offs.shape[0] < 2:
+            raise InvalidArgumentError("offsets needs at least 2 entries (one input)")
+        offs = np.ascontiguousarray(offs, dtype=np.int64)
+        cdef const int64_t[::1] ov = offs
+        cdef Py_ssize_t n_in = ov.shape[0] - 1
+        if n_in > INT32_MAX:
+            raise InvalidArgumentError("too many inputs")
+        if ov[0] != 0 or ov[n_in] != tv.shape[0]:
+            raise InvalidArgumentError(
+                f"offsets must run from 0 to len(tokens)={tv.shape[0]}, not {ov[0]} to {ov[n_in]}")
+        if np.any(np.diff(offs) <= 0):
+            bad = int(np.argmax(np.diff(offs) <= 0))
+            raise InvalidArgumentError(f"input {bad} has no tokens (offsets must increase strictly)")
+        cdef int32_t n_embd = llama_model_n_embd(self.model._model)
+        if out is None:
+            out = np.empty((n_in, n_embd), dtype=np.float32)
+        elif not isinstance(out, np.ndarray) or out.dtype != np.float32 or out.shape != (n_in, n_embd) \
+                or not out.flags.c_contiguous or not out.flags.writeable:
+            raise InvalidArgumentError(
+                f"out must be a writable C-contiguous float32 array of shape ({n_in}, {n_embd})")
+        cdef float[:, ::1] dst = out
+        if self._n_seq_views:
+            raise ViewsExportedError(
+                "pooled-embedding views of this context are alive and embed() overwrites them; "
+                "delete them (or copy) first")
+        if self._n_views and c.would_grow_outputs(c.n_batch(), c.n_batch()):
+            raise ViewsExportedError("logits/embeddings views are alive and embed() would move their buffer")
+        cdef cbool norm = bool(normalize)
+        c = self._enter()
+        try:
+            with nogil:
+                c.embed(&tv[0], &ov[0], <int32_t> n_in, &dst[0, 0], norm)
+        finally:
+            self._leave()
+        return out
 
     @property
     def n_outputs(self):

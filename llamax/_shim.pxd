@@ -5,11 +5,12 @@ from libc.stdint cimport int8_t, int32_t, int64_t
 from libcpp cimport bool as cbool
 from libcpp.memory cimport shared_ptr
 from libcpp.string cimport string
+from libcpp.utility cimport pair
 from libcpp.vector cimport vector
 
 from llamax.includes.llama cimport (
     llama_adapter_lora, llama_context, llama_context_params, llama_model, llama_pos,
-    llama_sampler, llama_seq_id, llama_token,
+    llama_sampler, llama_seq_id, llama_token, llama_vocab,
 )
 
 
@@ -74,6 +75,8 @@ cdef extern from "llamax.h" namespace "llamax" nogil:
         cbool set_control_vector(const CControlVectorPtr & cv) except +translate_exception
         int32_t decode(const llama_token * tokens, int32_t n, const llama_pos * pos,
                        const llama_seq_id * seq, const int8_t * logits) except +translate_exception
+        int32_t embed(const llama_token * tokens, const int64_t * offsets, int32_t n_inputs, float * out,
+                      bint normalize) except +translate_exception
         CGenResult generate(llama_sampler * smpl, const llama_token * prompt, int32_t n_prompt,
                             const CGenParams & params, token_cb_fn cb, void * user) except +translate_exception
         void kv_clear()
@@ -109,4 +112,8 @@ cdef extern from "llamax.h" namespace "llamax" nogil:
                                const vector[float] & scales) except +translate_exception
 
     void check_gguf_file(const string & path) except +translate_exception
+    int32_t wpm_long_words_to_unk(const llama_vocab * vocab, llama_token unk, llama_token * tokens, int32_t n)
+    void tokenize_many(const llama_vocab * vocab, llama_token unk, const vector[pair[const char *, int32_t]] & texts,
+                       cbool add_special, cbool parse_special, int32_t max_tokens, cbool truncate,
+                       vector[llama_token] & flat, vector[int64_t] & offsets) except +translate_exception
 

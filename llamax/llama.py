@@ -62,6 +62,9 @@ def _lcp(a: np.ndarray, b: np.ndarray) -> int:
     return int(neq[0]) if len(neq) else n
 
 
+EMBED_SEQS = 64  # inputs per embedding decode (llama.cpp's n_seq_max)
+
+
 class _Pool:
     """K contexts over one model.  A request takes the free context whose
     state and cached prefix match it best (adapter affinity), else the least
@@ -112,7 +115,8 @@ class Llama:
 
     Constructor keywords follow llama-cpp-python's ``Llama``; unknown ones
     raise ``TypeError``.  Added: ``n_contexts`` (a pool of contexts, so
-    tenants with different adapters run side by side) and
+    tenants with different adapters run side by side; 0 with
+    ``embedding=True`` for an embedding-only instance) and
     ``max_loaded_adapters`` (adapters registered with :meth:`register_lora`
     are loaded on demand, least recently used unloaded).
     """
@@ -127,8 +131,10 @@ class Llama:
         for name, value in (("lora_path", lora_path), ("lora_scale", lora_scale), ("lora_base", lora_base)):
             if value is not None:
                 raise TypeError(f"Llama() no longer takes {name}: {_REMOVED[name]}")
-        if isinstance(n_contexts, bool) or not isinstance(n_contexts, int) or not 1 <= n_contexts <= 64:
-            raise InvalidArgumentError(f"n_contexts must be an int in [1, 64], got {n_contexts!r}")
+        if isinstance(n_contexts, bool) or not isinstance(n_contexts, int) or not 0 <= n_contexts <= 64:
+            raise InvalidArgumentError(f"n_contexts must be an int in [0, 64], got {n_contexts!r}")
+        if n_contexts == 0 and not embedding:
+            raise InvalidArgumentError("n_contexts=0 (no generation contexts) is only for embedding=True")
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise TypeError("seed must be an int")
         if verbose:
@@ -493,81 +499,79 @@ class Llama:
                 arch = self._model.metadata.get("general.architecture", "")
                 pt = self._model.metadata.get(f"{arch}.pooling_type")
                 pooling = {"0": "none", "1": "mean", "2": "cls", "3": "last", "4": "rank"}.get(pt, "mean")
-            if pooling == "none":
-                raise InvalidArgumentError("embeddings need pooling (mean, cls or last), not 'none'")
+            if pooling not in ("mean", "cls", "last"):
+                raise InvalidArgumentError(f"embeddings need pooling mean, cls or last, not {pooling!r}")
             n_ctx = self._ctx_kwargs["n_ctx"]
-            self._embed_ctx = Context(self._model, n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, n_seq_max=8,
-                                      n_threads=self._ctx_kwargs["n_threads"],
+            # One decode packs whole inputs, one sequence id each, up to n_ctx
+            # tokens and EMBED_SEQS inputs (see Context.embed).
+            self._embed_ctx = Context(self._model, n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx,
+                                      n_seq_max=EMBED_SEQS, n_threads=self._ctx_kwargs["n_threads"],
                                       n_threads_batch=self._ctx_kwargs["n_threads_batch"],
-                                      embeddings=True, pooling=pooling)
+                                      flash_attn=self._ctx_kwargs["flash_attn"], embeddings=True,
+                                      pooling=pooling)
         return self._embed_ctx
 
     def embed(self, input, normalize: bool = False, truncate: bool = True, active_loras=None,
               control_vector=None, control_vectors=None):
-        """Pooled embedding(s): a list of floats for a str, a list of lists for a list of str."""
+        """Pooled embedding(s): a list of floats for a str, a list of lists for a list of str.
+
+        (llama-cpp-python's shape.  :meth:`embed_array` returns the same as
+        one float32 array without a Python float per number.)
+        """
         vecs, _ = self._embed(input, normalize, truncate, active_loras, control_vector, control_vectors)
-        return vecs[0].tolist() if isinstance(input, str) else [v.tolist() for v in vecs]
+        return vecs[0].tolist() if isinstance(input, str) else vecs.tolist()
+
+    def embed_array(self, input, *, normalize: bool = False, truncate: bool = True, max_tokens: int | None = None,
+                    active_loras=None, control_vector=None, control_vectors=None) -> np.ndarray:
+        """Pooled embeddings as one float32 array, shape ``(len(input), n_embd)``
+        (``(n_embd,)`` for a str), filled by batched decodes without the GIL.
+
+        ``max_tokens`` caps each input (default and at most ``n_ctx``);
+        longer inputs are truncated (``truncate=True``: the head plus the
+        model's trailing special tokens) or raise ContextOverflowError.
+        """
+        vecs, _ = self._embed(input, normalize, truncate, active_loras, control_vector, control_vectors,
+                              max_tokens)
+        return vecs[0] if isinstance(input, str) else vecs
 
     def create_embedding(self, input, model: str | None = None, normalize: bool = False, truncate: bool = True,
                          active_loras=None, control_vector=None, control_vectors=None):
         vecs, n_tokens = self._embed(input, normalize, truncate, active_loras, control_vector, control_vectors)
+        rows = vecs.tolist()
         return {"object": "list", "model": model or self.model_path,
-                "data": [{"object": "embedding", "embedding": v.tolist(), "index": i} for i, v in enumerate(vecs)],
+                "data": [{"object": "embedding", "embedding": v, "index": i} for i, v in enumerate(rows)],
                 "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens}}
 
-    def _embed(self, input, normalize, truncate, active_loras, control_vector, control_vectors):
+    def _embed(self, input, normalize, truncate, active_loras, control_vector, control_vectors,
+               max_tokens=None):
         self._check_open()
         texts = [input] if isinstance(input, str) else input
-        if not isinstance(texts, (list, tuple)) or not all(isinstance(t, str) for t in texts):
-            raise TypeError("input must be a str or a list of str")
+        if not isinstance(texts, (list, tuple)):
+            raise TypeError(f"input must be a str or a list of str, not {type(input).__name__}")
         if not texts:
-            raise InvalidArgumentError("input is empty")
+            raise InvalidArgumentError("input is empty: pass at least one string")
+        limit = self._ctx_kwargs["n_ctx"]
+        if max_tokens is not None:
+            if isinstance(max_tokens, bool) or not isinstance(max_tokens, int):
+                raise TypeError("max_tokens must be an int or None")
+            if not 1 <= max_tokens <= limit:
+                raise InvalidArgumentError(f"max_tokens={max_tokens} must be in [1, n_ctx={limit}]")
+            limit = max_tokens
+        # Tokenized without the GIL and before any lock: the vocabulary is read-only.
+        tokens, offsets = self._model.tokenize_batch(list(texts), add_special=True, max_tokens=limit,
+                                                     truncate=bool(truncate))
         adapters, names, cv, key = self._state(active_loras, control_vector, control_vectors)
         try:
             with self._embed_lock:
                 ctx = self._embedding_context()
-                limit = ctx.n_ctx
-                toks = []
-                for i, t in enumerate(texts):
-                    tk = self._model.tokenize(t, add_special=True)
-                    if len(tk) == 0:
-                        tk = np.array([self._model.token_bos if self._model.token_bos >= 0 else 0], np.int32)
-                    if len(tk) > limit:
-                        if not truncate:
-                            from llamax._errors import ContextOverflowError
-                            raise ContextOverflowError(
-                                f"input {i} has {len(tk)} tokens, more than n_ctx={limit}: pass truncate=True")
-                        tk = tk[:limit]
-                    toks.append(tk)
                 if self._embed_key != key:
                     ctx.set_adapters(adapters)
                     ctx.set_control_vector(cv)
                     self._embed_key = key
-                out = np.empty((len(toks), self._model.n_embd), np.float32)
-                i = 0
-                while i < len(toks):
-                    # as many whole inputs as fit in one batch, one sequence each
-                    j, n = i, 0
-                    while j < len(toks) and j - i < ctx.n_seq_max and n + len(toks[j]) <= ctx.n_batch:
-                        n += len(toks[j])
-                        j += 1
-                    batch = np.concatenate(toks[i:j])
-                    seqs = np.concatenate([np.full(len(toks[k]), k - i, np.int32) for k in range(i, j)])
-                    pos = np.concatenate([np.arange(len(toks[k]), dtype=np.int32) for k in range(i, j)])
-                    ctx.kv_clear()
-                    ctx.decode(batch, pos=pos, seq_ids=seqs, logits="all")
-                    for k in range(i, j):
-                        v = ctx.get_embeddings_seq(k - i)
-                        out[k] = v
-                        del v
-                    i = j
-                ctx.kv_clear()
+                out = ctx.embed(tokens, offsets, normalize=bool(normalize))
         finally:
             self._adapters.release(names)
-        if normalize:
-            norms = np.linalg.norm(out, axis=1, keepdims=True)
-            out = out / np.where(norms == 0, 1, norms)
-        return out, int(sum(len(t) for t in toks))
+        return out, int(len(tokens))
 
     # -- the request engine ---------------------------------------------------------
 
@@ -591,8 +595,8 @@ class Llama:
     def _request(self, tokens, *, max_tokens, stop, logprobs, active_loras, control_vector, control_vectors,
                  seed, **sampling):
         if not self._pool.slots:
-            # vocab_only=True: no context to run on (the pool would wait forever)
-            raise InvalidArgumentError("the model was loaded with vocab_only=True: it has no weights to run")
+            # vocab_only=True or n_contexts=0: no context to run on (the pool would wait forever)
+            raise InvalidArgumentError("this Llama has no generation context (vocab_only=True or n_contexts=0)")
         if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)):
             raise TypeError("max_tokens must be an int or None")
         if max_tokens is None or max_tokens <= 0:

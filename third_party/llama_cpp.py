@@ -190,9 +190,13 @@ def sanitize_flags() -> list[str]:
     s = os.environ.get("LLAMAX_SANITIZE", "").strip().lower()
     if not s:
         return []
-    if s not in ("address", "undefined", "thread"):
-        raise RuntimeError(f"LLAMAX_SANITIZE={s!r}: expected address, undefined or thread")
-    return [f"-fsanitize={s}", "-fno-omit-frame-pointer", "-g"]
+    parts = sorted(p.strip() for p in s.split(","))
+    if not parts or any(p not in ("address", "undefined", "thread") for p in parts) \
+            or ("thread" in parts and len(parts) > 1):
+        raise RuntimeError(f"LLAMAX_SANITIZE={s!r}: expected address, undefined, address,undefined or thread")
+    # reports are collected by tools/sanitize.sh (log_path), not fatal: one
+    # run lists everything, inside llama.cpp too
+    return [f"-fsanitize={','.join(parts)}", "-fno-omit-frame-pointer", "-g"]
 
 
 def cmake_args() -> list[str]:

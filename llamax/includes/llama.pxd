@@ -51,6 +51,9 @@ cdef extern from "llama.h" nogil:
 
     cdef enum llama_vocab_type:
         LLAMA_VOCAB_TYPE_NONE
+        LLAMA_VOCAB_TYPE_SPM
+        LLAMA_VOCAB_TYPE_BPE
+        LLAMA_VOCAB_TYPE_WPM
 
     ctypedef struct llama_token_data:
         llama_token id
@@ -124,6 +127,7 @@ cdef extern from "llama.h" nogil:
     llama_token llama_vocab_pad(const llama_vocab * vocab)
     bint llama_vocab_get_add_bos(const llama_vocab * vocab)
     bint llama_vocab_get_add_eos(const llama_vocab * vocab)
+    bint llama_vocab_get_add_sep(const llama_vocab * vocab)
     const char * llama_vocab_get_text(const llama_vocab * vocab, llama_token token)
 
     int32_t llama_tokenize(const llama_vocab * vocab, const char * text, int32_t text_len,

@@ -1,0 +1,42 @@
+"""Runs inside the tool venv that has torch and sentence-transformers
+(tests/data.py: tool_venv(reference=True)) and measures
+SentenceTransformer.encode.  JSON requests on stdin, one per line; JSON
+answers on stdout.  Only the standard library, torch, numpy and
+sentence_transformers are used here."""
+import json
+import sys
+import time
+
+_models = {}
+
+
+def embed(req):
+    import torch
+    from sentence_transformers import SentenceTransformer
+    torch.set_num_threads(req["threads"])
+    if req["model"] not in _models:
+        _models[req["model"]] = SentenceTransformer(req["model"], device="cpu")
+    st = _models[req["model"]]
+    t0 = time.perf_counter()
+    vecs = st.encode(req["sentences"], batch_size=req.get("batch_size", 32), normalize_embeddings=True,
+                     convert_to_numpy=True)
+    dt = time.perf_counter() - t0
+    return {"seconds": dt, "vectors": vecs.tolist() if req.get("return_vectors") else None}
+
+
+def serve():
+    import sentence_transformers
+    import torch
+    print(json.dumps({"ready": True, "version": sentence_transformers.__version__,
+                      "torch": torch.__version__}), flush=True)
+    for line in sys.stdin:
+        req = json.loads(line)
+        try:
+            out = embed(req)
+        except Exception as e:  # reported, the orchestrator decides
+            out = {"error": f"{type(e).__name__}: {e}"}
+        print(json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    serve()
