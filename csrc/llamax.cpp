@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <csignal>
 #include <sys/stat.h>
 
 namespace llamax {
@@ -462,8 +463,77 @@ ControlVectorPtr cvec_sum(const std::vector<ControlVectorPtr> & parts, const std
 // ---------------------------------------------------------------------------
 // Context
 
+// ---------------------------------------------------------------------------
+// SIGINT watching.  CPython's own C handler only sets a flag that Python code
+// polls, and the token loop runs without Python; so while a main-thread call
+// runs, a handler of ours counts SIGINTs and then calls the previous handler
+// (CPython's), which still sees the signal and raises KeyboardInterrupt once
+// the call returns.  Installed on first use, restored when the last watcher
+// ends (unless someone replaced it meanwhile).
+
+namespace {
+
+std::atomic<uint64_t> g_sigint_count{0};
+std::mutex g_sigint_mu;
+int g_sigint_users = 0;
+struct sigaction g_sigint_prev;
+
+void on_sigint(int sig, siginfo_t * info, void * uctx) {
+    g_sigint_count.fetch_add(1, std::memory_order_relaxed);
+    if (g_sigint_prev.sa_flags & SA_SIGINFO) {
+        if (g_sigint_prev.sa_sigaction != nullptr) {
+            g_sigint_prev.sa_sigaction(sig, info, uctx);
+        }
+    } else if (g_sigint_prev.sa_handler != SIG_DFL && g_sigint_prev.sa_handler != SIG_IGN) {
+        g_sigint_prev.sa_handler(sig);
+    }
+}
+
+void sigint_acquire() {
+    std::lock_guard<std::mutex> lk(g_sigint_mu);
+    if (g_sigint_users++ == 0) {
+        struct sigaction sa;
+        std::memset(&sa, 0, sizeof(sa));
+        sa.sa_sigaction = on_sigint;
+        sa.sa_flags = SA_SIGINFO | SA_ONSTACK;
+        sigemptyset(&sa.sa_mask);
+        sigaction(SIGINT, &sa, &g_sigint_prev);
+    }
+}
+
+void sigint_release() {
+    std::lock_guard<std::mutex> lk(g_sigint_mu);
+    if (--g_sigint_users == 0) {
+        struct sigaction cur;
+        if (sigaction(SIGINT, nullptr, &cur) == 0 && (cur.sa_flags & SA_SIGINFO) && cur.sa_sigaction == on_sigint) {
+            sigaction(SIGINT, &g_sigint_prev, nullptr);
+        }
+    }
+}
+
+}  // namespace
+
+void Context::watch_sigint(bool on) {
+    if (on == watch_sigint_) {
+        return;
+    }
+    if (on) {
+        sigint_acquire();
+        sigint_start_ = g_sigint_count.load(std::memory_order_relaxed);
+        watch_sigint_ = true;
+    } else {
+        watch_sigint_ = false;
+        sigint_release();
+    }
+}
+
+bool Context::interrupted() const {
+    return watch_sigint_ && g_sigint_count.load(std::memory_order_relaxed) != sigint_start_;
+}
+
 bool Context::abort_cb(void * data) {
-    return static_cast<Context *>(data)->abort_.load(std::memory_order_relaxed);
+    auto * c = static_cast<Context *>(data);
+    return c->abort_.load(std::memory_order_relaxed) || c->interrupted();
 }
 
 Context::Context(llama_model * model, llama_context_params params) {
@@ -495,6 +565,7 @@ Context::Context(llama_model * model, llama_context_params params) {
 }
 
 Context::~Context() {
+    watch_sigint(false);
     detach_all();
     if (ctx_ != nullptr) {
         llama_free(ctx_);
@@ -667,6 +738,7 @@ void Context::raw_decode(llama_batch & batch, int32_t n_outputs) {
 
 int32_t Context::decode(const llama_token * tokens, int32_t n, const llama_pos * pos, const llama_seq_id * seq,
                         const int8_t * logits) {
+    abort_.store(false, std::memory_order_relaxed);  // a cancel between calls is not for this one
     if (n <= 0) {
         throw Error(ErrorKind::InvalidArgument, "cannot decode an empty batch");
     }
@@ -779,6 +851,9 @@ int32_t Context::embed(const llama_token * tokens, const int64_t * offsets, int3
         }
         if (mem) {
             llama_memory_clear(mem, true);
+        }
+        if (abort_.load(std::memory_order_relaxed) || interrupted()) {
+            throw Error(ErrorKind::Aborted, "embedding was cancelled");
         }
         llama_batch batch = {n, const_cast<llama_token *>(tokens + offsets[i]), nullptr, pos_buf_.data(),
                              nseq_buf_.data(), seqp_buf_.data(), out_buf_.data()};
@@ -933,6 +1008,9 @@ GenResult Context::generate(llama_sampler * smpl, const llama_token * prompt, in
         if (pos >= n_ctx_seq_) {
             res.finish = Finish::ContextFull;
             return res;
+        }
+        if (abort_.load(std::memory_order_relaxed) || interrupted()) {
+            throw Error(ErrorKind::Aborted, "generation was cancelled");
         }
         llama_batch b = {1, &tok, nullptr, &pos, nsbuf.data(), spbuf.data(), &one};
         raw_decode(b, 1);

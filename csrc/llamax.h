@@ -166,6 +166,14 @@ public:
 
     void cancel() { abort_.store(true, std::memory_order_relaxed); }
 
+    // Ctrl-C: while watching, a SIGINT (seen by a chained C handler, see
+    // llamax.cpp) aborts the running decode/generate/embed with
+    // ErrorKind::Aborted, within one graph node.  The Python layer watches
+    // only calls made on the main thread while SIGINT has Python's default
+    // handler, then lets Python run that handler (KeyboardInterrupt).
+    void watch_sigint(bool on);
+    bool interrupted() const;
+
     // Persistent CPU thread pools (as llama-bench and llama-cli use): without
     // them ggml builds a throwaway pool for every graph, every token.
     void set_threads(int32_t n_threads, int32_t n_threads_batch);
@@ -208,6 +216,8 @@ private:
     int32_t n_vocab_ = 0, n_ctx_ = 0, n_ctx_seq_ = 0, n_batch_ = 0, n_seq_max_ = 0;
     std::mutex mu_;
     std::atomic<bool> abort_{false};
+    bool watch_sigint_ = false;
+    uint64_t sigint_start_ = 0;
     std::vector<std::pair<Adapter *, float>> adapters_;
     ControlVectorPtr cvec_;
     int64_t out_capacity_ = 0;

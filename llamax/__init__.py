@@ -12,7 +12,7 @@ from llamax._core import (  # noqa: F401
     system_info,
 )
 
-from llamax.llama import Llama  # noqa: E402,F401
+from llamax.llama import CancelToken, Llama  # noqa: E402,F401
 from llamax.chat import ChatTemplate, ChatTemplateError  # noqa: E402,F401
 from llamax.embedder import Embedder, cos_sim  # noqa: E402,F401
 
@@ -20,6 +20,6 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Model", "Context", "LoraAdapter", "ControlVector", "Sampler",
-    "set_log_level", "system_info", "supports_gpu_offload", "Llama", "ChatTemplate", "ChatTemplateError",
+    "set_log_level", "system_info", "supports_gpu_offload", "Llama", "CancelToken", "ChatTemplate", "ChatTemplateError",
     "Embedder", "cos_sim",
 ] + list(_errors_all)

@@ -12,13 +12,15 @@ imports it.
 import atexit
 import logging
 import os
+import signal
+import threading
 import weakref
 
 import numpy as np
 
 cimport cython
 from cpython.buffer cimport PyBUF_FORMAT, PyBUF_ND, PyBUF_STRIDES, PyBUF_WRITABLE
-from cpython.exc cimport PyErr_CheckSignals
+from cpython.exc cimport PyErr_CheckSignals, PyErr_SetInterrupt
 from cpython.ref cimport Py_DECREF, Py_INCREF, PyObject
 from libc.stdint cimport INT32_MAX, INT32_MIN, int8_t, int32_t, int64_t, uint32_t
 from libc.string cimport memcpy
@@ -32,7 +34,7 @@ from llamax.includes.llama cimport *
 from llamax._shim cimport *
 
 from llamax._errors import (
-    AdapterInUseError, ClosedError, ContextBusyError, ContextOverflowError, ControlVectorError,
+    AdapterInUseError, ArgumentTypeError, CancelledError, ClosedError, ContextBusyError, ContextOverflowError, ControlVectorError,
     GrammarError, InvalidArgumentError, InvalidGGUFError, InvalidUtf8Error, LoadError, TokenError,
     ViewsExportedError, _SHIM_KINDS,
 )
@@ -68,6 +70,10 @@ cdef void _log_sink(int level, const char * text) noexcept with gil:
         return
     try:
         logger.log(_PY_LEVEL.get(level, logging.INFO), "%s", text.decode("utf-8", "replace"))
+    except KeyboardInterrupt:
+        # Ctrl-C's handler ran inside this Python code; it can't propagate
+        # into llama.cpp, so trip SIGINT again for the caller's next check.
+        PyErr_SetInterrupt()
     except BaseException:
         pass  # a logging failure must never propagate into llama.cpp
 
@@ -124,14 +130,14 @@ cdef inline object _fspath(object path):
         if "\0" in p:
             raise InvalidArgumentError(f"path {p!r} contains a NUL byte")
         return p
-    raise TypeError(f"path must be str, bytes or os.PathLike, not {type(path).__name__}")
+    raise ArgumentTypeError(f"path must be str, bytes or os.PathLike, not {type(path).__name__}")
 
 
 cdef object _as_tokens(object tokens, int32_t n_vocab=-1):
     """A C-contiguous int32 memoryview of `tokens`, without copying when it
     already is one (numpy int32, array('i'))."""
     if isinstance(tokens, (str, bytes, bytearray)):
-        raise TypeError(f"tokens must be a sequence of ints, not {type(tokens).__name__}")
+        raise ArgumentTypeError(f"tokens must be a sequence of ints, not {type(tokens).__name__}")
     cdef const int32_t[::1] view
     try:
         view = tokens  # zero-copy for int32 C-contiguous buffers
@@ -139,14 +145,14 @@ cdef object _as_tokens(object tokens, int32_t n_vocab=-1):
         arr = np.asarray(tokens)
         if arr.ndim != 1:
             if arr.ndim == 0:
-                raise TypeError(f"tokens must be a sequence of ints, not {type(tokens).__name__}")
+                raise ArgumentTypeError(f"tokens must be a sequence of ints, not {type(tokens).__name__}")
             raise InvalidArgumentError(f"tokens must be one-dimensional, got shape {arr.shape}")
         if arr.size == 0:
             arr = np.empty(0, dtype=np.int32)
         elif arr.dtype.kind not in "iu":
             if arr.dtype == object and all(type(t) is int for t in arr):
                 raise TokenError("a token id does not fit in int32: valid ids are in [0, n_vocab)")
-            raise TypeError(f"tokens must be ints, got dtype {arr.dtype}")
+            raise ArgumentTypeError(f"tokens must be ints, got dtype {arr.dtype}")
         elif arr.size and (arr.min() < INT32_MIN or arr.max() > INT32_MAX):
             raise TokenError("a token id does not fit in int32: valid ids are in [0, n_vocab)")
         view = np.ascontiguousarray(arr, dtype=np.int32)
@@ -165,7 +171,7 @@ cdef int _check_token_range(const int32_t[::1] view, int32_t n_vocab) except -1:
 
 cdef object _as_floats(object data, str what):
     if isinstance(data, (str, bytes)):
-        raise TypeError(f"{what} must be float data, not {type(data).__name__}")
+        raise ArgumentTypeError(f"{what} must be float data, not {type(data).__name__}")
     cdef const float[::1] view
     try:
         view = data  # zero-copy for float32 C-contiguous 1-D buffers
@@ -174,7 +180,7 @@ cdef object _as_floats(object data, str what):
         pass
     arr = np.asarray(data)
     if arr.dtype.kind not in "fiu":
-        raise TypeError(f"{what} must be numbers, got dtype {arr.dtype}")
+        raise ArgumentTypeError(f"{what} must be numbers, got dtype {arr.dtype}")
     arr = np.ascontiguousarray(arr, dtype=np.float32).reshape(-1)
     view = arr
     return view
@@ -182,15 +188,21 @@ cdef object _as_floats(object data, str what):
 
 cdef inline int _check_int(object v, str name, long lo, long hi) except -1:
     if isinstance(v, bool) or not isinstance(v, int):
-        raise TypeError(f"{name} must be an int, not {type(v).__name__}")
+        raise ArgumentTypeError(f"{name} must be an int, not {type(v).__name__}")
     if v < lo or v > hi:
         raise InvalidArgumentError(f"{name}={v} is out of range [{lo}, {hi}]")
     return 0
 
 
+cdef inline object _typed(object v, type cls, str name):
+    if not isinstance(v, cls):
+        raise ArgumentTypeError(f"{name} must be a llamax.{cls.__name__}, not {type(v).__name__}")
+    return v
+
+
 cdef inline int _check_float(object v, str name) except -1:
     if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise TypeError(f"{name} must be a number, not {type(v).__name__}")
+        raise ArgumentTypeError(f"{name} must be a number, not {type(v).__name__}")
     if v != v or v in (float("inf"), float("-inf")):
         raise InvalidArgumentError(f"{name} must be finite, got {v}")
     return 0
@@ -463,12 +475,14 @@ cdef class Model:
         self._ptr()
         return bool(llama_vocab_get_add_bos(self._vocab))
 
-    def is_eog(self, int token):
+    def is_eog(self, token):
+        _check_int(token, "token", INT32_MIN, INT32_MAX)
         self._ptr()
         return bool(llama_vocab_is_eog(self._vocab, token))
 
-    def token_text(self, int token):
+    def token_text(self, token):
         """The vocabulary's raw text of a token."""
+        _check_int(token, "token", INT32_MIN, INT32_MAX)
         self._ptr()
         _check_token_id(token, llama_vocab_n_tokens(self._vocab))
         return llama_vocab_get_text(self._vocab, token).decode("utf-8", "replace")
@@ -492,7 +506,7 @@ cdef class Model:
             except UnicodeDecodeError as e:
                 raise InvalidUtf8Error(f"text is not valid UTF-8: {e.reason} at byte {e.start}") from None
         else:
-            raise TypeError(f"text must be str or bytes, not {type(text).__name__}")
+            raise ArgumentTypeError(f"text must be str or bytes, not {type(text).__name__}")
         if len(b) >= INT32_MAX:
             raise InvalidArgumentError("text is too long to tokenize (2 GiB or more)")
         cdef const char * p = b
@@ -535,12 +549,12 @@ cdef class Model:
         """
         self._ptr()
         if isinstance(texts, (str, bytes)) or not isinstance(texts, (list, tuple)):
-            raise TypeError(f"texts must be a list of str, not {type(texts).__name__}")
+            raise ArgumentTypeError(f"texts must be a list of str, not {type(texts).__name__}")
         _check_int(max_tokens, "max_tokens", 0, INT32_MAX)
         cdef list encoded = []
         for i, t in enumerate(texts):
             if not isinstance(t, str):
-                raise TypeError(f"texts[{i}] is {type(t).__name__}, not str")
+                raise ArgumentTypeError(f"texts[{i}] is {type(t).__name__}, not str")
             try:
                 b = t.encode("utf-8")
             except UnicodeEncodeError as e:
@@ -572,8 +586,9 @@ cdef class Model:
         memcpy(&ov[0], offsets.data(), offsets.size() * sizeof(int64_t))
         return tokens, offs
 
-    def token_to_piece(self, int token, *, special=False):
+    def token_to_piece(self, token, *, special=False):
         """The bytes of one token (a piece may be a partial UTF-8 sequence)."""
+        _check_int(token, "token", INT32_MIN, INT32_MAX)
         self._ptr()
         _check_token_id(token, llama_vocab_n_tokens(self._vocab))
         cdef char buf[128]
@@ -635,8 +650,9 @@ cdef class LoraAdapter:
     def __cinit__(self):
         self._a = NULL
 
-    def __init__(self, Model model not None, path):
-        cdef llama_model * m = model._ptr()
+    def __init__(self, model, path):
+        cdef Model _mo_t = _typed(model, Model, "model")
+        cdef llama_model * m = _mo_t._ptr()
         self.model = model
         self.path = _fspath(path)
         cdef string cpath = self.path.encode("utf-8", "surrogateescape")
@@ -644,7 +660,7 @@ cdef class LoraAdapter:
         with nogil:  # reads and converts the adapter's tensors
             a = adapter_load(m, cpath)
         self._a = a
-        model._children.add(self)
+        _mo_t._children.add(self)
 
     def __dealloc__(self):
         # Contexts keep applied adapters alive, so none is attached here.
@@ -728,30 +744,37 @@ cdef class ControlVector:
     """
 
     def __init__(self, *args, **kwargs):
-        raise TypeError("use ControlVector.from_rows / from_padded / load / combine")
+        raise ArgumentTypeError("use ControlVector.from_rows / from_padded / load / combine")
 
     @staticmethod
-    def from_rows(Model model not None, rows, int layer_start, int layer_end):
+    def from_rows(model, rows, layer_start, layer_end):
         """Rows for layers ``layer_start..layer_end`` (inclusive), one of n_embd floats each."""
+        cdef Model _mo_t = _typed(model, Model, "model")
+        _check_int(layer_start, "layer_start", INT32_MIN, INT32_MAX)
+        _check_int(layer_end, "layer_end", INT32_MIN, INT32_MAX)
         cdef const float[::1] v = _as_floats(rows, "rows")
-        cdef const llama_model * m = model._ptr()
+        cdef const llama_model * m = _mo_t._ptr()
         cdef const float * p = &v[0] if v.shape[0] else NULL
         return _wrap_cv(model, cvec_from_rows(m, p, v.shape[0], layer_start, layer_end))
 
     @staticmethod
-    def from_padded(Model model not None, data, int layer_start, int layer_end):
+    def from_padded(model, data, layer_start, layer_end):
         """llama.cpp's flat layout: at least ``n_embd * layer_end`` floats, starting at layer 1."""
+        cdef Model _mo_t = _typed(model, Model, "model")
+        _check_int(layer_start, "layer_start", INT32_MIN, INT32_MAX)
+        _check_int(layer_end, "layer_end", INT32_MIN, INT32_MAX)
         cdef const float[::1] v = _as_floats(data, "data")
-        cdef const llama_model * m = model._ptr()
+        cdef const llama_model * m = _mo_t._ptr()
         cdef const float * p = &v[0] if v.shape[0] else NULL
         return _wrap_cv(model, cvec_from_padded(m, p, v.shape[0], layer_start, layer_end))
 
     @staticmethod
-    def load(Model model not None, path, *, scale=1.0, layer_start=0, layer_end=0):
+    def load(model, path, *, scale=1.0, layer_start=0, layer_end=0):
         """A llama.cpp control-vector GGUF (``direction.N`` tensors), times ``scale``."""
+        cdef Model _mo_t = _typed(model, Model, "model")
         _check_float(scale, "scale")
         cdef string cpath = _fspath(path).encode("utf-8", "surrogateescape")
-        cdef const llama_model * m = model._ptr()
+        cdef const llama_model * m = _mo_t._ptr()
         cdef float s = scale
         cdef int32_t a = layer_start, b = layer_end
         cdef CControlVectorPtr cv
@@ -770,9 +793,9 @@ cdef class ControlVector:
             try:
                 vec, scale = item
             except (TypeError, ValueError):
-                raise TypeError("combine() takes (ControlVector, scale) pairs") from None
+                raise ArgumentTypeError("combine() takes (ControlVector, scale) pairs") from None
             if not isinstance(vec, ControlVector):
-                raise TypeError(f"combine() takes ControlVector objects, not {type(vec).__name__}")
+                raise ArgumentTypeError(f"combine() takes ControlVector objects, not {type(vec).__name__}")
             _check_float(scale, "scale")
             cv = vec
             if model is None:
@@ -820,10 +843,11 @@ cdef class Sampler:
     def __cinit__(self):
         self._smpl = NULL
 
-    def __init__(self, Model model not None, *, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0,
+    def __init__(self, model, *, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0,
                  typical_p=1.0, repeat_penalty=1.0, frequency_penalty=0.0, presence_penalty=0.0,
                  penalty_last_n=64, seed=None, grammar=None, grammar_root="root", logit_bias=None):
-        model._ptr()
+        cdef Model _mo_t = _typed(model, Model, "model")
+        _mo_t._ptr()
         self.model = model
         for name, v in (("temperature", temperature), ("top_p", top_p), ("min_p", min_p),
                         ("typical_p", typical_p), ("repeat_penalty", repeat_penalty),
@@ -840,12 +864,12 @@ cdef class Sampler:
         if seed is None:
             seed = int.from_bytes(os.urandom(4), "little") & 0xFFFFFFFE
         _check_int(seed, "seed", 0, 0xFFFFFFFF)
-        cdef int32_t n_vocab = llama_vocab_n_tokens(model._vocab)
+        cdef int32_t n_vocab = llama_vocab_n_tokens(_mo_t._vocab)
         cdef vector[llama_logit_bias] biases
         cdef llama_logit_bias lb
         if logit_bias:
             if not isinstance(logit_bias, dict):
-                raise TypeError("logit_bias must be a dict {token_id: bias}")
+                raise ArgumentTypeError("logit_bias must be a dict {token_id: bias}")
             for tok, bias in logit_bias.items():
                 if isinstance(tok, str) and tok.lstrip("-").isdigit():
                     tok = int(tok)  # OpenAI clients send JSON object keys
@@ -856,7 +880,7 @@ cdef class Sampler:
                 lb.bias = bias
                 biases.push_back(lb)
         if grammar is not None and not isinstance(grammar, str):
-            raise TypeError(f"grammar must be a GBNF string, not {type(grammar).__name__}")
+            raise ArgumentTypeError(f"grammar must be a GBNF string, not {type(grammar).__name__}")
         self.params = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                            typical_p=typical_p, repeat_penalty=repeat_penalty,
                            frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
@@ -877,7 +901,7 @@ cdef class Sampler:
             bg = grammar.encode("utf-8")
             broot = str(grammar_root).encode("utf-8")
             take_last_log_error()
-            g = llama_sampler_init_grammar(model._vocab, bg, broot)
+            g = llama_sampler_init_grammar(_mo_t._vocab, bg, broot)
             if g == NULL:
                 why = take_last_log_error().decode("utf-8", "replace").strip()
                 raise GrammarError("invalid GBNF grammar" + (f": {why}" if why else ""))
@@ -907,19 +931,22 @@ cdef class Sampler:
         if self._smpl != NULL:
             llama_sampler_reset(self._smpl)
 
-    def accept(self, int token):
+    def accept(self, token):
+        _check_int(token, "token", INT32_MIN, INT32_MAX)
         _check_token_id(token, llama_vocab_n_tokens(self.model._vocab))
         llama_sampler_accept(self._smpl, token)
 
-    def sample(self, Context ctx not None, int idx=-1):
+    def sample(self, ctx, idx=-1):
         """Sample from output row ``idx`` of the context's last decode (and accept it)."""
+        cdef Context _ct_t = _typed(ctx, Context, "ctx")
+        _check_int(idx, "idx", INT32_MIN, INT32_MAX)
         if ctx.model is not self.model:
             raise InvalidArgumentError("this sampler was made for another model")
         if self._in_use:
             raise ContextBusyError("this sampler is in use by another request")
-        cdef CContext * c = ctx._enter()
+        cdef CContext * c = _ct_t._enter()
         cdef llama_token tok
-        cdef int32_t n_out
+        cdef int32_t n_out, row
         try:
             n_out = c.last_n_outputs()
             if n_out == 0:
@@ -928,12 +955,13 @@ cdef class Sampler:
                 raise InvalidArgumentError(f"output row {idx} is out of range for {n_out} outputs")
             if idx < 0:
                 idx += n_out
+            row = idx
             # llama_sampler_sample's idx is a batch position, not an output row;
             # llamax keeps rows in batch order, so map through the row count.
             with nogil:
-                tok = llama_sampler_sample(self._smpl, c.raw(), _row_to_batch_index(c, idx))
+                tok = llama_sampler_sample(self._smpl, c.raw(), _row_to_batch_index(c, row))
         finally:
-            ctx._leave()
+            _ct_t._leave()
         return tok
 
 
@@ -974,6 +1002,25 @@ cdef int _token_trampoline(void * user, llama_token token) noexcept with gil:
 
 
 
+cdef bint _watch_sigint():
+    """Whether a long native call should stop on Ctrl-C: only on the main
+    thread (where Python runs signal handlers) and only while SIGINT has
+    Python's default handler (which raises KeyboardInterrupt)."""
+    return (threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGINT) is signal.default_int_handler)
+
+
+cdef int _raise_if_interrupted(CContext * c) except -1:
+    # After a native call stopped with CancelledError: if SIGINT stopped it,
+    # run Python's handler now (raises KeyboardInterrupt).
+    if c.interrupted():
+        PyErr_CheckSignals()
+        # the handler is Python's default one (see _watch_sigint): if the
+        # signal was consumed elsewhere, raise what it would have raised
+        raise KeyboardInterrupt
+    return 0
+
+
 cdef class Context:
     """An inference context on a model: KV cache, adapter set, control vector.
 
@@ -987,10 +1034,11 @@ cdef class Context:
         self._c = NULL
         self._adapters = ()
 
-    def __init__(self, Model model not None, *, n_ctx=512, n_batch=512, n_ubatch=512, n_seq_max=1,
+    def __init__(self, model, *, n_ctx=512, n_batch=512, n_ubatch=512, n_seq_max=1,
                  n_threads=None, n_threads_batch=None, embeddings=False, pooling=None,
                  flash_attn=None, kv_unified=True):
-        cdef llama_model * m = model._ptr()
+        cdef Model _mo_t = _typed(model, Model, "model")
+        cdef llama_model * m = _mo_t._ptr()
         if model.vocab_only:
             raise InvalidArgumentError("the model was loaded with vocab_only=True: it has no weights to run")
         ncpu = os.cpu_count() or 1
@@ -1025,7 +1073,7 @@ cdef class Context:
         self._c = c
         self.model = model
         self.embeddings = bool(embeddings)
-        model._children.add(self)
+        _mo_t._children.add(self)
 
     def __dealloc__(self):
         # Views hold a reference to the context, so none is alive here.
@@ -1151,9 +1199,9 @@ cdef class Context:
             try:
                 ad, scale = item
             except (TypeError, ValueError):
-                raise TypeError("set_adapters() takes (LoraAdapter, scale) pairs") from None
+                raise ArgumentTypeError("set_adapters() takes (LoraAdapter, scale) pairs") from None
             if not isinstance(ad, LoraAdapter):
-                raise TypeError(f"set_adapters() takes LoraAdapter objects, not {type(ad).__name__}")
+                raise ArgumentTypeError(f"set_adapters() takes LoraAdapter objects, not {type(ad).__name__}")
             _check_float(scale, "scale")
             a = ad
             if a.model is not self.model:
@@ -1269,11 +1317,17 @@ cdef class Context:
             raise ViewsExportedError(
                 f"this decode asks for more output rows than ever before, so llama.cpp would move the "
                 f"buffer that {self._n_views} live logits/embeddings view(s) read; delete them (or copy) first")
+        cdef bint watch = _watch_sigint()
         c = self._enter()
         try:
+            c.watch_sigint(watch)
             with nogil:  # the forward pass
                 n_out = c.decode(&tv[0], <int32_t> n, pp, sp, lp)
+        except CancelledError:
+            _raise_if_interrupted(c)
+            raise
         finally:
+            c.watch_sigint(False)
             self._leave()
         return n_out
 
@@ -1296,9 +1350,9 @@ cdef class Context:
         try:
             offs = np.asarray(offsets)
         except Exception:
-            raise TypeError("offsets must be a 1-D array of int") from None
+            raise ArgumentTypeError("offsets must be a 1-D array of int") from None
         if offs.ndim != 1 or (offs.size and offs.dtype.kind not in "iu"):
-            raise TypeError("offsets must be a 1-D array of int")
+            raise ArgumentTypeError("offsets must be a 1-D array of int")
         if offs.shape[0] < 2:
             raise InvalidArgumentError("offsets needs at least 2 entries (one input)")
         offs = np.ascontiguousarray(offs, dtype=np.int64)
@@ -1327,11 +1381,17 @@ cdef class Context:
         if self._n_views and c.would_grow_outputs(c.n_batch(), c.n_batch()):
             raise ViewsExportedError("logits/embeddings views are alive and embed() would move their buffer")
         cdef cbool norm = bool(normalize)
+        cdef bint watch = _watch_sigint()
         c = self._enter()
         try:
+            c.watch_sigint(watch)
             with nogil:
                 c.embed(&tv[0], &ov[0], <int32_t> n_in, &dst[0, 0], norm)
+        except CancelledError:
+            _raise_if_interrupted(c)
+            raise
         finally:
+            c.watch_sigint(False)
             self._leave()
         return out
 
@@ -1363,8 +1423,9 @@ cdef class Context:
             raise InvalidArgumentError("no token embeddings: decode with outputs first (and pooling='none')")
         return _make_view(self, p, n_out, llama_model_n_embd(self.model._model), 2, 1)
 
-    def get_embeddings_seq(self, int seq_id):
+    def get_embeddings_seq(self, seq_id):
         """Read-only view of sequence ``seq_id``'s pooled embedding (freed by the next decode)."""
+        _check_int(seq_id, "seq_id", INT32_MIN, INT32_MAX)
         cdef CContext * c = self._get()
         if not self.embeddings:
             raise InvalidArgumentError("create the context with embeddings=True")
@@ -1377,7 +1438,7 @@ cdef class Context:
 
     # -- generation ---------------------------------------------------------
 
-    def generate(self, tokens, Sampler sampler not None, *, max_tokens=16, seq_id=0,
+    def generate(self, tokens, sampler, *, max_tokens=16, seq_id=0,
                  stop_sequences=(), ignore_eos=False, callback=None, from_saved_logits=False):
         """Decode ``tokens`` after what sequence ``seq_id`` holds, then sample up to ``max_tokens``.
 
@@ -1393,10 +1454,11 @@ cdef class Context:
         context decoded: for a repeated prompt whose KV is still in place
         (the caller keeps that bookkeeping; llamax.Llama does).
         """
+        cdef Sampler _sa_t = _typed(sampler, Sampler, "sampler")
         if sampler.model is not self.model:
             raise InvalidArgumentError("this sampler was made for another model")
         if callback is not None and not callable(callback):
-            raise TypeError("callback must be callable")
+            raise ArgumentTypeError("callback must be callable")
         _check_int(max_tokens, "max_tokens", -1, INT32_MAX)
         _check_int(seq_id, "seq_id", 0, INT32_MAX)
         cdef CContext * c = self._get()
@@ -1405,7 +1467,7 @@ cdef class Context:
         gp.max_tokens = max_tokens
         gp.seq_id = seq_id
         gp.ignore_eos = bool(ignore_eos)
-        gp.plain_greedy = sampler._plain_greedy
+        gp.plain_greedy = _sa_t._plain_greedy
         gp.from_saved_logits = bool(from_saved_logits)
         cdef vector[llama_token] sv
         cdef const int32_t[::1] s
@@ -1419,7 +1481,7 @@ cdef class Context:
             raise ViewsExportedError("pooled-embedding views are alive; delete them before generating")
         if self._n_views and c.would_grow_outputs(1, 1):
             raise ViewsExportedError("logits views are alive and generation would move their buffer")
-        if sampler._in_use:
+        if _sa_t._in_use:
             raise ContextBusyError("this sampler is in use by another request")
         cdef _CbState st
         st.fn = <PyObject *> callback
@@ -1430,15 +1492,21 @@ cdef class Context:
         cdef CGenResult res
         cdef const int32_t * tp = &tv[0] if tv.shape[0] else NULL
         cdef int32_t n_tok = <int32_t> tv.shape[0]
-        cdef llama_sampler * smpl = sampler._smpl
-        sampler._in_use = True
+        cdef llama_sampler * smpl = _sa_t._smpl
+        _sa_t._in_use = True
+        cdef bint watch = _watch_sigint()
         c = self._enter()
         try:
+            c.watch_sigint(watch)
             with nogil:  # prompt + token loop; the callback re-takes the GIL only if given
                 res = c.generate(smpl, tp, n_tok, gp, cb, &st)
+        except CancelledError:
+            _raise_if_interrupted(c)
+            raise
         finally:
+            c.watch_sigint(False)
             self._leave()
-            sampler._in_use = False
+            _sa_t._in_use = False
         if st.error != NULL:
             err = <object> st.error
             Py_DECREF(err)
@@ -1464,8 +1532,11 @@ cdef class Context:
         finally:
             self._leave()
 
-    def kv_remove(self, int seq_id=-1, int p0=-1, int p1=-1):
+    def kv_remove(self, seq_id=-1, p0=-1, p1=-1):
         """Remove positions [p0, p1) of ``seq_id`` (-1: all sequences / open ends)."""
+        _check_int(seq_id, "seq_id", INT32_MIN, INT32_MAX)
+        _check_int(p0, "p0", INT32_MIN, INT32_MAX)
+        _check_int(p1, "p1", INT32_MIN, INT32_MAX)
         cdef CContext * c = self._enter()
         try:
             if not c.has_memory():
@@ -1474,7 +1545,11 @@ cdef class Context:
         finally:
             self._leave()
 
-    def kv_copy(self, int src, int dst, int p0=-1, int p1=-1):
+    def kv_copy(self, src, dst, p0=-1, p1=-1):
+        _check_int(src, "src", INT32_MIN, INT32_MAX)
+        _check_int(dst, "dst", INT32_MIN, INT32_MAX)
+        _check_int(p0, "p0", INT32_MIN, INT32_MAX)
+        _check_int(p1, "p1", INT32_MIN, INT32_MAX)
         cdef CContext * c = self._enter()
         try:
             if c.has_memory():
@@ -1482,7 +1557,8 @@ cdef class Context:
         finally:
             self._leave()
 
-    def kv_keep(self, int seq_id):
+    def kv_keep(self, seq_id):
+        _check_int(seq_id, "seq_id", INT32_MIN, INT32_MAX)
         cdef CContext * c = self._enter()
         try:
             if c.has_memory():
@@ -1490,8 +1566,9 @@ cdef class Context:
         finally:
             self._leave()
 
-    def seq_pos_max(self, int seq_id=0):
+    def seq_pos_max(self, seq_id=0):
         """Last position held for ``seq_id`` (-1 if empty)."""
+        _check_int(seq_id, "seq_id", INT32_MIN, INT32_MAX)
         cdef CContext * c = self._enter()
         try:
             if not c.has_memory():

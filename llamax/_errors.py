@@ -7,7 +7,7 @@ native core can raise these classes without importing the high-level API.
 """
 
 __all__ = [
-    "LlamaxError", "InvalidArgumentError", "TokenError", "ContextOverflowError",
+    "LlamaxError", "ArgumentTypeError", "InvalidArgumentError", "TokenError", "ContextOverflowError",
     "InvalidGGUFError", "LoadError", "AdapterMismatchError", "ControlVectorError",
     "AdapterInUseError", "DecodeError", "KVCacheFullError", "CancelledError",
     "OutOfMemoryError", "GrammarError", "ContextBusyError", "ClosedError",
@@ -17,6 +17,10 @@ __all__ = [
 
 class LlamaxError(Exception):
     """Base class of every error llamax raises on purpose."""
+
+
+class ArgumentTypeError(LlamaxError, TypeError):
+    """An argument of the wrong type (a ``TypeError`` too)."""
 
 
 class InvalidArgumentError(LlamaxError, ValueError):

@@ -85,6 +85,8 @@ cdef extern from "llamax.h" namespace "llamax" nogil:
         void kv_keep(llama_seq_id seq) except +translate_exception
         llama_pos seq_pos_max(llama_seq_id seq) except +translate_exception
         void cancel()
+        void watch_sigint(cbool on)
+        cbool interrupted()
         void set_threads(int32_t n_threads, int32_t n_threads_batch) except +translate_exception
         int32_t last_n_outputs()
         int64_t output_capacity()

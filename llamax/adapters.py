@@ -9,7 +9,7 @@ import time
 from typing import Callable
 
 from llamax._core import LoraAdapter, Model
-from llamax._errors import AdapterInUseError, InvalidArgumentError, UnknownAdapterError
+from llamax._errors import AdapterInUseError, ArgumentTypeError, InvalidArgumentError, UnknownAdapterError
 
 __all__ = ["AdapterRegistry"]
 
@@ -51,7 +51,7 @@ class AdapterRegistry:
     @staticmethod
     def _check_name(name):
         if not isinstance(name, str) or not name:
-            raise TypeError(f"an adapter name must be a non-empty str, not {name!r}")
+            raise ArgumentTypeError(f"an adapter name must be a non-empty str, not {name!r}")
 
     def load(self, name: str, path) -> LoraAdapter:
         """Load now (a bad file fails here, not at generation)."""
@@ -197,18 +197,18 @@ def _parse_specs(specs):
     if specs is None:
         return []
     if isinstance(specs, (str, bytes, dict)) or not hasattr(specs, "__iter__"):
-        raise TypeError("active_loras must be a list of {'name': str, 'scale': float}")
+        raise ArgumentTypeError("active_loras must be a list of {'name': str, 'scale': float}")
     out = []
     seen = set()
     for i, s in enumerate(specs):
         if not isinstance(s, dict):
-            raise TypeError(f"active_loras[{i}] must be a dict with 'name' and 'scale'")
+            raise ArgumentTypeError(f"active_loras[{i}] must be a dict with 'name' and 'scale'")
         unknown = set(s) - {"name", "scale"}
         if unknown:
-            raise TypeError(f"active_loras[{i}] has unknown keys {sorted(unknown)}")
+            raise ArgumentTypeError(f"active_loras[{i}] has unknown keys {sorted(unknown)}")
         name = s.get("name")
         if not isinstance(name, str):
-            raise TypeError(f"active_loras[{i}]['name'] must be a str")
+            raise ArgumentTypeError(f"active_loras[{i}]['name'] must be a str")
         scale = s.get("scale", 1.0)
         if isinstance(scale, bool) or not isinstance(scale, (int, float)) or scale != scale \
                 or scale in (float("inf"), float("-inf")):

@@ -14,7 +14,7 @@ import json
 import time
 from typing import Any, Iterable
 
-from llamax._errors import InvalidArgumentError, LlamaxError
+from llamax._errors import ArgumentTypeError, InvalidArgumentError, LlamaxError
 
 __all__ = ["ChatTemplate", "ChatTemplateError", "CHAT_FORMATS", "prepare_prefill"]
 
@@ -181,7 +181,7 @@ def _check_messages(messages):
         raise InvalidArgumentError("messages must be a non-empty list of {'role': ..., 'content': ...}")
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
-            raise TypeError(f"messages[{i}] must be a dict, not {type(m).__name__}")
+            raise ArgumentTypeError(f"messages[{i}] must be a dict, not {type(m).__name__}")
         if not isinstance(m.get("role"), str):
             raise InvalidArgumentError(f"messages[{i}] needs a string 'role'")
         c = m.get("content")

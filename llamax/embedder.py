@@ -21,7 +21,7 @@ import sys
 
 import numpy as np
 
-from llamax._errors import InvalidArgumentError
+from llamax._errors import ArgumentTypeError, InvalidArgumentError
 from llamax.llama import Llama
 
 __all__ = ["Embedder", "cos_sim"]
@@ -109,10 +109,10 @@ class Embedder:
         single = isinstance(sentences, str)
         items = [sentences] if single else sentences
         if not isinstance(items, (list, tuple)):
-            raise TypeError(f"sentences must be a str or a list of str, not {type(sentences).__name__}")
+            raise ArgumentTypeError(f"sentences must be a str or a list of str, not {type(sentences).__name__}")
         for i, t in enumerate(items):
             if not isinstance(t, str):
-                raise TypeError(f"sentences[{i}] is {type(t).__name__}, not str")
+                raise ArgumentTypeError(f"sentences[{i}] is {type(t).__name__}, not str")
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise InvalidArgumentError(f"batch_size must be a positive int, got {batch_size!r}")
         dim = self._llm.n_embd()

@@ -24,7 +24,9 @@ from typing import Iterator
 import numpy as np
 
 from llamax._core import Context, ControlVector, Model, Sampler
-from llamax._errors import ControlVectorError, InvalidArgumentError, UnknownAdapterError
+from llamax._errors import (
+    ArgumentTypeError, CancelledError, ControlVectorError, InvalidArgumentError, TokenError, UnknownAdapterError,
+)
 from llamax.adapters import AdapterRegistry
 from llamax.chat import ChatTemplate, ChatTemplateError, prepare_prefill
 
@@ -63,6 +65,61 @@ def _lcp(a: np.ndarray, b: np.ndarray) -> int:
 
 
 EMBED_SEQS = 64  # inputs per embedding decode (llama.cpp's n_seq_max)
+
+
+def _check_bools(**kw):
+    for k, v in kw.items():
+        if not isinstance(v, bool):
+            raise ArgumentTypeError(f"{k} must be True or False, not {type(v).__name__}")
+
+
+def _weak_call(wm):
+    def call(*args):
+        f = wm()
+        if f is not None:
+            f(*args)
+    return call
+
+
+class CancelToken:
+    """Cancels the requests it is given to (``cancel=token``), from any thread.
+
+    ``token.cancel()`` makes a running request stop within one token (or
+    one graph node of a prompt decode) and raise ``CancelledError``; a
+    request that has not started yet raises it when it starts.  Other
+    requests, on the same ``Llama`` or context, are not touched, and the
+    context serves the next request normally.
+    """
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._cancelled = False
+        self._ctxs: list[Context] = []
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled
+
+    def cancel(self) -> None:
+        # Under the lock: once _detach has returned, this token can no longer
+        # touch that context (whose next request must not be aborted).
+        with self._lock:
+            self._cancelled = True
+            for c in self._ctxs:
+                c.cancel()
+
+    def _attach(self, ctx: Context) -> None:
+        with self._lock:
+            if self._cancelled:
+                raise CancelledError("the request was cancelled before it started")
+            self._ctxs.append(ctx)
+
+    def _detach(self, ctx: Context) -> None:
+        with self._lock:
+            self._ctxs.remove(ctx)
+
+    def __repr__(self):
+        return f"<CancelToken cancelled={self._cancelled}>"
 
 
 class _Pool:
@@ -118,7 +175,12 @@ class Llama:
     tenants with different adapters run side by side; 0 with
     ``embedding=True`` for an embedding-only instance) and
     ``max_loaded_adapters`` (adapters registered with :meth:`register_lora`
-    are loaded on demand, least recently used unloaded).
+    are loaded on demand, least recently used unloaded) and ``prefix_cache``
+    (default True: a prompt reuses the KV of the longest prefix it shares
+    with the context's last one; False: only an exact repeat is reused.
+    llama.cpp's numbers depend on batch shape, so a partially reused prompt
+    can give a greedy answer that differs from a cold run; with False every
+    answer equals the cold one).
     """
 
     def __init__(self, model_path: str, *, n_gpu_layers: int = 0, use_mmap: bool = True,
@@ -127,23 +189,26 @@ class Llama:
                  n_threads_batch: int | None = None, embedding: bool = False, pooling: str | None = None,
                  flash_attn: bool | None = None, chat_format: str | None = None,
                  chat_template: str | None = None, verbose: bool = False, n_contexts: int = 1,
-                 max_loaded_adapters: int | None = None, lora_path=None, lora_scale=None, lora_base=None):
+                 max_loaded_adapters: int | None = None, prefix_cache: bool = True,
+                 lora_path=None, lora_scale=None, lora_base=None):
         for name, value in (("lora_path", lora_path), ("lora_scale", lora_scale), ("lora_base", lora_base)):
             if value is not None:
-                raise TypeError(f"Llama() no longer takes {name}: {_REMOVED[name]}")
+                raise ArgumentTypeError(f"Llama() no longer takes {name}: {_REMOVED[name]}")
         if isinstance(n_contexts, bool) or not isinstance(n_contexts, int) or not 0 <= n_contexts <= 64:
             raise InvalidArgumentError(f"n_contexts must be an int in [0, 64], got {n_contexts!r}")
         if n_contexts == 0 and not embedding:
             raise InvalidArgumentError("n_contexts=0 (no generation contexts) is only for embedding=True")
         if isinstance(seed, bool) or not isinstance(seed, int):
-            raise TypeError("seed must be an int")
+            raise ArgumentTypeError("seed must be an int")
         if verbose:
             if not any(isinstance(h, logging.StreamHandler) and not isinstance(h, logging.NullHandler)
                        for h in logger.handlers):
                 logger.addHandler(logging.StreamHandler())
             from llamax._core import set_log_level
             set_log_level(logging.INFO)
-        self.model_path = os.fspath(model_path)
+        if not isinstance(model_path, (str, bytes, os.PathLike)):
+            raise ArgumentTypeError(f"model_path must be str or os.PathLike, not {type(model_path).__name__}")
+        self.model_path = os.fsdecode(model_path)
         self.verbose = verbose
         self._model = Model(self.model_path, n_gpu_layers=n_gpu_layers, use_mmap=use_mmap, vocab_only=vocab_only)
         self._ctx_kwargs = dict(n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, n_threads=n_threads,
@@ -153,6 +218,9 @@ class Llama:
         self._rng_lock = threading.Lock()
         self._closed = False
         self._pooling = pooling
+        if not isinstance(prefix_cache, bool):
+            raise ArgumentTypeError("prefix_cache must be a bool")
+        self._prefix_cache = prefix_cache
         slots = []
         try:
             if not vocab_only:
@@ -164,7 +232,10 @@ class Llama:
             self._model.close()
             raise
         self._pool = _Pool(slots)
-        self._adapters = AdapterRegistry(self._model, max_loaded_adapters, detach=self._detach_adapter)
+        # (a weak method: a bound one would make a cycle, and the Llama must be
+        # freed when its last reference goes, without waiting for the GC)
+        self._adapters = AdapterRegistry(self._model, max_loaded_adapters,
+                                         detach=_weak_call(weakref.WeakMethod(self._detach_adapter)))
         self._cvecs: dict[str, ControlVector] = {}
         # Adapter identity for state keys: a serial per adapter object, never
         # reused (an id() could be, once an adapter is freed).
@@ -271,7 +342,7 @@ class Llama:
         """Load a llama.cpp control-vector GGUF under ``name`` (for ``control_vectors=[...]``)."""
         self._check_open()
         if not isinstance(name, str) or not name:
-            raise TypeError("a control vector name must be a non-empty str")
+            raise ArgumentTypeError("a control vector name must be a non-empty str")
         self._cvecs[name] = ControlVector.load(self._model, path)
 
     def unload_control_vector(self, name: str) -> None:
@@ -291,27 +362,29 @@ class Llama:
             elif isinstance(control_vector, dict):
                 unknown = set(control_vector) - {"data", "layer_start", "layer_end"}
                 if unknown:
-                    raise TypeError(f"control_vector has unknown keys {sorted(unknown)}")
+                    raise ArgumentTypeError(f"control_vector has unknown keys {sorted(unknown)}")
                 for k in ("data", "layer_start", "layer_end"):
                     if k not in control_vector:
                         raise ControlVectorError(f"control_vector needs '{k}' (data is padded from layer 1)")
                 ls, le = control_vector["layer_start"], control_vector["layer_end"]
                 for k, v in (("layer_start", ls), ("layer_end", le)):
                     if isinstance(v, bool) or not isinstance(v, int):
-                        raise TypeError(f"control_vector['{k}'] must be an int")
+                        raise ArgumentTypeError(f"control_vector['{k}'] must be an int")
                 parts.append((ControlVector.from_padded(self._model, control_vector["data"], ls, le), 1.0))
             else:
-                raise TypeError("control_vector must be a dict {'data', 'layer_start', 'layer_end'} "
-                                "or a llamax.ControlVector")
+                raise ArgumentTypeError("control_vector must be a dict {'data', 'layer_start', 'layer_end'} "
+                                        "or a llamax.ControlVector")
+        if control_vectors is not None and not isinstance(control_vectors, (list, tuple)):
+            raise ArgumentTypeError("control_vectors must be a list of {'name', 'scale', ...}")
         if control_vectors:
             if isinstance(control_vectors, (dict, str)):
-                raise TypeError("control_vectors must be a list of {'name', 'scale', ...}")
+                raise ArgumentTypeError("control_vectors must be a list of {'name', 'scale', ...}")
             for i, spec in enumerate(control_vectors):
                 if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
-                    raise TypeError(f"control_vectors[{i}] must be a dict with a 'name'")
+                    raise ArgumentTypeError(f"control_vectors[{i}] must be a dict with a 'name'")
                 unknown = set(spec) - {"name", "scale", "layer_start", "layer_end"}
                 if unknown:
-                    raise TypeError(f"control_vectors[{i}] has unknown keys {sorted(unknown)}")
+                    raise ArgumentTypeError(f"control_vectors[{i}] has unknown keys {sorted(unknown)}")
                 cv = self._cvecs.get(spec["name"])
                 if cv is None:
                     raise UnknownAdapterError(f"no control vector named {spec['name']!r} is loaded")
@@ -391,9 +464,15 @@ class Llama:
                           frequency_penalty: float = 0.0, presence_penalty: float = 0.0,
                           repeat_penalty: float = 1.0, top_k: int = 40, stream: bool = False,
                           seed: int | None = None, model: str | None = None, logit_bias=None,
-                          grammar=None, active_loras=None, control_vector=None, control_vectors=None):
-        """OpenAI-style text completion (``stream=True`` gives chunks)."""
+                          grammar=None, active_loras=None, control_vector=None, control_vectors=None,
+                          cancel: CancelToken | None = None):
+        """OpenAI-style text completion (``stream=True`` gives chunks).
+
+        ``cancel``: a :class:`CancelToken`; ``cancel.cancel()`` from another
+        thread stops this request with ``CancelledError``.
+        """
         self._check_open()
+        _check_bools(stream=stream, echo=echo)
         if suffix is not None:
             raise InvalidArgumentError("suffix (fill-in-the-middle) is not supported")
         if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int) or logprobs < 0):
@@ -438,13 +517,14 @@ class Llama:
                                repeat_penalty: float = 1.0, model: str | None = None, logit_bias=None,
                                logprobs: bool | None = None, top_logprobs: int | None = None, grammar=None,
                                active_loras=None, control_vector=None, control_vectors=None,
-                               assistant_prefill: bool = False):
+                               assistant_prefill: bool = False, cancel: CancelToken | None = None):
         """OpenAI-style chat completion through the model's chat template.
 
         ``assistant_prefill=True`` continues the final, partial assistant
         message: the reply's content is the continuation only.
         """
         self._check_open()
+        _check_bools(stream=stream, assistant_prefill=assistant_prefill)
         if functions is not None or function_call is not None:
             raise InvalidArgumentError("functions/function_call are not supported; pass tools= to the template")
         if tool_choice not in (None, "none", "auto"):
@@ -547,13 +627,13 @@ class Llama:
         self._check_open()
         texts = [input] if isinstance(input, str) else input
         if not isinstance(texts, (list, tuple)):
-            raise TypeError(f"input must be a str or a list of str, not {type(input).__name__}")
+            raise ArgumentTypeError(f"input must be a str or a list of str, not {type(input).__name__}")
         if not texts:
             raise InvalidArgumentError("input is empty: pass at least one string")
         limit = self._ctx_kwargs["n_ctx"]
         if max_tokens is not None:
             if isinstance(max_tokens, bool) or not isinstance(max_tokens, int):
-                raise TypeError("max_tokens must be an int or None")
+                raise ArgumentTypeError("max_tokens must be an int or None")
             if not 1 <= max_tokens <= limit:
                 raise InvalidArgumentError(f"max_tokens={max_tokens} must be in [1, n_ctx={limit}]")
             limit = max_tokens
@@ -580,11 +660,13 @@ class Llama:
             tokens = self._model.tokenize(prompt, add_special=True, parse_special=False)
         elif isinstance(prompt, (list, tuple, np.ndarray)):
             tokens = np.asarray(prompt)
-            if tokens.size and tokens.dtype.kind not in "iu":
-                raise TypeError("a token prompt must be a list of ints")
+            if tokens.ndim != 1 or (tokens.size and tokens.dtype.kind not in "iu"):
+                raise ArgumentTypeError("a token prompt must be a flat list of ints")
+            if tokens.size and (tokens.min() < -2**31 or tokens.max() >= 2**31):
+                raise TokenError("a token id does not fit in int32: valid ids are in [0, n_vocab)")
             tokens = tokens.astype(np.int32)
         else:
-            raise TypeError(f"prompt must be str, bytes or a list of token ids, not {type(prompt).__name__}")
+            raise ArgumentTypeError(f"prompt must be str, bytes or a list of token ids, not {type(prompt).__name__}")
         if len(tokens) == 0:
             bos = self._model.token_bos
             if bos < 0:
@@ -593,12 +675,14 @@ class Llama:
         return tokens
 
     def _request(self, tokens, *, max_tokens, stop, logprobs, active_loras, control_vector, control_vectors,
-                 seed, **sampling):
+                 seed, cancel, **sampling):
+        if cancel is not None and not isinstance(cancel, CancelToken):
+            raise ArgumentTypeError(f"cancel must be a llamax.CancelToken, not {type(cancel).__name__}")
         if not self._pool.slots:
             # vocab_only=True or n_contexts=0: no context to run on (the pool would wait forever)
             raise InvalidArgumentError("this Llama has no generation context (vocab_only=True or n_contexts=0)")
         if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)):
-            raise TypeError("max_tokens must be an int or None")
+            raise ArgumentTypeError("max_tokens must be an int or None")
         if max_tokens is None or max_tokens <= 0:
             max_tokens = -1  # until the context is full
         if stop is None:
@@ -608,12 +692,12 @@ class Llama:
         elif isinstance(stop, (list, tuple)) and all(isinstance(s, str) for s in stop):
             stops = [s for s in stop if s]
         else:
-            raise TypeError("stop must be a str or a list of str")
+            raise ArgumentTypeError("stop must be a str or a list of str")
         grammar = sampling.pop("grammar")
         if grammar is not None and not isinstance(grammar, str):
             grammar = getattr(grammar, "_grammar", None) or getattr(grammar, "grammar", None)
             if not isinstance(grammar, str):
-                raise TypeError("grammar must be a GBNF string")
+                raise ArgumentTypeError("grammar must be a GBNF string")
         sampler = Sampler(self._model, temperature=sampling["temperature"], top_k=sampling["top_k"],
                           top_p=sampling["top_p"], min_p=sampling["min_p"], typical_p=sampling["typical_p"],
                           repeat_penalty=sampling["repeat_penalty"],
@@ -622,7 +706,7 @@ class Llama:
                           grammar=grammar, logit_bias=sampling["logit_bias"])
         # Resolved last: it pins adapters, which the request must release.
         adapters, names, cv, key = self._state(active_loras, control_vector, control_vectors)
-        return _Request(self, tokens, sampler, max_tokens, stops, logprobs, adapters, names, cv, key)
+        return _Request(self, tokens, sampler, max_tokens, stops, logprobs, adapters, names, cv, key, cancel)
 
 
 # What every generating endpoint hands to Llama._request, taken by name from
@@ -630,7 +714,7 @@ class Llama:
 # whose chat path dropped active_loras is the failure this prevents).
 _REQUEST_ARGS = ("max_tokens", "temperature", "top_p", "min_p", "typical_p", "stop", "frequency_penalty",
                  "presence_penalty", "repeat_penalty", "top_k", "seed", "logit_bias", "grammar",
-                 "active_loras", "control_vector", "control_vectors")
+                 "active_loras", "control_vector", "control_vectors", "cancel")
 
 
 def _request_args(args: dict) -> dict:
@@ -680,8 +764,11 @@ class _Request:
     """One generation: pick a context, apply state, reuse the cached prefix
     (only under the same state), run the C++ loop, assemble text."""
 
-    def __init__(self, llm: Llama, tokens, sampler, max_tokens, stops, logprobs, adapters, names, cv, key):
+    def __init__(self, llm: Llama, tokens, sampler, max_tokens, stops, logprobs, adapters, names, cv, key,
+                 token: CancelToken | None = None):
         self.llm = llm
+        self.user_token = token
+        self.own_token = CancelToken()  # the stream's consumer going away aborts a long prompt decode
         self.tokens = tokens
         self.sampler = sampler
         self.max_tokens = max_tokens
@@ -734,8 +821,11 @@ class _Request:
                     raise item
                 yield item
         finally:
-            self.cancel.set()
-            t.join()
+            self.cancel.set()       # the token loop stops at its next token
+            t.join(0.05)
+            if t.is_alive():        # still in a prompt decode: abort it
+                self.own_token.cancel()
+                t.join()
 
     def _execute(self, emit) -> _Result:
         llm = self.llm
@@ -743,9 +833,14 @@ class _Request:
         res = _Result(model)
         res.n_prompt = len(self.tokens)
         slot = None
+        tokens = [t for t in (self.own_token, self.user_token) if t is not None]
+        attached = []
         try:
             slot = llm._pool.acquire(self.key, self.tokens)
             ctx = slot.ctx
+            for t in tokens:
+                t._attach(ctx)
+                attached.append(t)
             ctx.set_adapters(self.adapters)     # no-op when already applied
             ctx.set_control_vector(self.cv)     # no-op when identical
             # Reuse KV only if it was computed under this very state.
@@ -760,6 +855,8 @@ class _Request:
                     saved = True
                 else:
                     n_keep -= 1
+            if not saved and not llm._prefix_cache:
+                n_keep = 0  # only an exact repeat reuses the KV (see Llama's prefix_cache)
             if n_keep > 0:
                 ctx.kv_remove(0, n_keep, -1)
             else:
@@ -804,6 +901,8 @@ class _Request:
                 res.logprobs = res.logprobs[: text.n_tokens_used]
             return res
         finally:
+            for t in attached:
+                t._detach(slot.ctx)
             if slot is not None:
                 llm._pool.release(slot)
             self._release()
