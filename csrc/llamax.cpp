@@ -9,6 +9,8 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <string_view>
+#include <unordered_set>
 #include <csignal>
 #include <sys/stat.h>
 
@@ -111,6 +113,38 @@ void check_gguf_file(const std::string & path) {
     }
     if (std::memcmp(magic, "GGUF", 4) != 0) {
         throw Error(ErrorKind::InvalidGGUF, path + ": not a GGUF file (bad magic; expected 'GGUF')");
+    }
+}
+
+void check_model_gguf(const std::string & path) {
+    // Metadata only, no tensors: gguf's own parser validates the header and
+    // returns NULL on what it rejects (llama.cpp then reports that itself).
+    gguf_init_params params = {/*no_alloc=*/true, /*ctx=*/nullptr};
+    take_last_log_error();
+    gguf_context * g = gguf_init_from_file(path.c_str(), params);
+    if (g == nullptr) {
+        throw Error(ErrorKind::InvalidGGUF, with_reason(path + ": cannot load model (corrupt or unsupported GGUF)"));
+    }
+    struct Guard {
+        gguf_context * g;
+        ~Guard() { gguf_free(g); }
+    } guard{g};
+    // llama.cpp asserts (aborts the process) on a vocabulary with a repeated
+    // token string (llama-vocab.cpp: id_to_token.size() == token_to_id.size();
+    // found by tools/fuzz.py): refuse it here.
+    const int64_t key = gguf_find_key(g, "tokenizer.ggml.tokens");
+    if (key >= 0 && gguf_get_kv_type(g, key) == GGUF_TYPE_ARRAY && gguf_get_arr_type(g, key) == GGUF_TYPE_STRING) {
+        const size_t n = gguf_get_arr_n(g, key);
+        std::unordered_set<std::string_view> seen;
+        seen.reserve(n);
+        for (size_t i = 0; i < n; ++i) {
+            const char * tok = gguf_get_arr_str(g, key, i);
+            if (!seen.emplace(tok).second) {
+                throw Error(ErrorKind::InvalidGGUF, path + ": the vocabulary lists token " + std::to_string(i) +
+                                                        " ('" + std::string(tok).substr(0, 40) +
+                                                        "') twice: corrupt tokenizer.ggml.tokens");
+            }
+        }
     }
 }
 
@@ -355,9 +389,14 @@ ControlVectorPtr cvec_from_gguf(const llama_model * model, const std::string & p
     }
     const int32_t n_embd = llama_model_n_embd(model);
     const int32_t n_layer = llama_model_n_layer(model);
+    // Metadata only (no_alloc): the tensor data is read below with every
+    // offset and size checked against the file.  Letting gguf allocate the
+    // data itself would trust the header's sizes: a file claiming a huge
+    // tensor made ggml_init abort the process (found by tools/fuzz.py; the
+    // reproducer is in tests/hardening/test_corpus.py).
     ggml_context * gctx = nullptr;
     take_last_log_error();
-    gguf_init_params params = {/*no_alloc=*/false, /*ctx=*/&gctx};
+    gguf_init_params params = {/*no_alloc=*/true, /*ctx=*/&gctx};
     gguf_context * g = gguf_init_from_file(path.c_str(), params);
     if (g == nullptr) {
         throw Error(ErrorKind::InvalidGGUF, with_reason(path + ": cannot read control-vector GGUF"));
@@ -365,13 +404,26 @@ ControlVectorPtr cvec_from_gguf(const llama_model * model, const std::string & p
     struct Guard {
         gguf_context * g;
         ggml_context * c;
+        FILE * f = nullptr;
         ~Guard() {
             gguf_free(g);
             if (c) ggml_free(c);
+            if (f) std::fclose(f);
         }
     } guard{g, gctx};
+    struct stat st;
+    if (stat(path.c_str(), &st) != 0) {
+        throw Error(ErrorKind::Load, path + ": " + std::strerror(errno));
+    }
+    const uint64_t file_size = static_cast<uint64_t>(st.st_size);
+    guard.f = std::fopen(path.c_str(), "rb");
+    if (guard.f == nullptr) {
+        throw Error(ErrorKind::Load, path + ": " + std::strerror(errno));
+    }
+    const uint64_t data_offset = gguf_get_data_offset(g);
 
     std::vector<float> data((size_t) n_embd * (n_layer - 1), 0.0f);
+    std::vector<float> row(n_embd);
     int32_t lo = INT32_MAX, hi = 0;
     const int64_t n_tensors = gguf_get_n_tensors(g);
     for (int64_t i = 0; i < n_tensors; ++i) {
@@ -401,7 +453,15 @@ ControlVectorPtr cvec_from_gguf(const llama_model * model, const std::string & p
                             " values; this model's n_embd is " + std::to_string(n_embd) +
                             " (control vector made for another model?)");
         }
-        const float * src = (const float *) t->data;
+        const uint64_t off = data_offset + gguf_get_tensor_offset(g, i);
+        const uint64_t nbytes = sizeof(float) * (uint64_t) n_embd;
+        if (off < data_offset || off > file_size || nbytes > file_size - off) {
+            throw Error(ErrorKind::InvalidGGUF, path + ": tensor '" + name + "' lies outside the file (truncated?)");
+        }
+        if (fseeko(guard.f, (off_t) off, SEEK_SET) != 0 || std::fread(row.data(), 1, nbytes, guard.f) != nbytes) {
+            throw Error(ErrorKind::InvalidGGUF, path + ": cannot read tensor '" + name + "'");
+        }
+        const float * src = row.data();
         float * dst = data.data() + (size_t) (il - 1) * n_embd;
         for (int32_t j = 0; j < n_embd; ++j) {
             dst[j] += scale * src[j];

@@ -259,5 +259,8 @@ void tokenize_many(const llama_vocab * vocab, llama_token unk,
 
 // Model-level validation helpers used before llama.cpp sees the input.
 void check_gguf_file(const std::string & path);  // exists, regular, readable, GGUF magic
+// A model file's metadata, for what llama.cpp would assert on (abort) rather
+// than report: call after check_gguf_file, before llama_model_load_from_file.
+void check_model_gguf(const std::string & path);
 
 }  // namespace llamax

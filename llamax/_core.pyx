@@ -323,6 +323,7 @@ cdef class Model:
         # we can type (missing file vs directory vs not GGUF).
         with nogil:
             check_gguf_file(cpath)
+            check_model_gguf(cpath)
         with nogil:  # loading reads and maps the whole file: seconds for big models
             take_last_log_error()
             m = llama_model_load_from_file(cpath.c_str(), params)

@@ -114,6 +114,7 @@ cdef extern from "llamax.h" namespace "llamax" nogil:
                                const vector[float] & scales) except +translate_exception
 
     void check_gguf_file(const string & path) except +translate_exception
+    void check_model_gguf(const string & path) except +translate_exception
     int32_t wpm_long_words_to_unk(const llama_vocab * vocab, llama_token unk, llama_token * tokens, int32_t n)
     void tokenize_many(const llama_vocab * vocab, llama_token unk, const vector[pair[const char *, int32_t]] & texts,
                        cbool add_special, cbool parse_special, int32_t max_tokens, cbool truncate,

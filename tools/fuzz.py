@@ -43,57 +43,102 @@ def _fuzz_dir(target: str) -> Path:
     return d
 
 
-def _seed_gguf(corpus: Path) -> None:
-    import data
+# Coverage feedback.  llama.cpp is not instrumented (gcc has no
+# -fsanitize=fuzzer), so on its own the fuzzer sees the same Python path for
+# every rejected file.  Each distinct outcome (the error message with its
+# numbers blanked) is mapped to one of many tiny instrumented functions:
+# reaching a new parser stage is then new coverage, and the corpus keeps it.
+_N_BUCKETS = 1024
+_BUCKETS = []
+
+
+def _feedback(outcome: str) -> None:
+    import re
+    import zlib
+    if not _BUCKETS:
+        import atheris
+        ns: dict = {}
+        exec(compile("".join(f"def b{i}():\n    return {i}\n" for i in range(_N_BUCKETS)), "<buckets>", "exec"), ns)
+        _BUCKETS.extend(atheris.instrument_func(ns[f"b{i}"]) for i in range(_N_BUCKETS))
+    key = re.sub(r"\d+", "#", outcome.split(": ", 1)[-1] if outcome.startswith("/") else outcome)
+    _BUCKETS[zlib.crc32(key.encode()) % _N_BUCKETS]()
+
+
+def _tiny_files(tmp: Path) -> dict[str, Path]:
+    """A 4 KB BPE vocabulary and a 48 KB one-layer model on it, plus a LoRA
+    adapter and a control vector for that model: small valid seeds."""
+    import gguf
+    from gguf.constants import TokenType
     from llamax import gguf_tools as gt
+    vocab = tmp / "tinyvocab.gguf"
+    w = gguf.GGUFWriter(str(vocab), "llama")
+    w.add_block_count(1); w.add_context_length(64); w.add_embedding_length(16)  # noqa: E702
+    w.add_feed_forward_length(32); w.add_head_count(2); w.add_head_count_kv(1)  # noqa: E702
+    w.add_layer_norm_rms_eps(1e-5); w.add_rope_dimension_count(8)  # noqa: E702
+    w.add_tokenizer_model("gpt2"); w.add_tokenizer_pre("default")  # noqa: E702
+    bs = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
+    cs = bs[:]
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + len(cs) - 188)
+    toks = [chr(c) for c in cs] + ["\u0120t", "he", "\u0120the", "<s>", "</s>"]
+    w.add_token_list(toks)
+    w.add_token_types([TokenType.NORMAL] * (len(toks) - 2) + [TokenType.CONTROL] * 2)
+    w.add_token_merges(["\u0120 t", "h e", "\u0120t he"])
+    w.add_bos_token_id(len(toks) - 2); w.add_eos_token_id(len(toks) - 1)  # noqa: E702
+    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()  # noqa: E702
+    model = gt.make_tiny_llama(tmp / "tinymodel.gguf", vocab, n_embd=16, n_layer=1, n_head=2, n_head_kv=1,
+                               n_ff=32, n_ctx=64)
+    lora = gt.make_lora(model, tmp / "tinylora.gguf", rank=1)
+    cv = gt.make_control_vector(tmp / "tinycv.gguf", n_embd=16, layers=[1])
+    return {"vocab": vocab, "model": Path(model), "lora": Path(lora), "cv": Path(cv)}
+
+
+def _seed_gguf(corpus: Path, files: dict[str, Path]) -> None:
     if any(corpus.iterdir()):
         return
-    for p in sorted(data.vocab_dir().glob("ggml-vocab-*.gguf")):
-        if p.stat().st_size <= 2 << 20:
-            (corpus / p.name).write_bytes(p.read_bytes())
-    tmp = Path(tempfile.mkdtemp())
-    smol = data.smollm2()
-    tiny = gt.make_tiny_llama(tmp / "tiny.gguf", smol, n_embd=16, n_layer=1, n_head=2, n_head_kv=1, n_ff=32)
-    if Path(tiny).stat().st_size <= 8 << 20:
-        (corpus / "tiny.gguf").write_bytes(Path(tiny).read_bytes())
-    lora = gt.make_lora(smol, tmp / "lora.gguf", rank=1, layers=[0])
-    (corpus / "lora.gguf").write_bytes(Path(lora).read_bytes())
-    cv = gt.make_control_vector(tmp / "cv.gguf", n_embd=576, layers=[1, 2])
-    (corpus / "cv.gguf").write_bytes(Path(cv).read_bytes())
+    for name, p in files.items():
+        (corpus / f"{name}.gguf").write_bytes(p.read_bytes())
 
 
 def target_gguf():
-    import data
     import llamax
-    smol = llamax.Model(str(data.smollm2()))
-    path = Path(tempfile.mkdtemp()) / "input.gguf"
+    tmp = Path(tempfile.mkdtemp())
+    files = _tiny_files(tmp)
+    base = llamax.Model(str(files["model"]))
+    path = tmp / "input.gguf"
 
     def one(buf: bytes) -> None:
         path.write_bytes(buf)
         for kw in ({}, {"vocab_only": True}):
             try:
                 m = llamax.Model(str(path), **kw)
-            except llamax.LlamaxError:
+            except llamax.LlamaxError as e:
+                _feedback(f"model{kw}: {e}")
                 continue
+            _feedback(f"model{kw}: ok")
             try:
                 if not kw:
                     with llamax.Context(m, n_ctx=32, n_threads=1) as c:
                         c.decode([0])
-                m.tokenize("fuzz")
-            except llamax.LlamaxError:
-                pass
+                m.tokenize("fuzz the tea")
+            except llamax.LlamaxError as e:
+                _feedback(f"use: {e}")
             finally:
                 m.close()
         try:
-            llamax.LoraAdapter(smol, str(path)).close()
-        except llamax.LlamaxError:
-            pass
+            llamax.LoraAdapter(base, str(path)).close()
+            _feedback("lora: ok")
+        except llamax.LlamaxError as e:
+            _feedback(f"lora: {e}")
         try:
-            llamax.ControlVector.load(smol, str(path))
-        except llamax.LlamaxError:
-            pass
+            llamax.ControlVector.load(base, str(path))
+            _feedback("cv: ok")
+        except llamax.LlamaxError as e:
+            _feedback(f"cv: {e}")
 
-    return one, _seed_gguf
+    return one, lambda corpus: _seed_gguf(corpus, files)
 
 
 def target_tokenize():
@@ -177,7 +222,7 @@ def main() -> None:
     corpus = d / "corpus"
     corpus.mkdir(exist_ok=True)
     seed(corpus)
-    args = [sys.argv[0], str(corpus), f"-artifact_prefix={d}/", "-max_len=65536", "-rss_limit_mb=8192",
+    args = [sys.argv[0], str(corpus), f"-artifact_prefix={d}/", "-max_len=131072", "-rss_limit_mb=8192",
             "-timeout=30"] + sys.argv[2:]
     atheris.Setup(args, one)
     atheris.Fuzz()

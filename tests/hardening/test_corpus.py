@@ -393,6 +393,24 @@ CASES = {
         check(llamax.ClosedError, "closed", m.tokenize, "x")
         llm = llamax.Llama(SMOL, n_ctx=64, n_threads=1); llm.close()
         check(llamax.ClosedError, "closed", llm.create_completion, "x")''',
+    # -- fuzzer finds (tools/fuzz.py), kept as reproducers ------------------------------------------------
+    "fuzz_cvec_huge_tensor_abort": '''
+        # a LoRA-like GGUF whose tensor header claims a huge size: loading it as a
+        # control vector made gguf allocate the data and ggml_init abort the process
+        p = os.path.join(TESTS, "hardening", "fuzz_finds", "cvec-huge-tensor-abort.gguf")
+        m = llamax.Model(SMOL)
+        check((llamax.ControlVectorError, llamax.InvalidGGUFError), "direction|GGUF", llamax.ControlVector.load, m, p)
+        with llamax.Llama(SMOL, n_ctx=64, n_threads=1) as llm:
+            check((llamax.ControlVectorError, llamax.InvalidGGUFError), "direction|GGUF", llm.load_control_vector, "x", p)
+            check(llamax.AdapterMismatchError, "adapter|lora", llm.load_lora, "x", p)
+        m.close()''',
+    "fuzz_vocab_duplicate_token_abort": '''
+        # a vocabulary that lists one token string twice: llama.cpp's vocab loader
+        # asserts (aborts) on it; llamax checks the metadata first
+        p = os.path.join(TESTS, "hardening", "fuzz_finds", "vocab-duplicate-token-abort.gguf")
+        check(llamax.InvalidGGUFError, "twice", llamax.Model, p)
+        check(llamax.InvalidGGUFError, "twice", llamax.Model, p, vocab_only=True)
+        check(llamax.InvalidGGUFError, "twice", llamax.Llama, p)''',
     "context_params_out_of_range": '''
         m = llamax.Model(SMOL)
         for kw in ({"n_ctx": -1}, {"n_batch": 0}, {"n_seq_max": 10**6}, {"n_threads": 0}, {"pooling": "max"}):
@@ -415,7 +433,7 @@ def test_corpus_is_large_enough():
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_case(name, corpus_dir, smollm2_path):
-    code = PRE.replace("TESTS", repr(str(HERE))) + textwrap.dedent(CASES[name]).strip("\n") + "\nalive()\n"
+    code = (PRE + textwrap.dedent(CASES[name]).strip("\n") + "\nalive()\n").replace("TESTS", repr(str(HERE)))
     env_dir = str(corpus_dir)
     r = run_py(f"import os; os.environ['CORPUS_DIR'] = {env_dir!r}\n" + code, timeout=300)
     assert r.returncode == 0, f"case {name} failed (exit {r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
