@@ -4,6 +4,7 @@
 
 #include <Python.h>
 
+#include <cstring>
 #include <new>
 #include <stdexcept>
 
@@ -21,6 +22,18 @@ inline void register_error(int kind, PyObject * cls) {
     }
 }
 
+// Messages can quote bytes from a hostile file (a tensor name, a log line):
+// decoded with "replace", never strictly (that would raise UnicodeDecodeError
+// instead of the llamax error; found by tools/fuzz.py).
+inline void set_error(PyObject * cls, const char * msg) {
+    PyObject * text = PyUnicode_DecodeUTF8(msg, (Py_ssize_t) std::strlen(msg), "replace");
+    if (text == nullptr) {
+        return;  // (MemoryError is set)
+    }
+    PyErr_SetObject(cls, text);
+    Py_DECREF(text);
+}
+
 // Used as `except +llamax::translate_exception` in _shim.pxd: called inside
 // the catch block with the GIL held.
 inline void translate_exception() {
@@ -28,16 +41,16 @@ inline void translate_exception() {
         throw;
     } catch (const Error & e) {
         PyObject * cls = g_error_classes[(int) e.kind];
-        PyErr_SetString(cls ? cls : PyExc_RuntimeError, e.what());
+        set_error(cls ? cls : PyExc_RuntimeError, e.what());
     } catch (const std::bad_alloc &) {
         PyObject * cls = g_error_classes[(int) ErrorKind::OutOfMemory];
         PyErr_SetString(cls ? cls : PyExc_MemoryError, "out of memory in llamax/llama.cpp");
     } catch (const std::invalid_argument & e) {
         PyObject * cls = g_error_classes[(int) ErrorKind::InvalidArgument];
-        PyErr_SetString(cls ? cls : PyExc_ValueError, e.what());
+        set_error(cls ? cls : PyExc_ValueError, e.what());
     } catch (const std::exception & e) {
         PyObject * cls = g_error_classes[(int) ErrorKind::Decode];
-        PyErr_SetString(cls ? cls : PyExc_RuntimeError, e.what());
+        set_error(cls ? cls : PyExc_RuntimeError, e.what());
     } catch (...) {
         PyErr_SetString(PyExc_RuntimeError, "unknown C++ exception in llamax");
     }

@@ -37,8 +37,11 @@ if [ ! -x "$venv/bin/python" ]; then python3 -m venv "$venv"; fi
 echo "[sanitize] building with LLAMAX_SANITIZE=$flags into $venv" >&2
 LLAMAX_SANITIZE=$flags "$venv/bin/pip" install -q "$root[test]" >&2
 cd "$root/tests/core"   # away from the source tree's llamax/
+# TSan needs a fixed memory layout on kernels with high mmap ASLR entropy
+runner=()
+if [ "$mode" = tsan ] && command -v setarch >/dev/null; then runner=(setarch "$(uname -m)" -R); fi
 set +e
-LD_PRELOAD="$pre" LLAMAX_SANITIZE_RUN=$mode "$venv/bin/python" -m pytest -q -p no:cacheprovider \
+LD_PRELOAD="$pre" LLAMAX_SANITIZE_RUN=$mode "${runner[@]}" "$venv/bin/python" -m pytest -q -p no:cacheprovider \
     "${tests[@]/#tests/$root/tests}" "$@" 2>&1 | tee "$out/pytest.log"
 rc=${PIPESTATUS[0]}
 set -e

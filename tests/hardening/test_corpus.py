@@ -411,6 +411,13 @@ CASES = {
         check(llamax.InvalidGGUFError, "twice", llamax.Model, p)
         check(llamax.InvalidGGUFError, "twice", llamax.Model, p, vocab_only=True)
         check(llamax.InvalidGGUFError, "twice", llamax.Llama, p)''',
+    "fuzz_lora_invalid_utf8_message": '''
+        # llama.cpp's error quotes a tensor name with invalid UTF-8: the message must
+        # still become the typed error (decoded with replacement), not UnicodeDecodeError
+        p = os.path.join(TESTS, "hardening", "fuzz_finds", "lora-invalid-utf8-message.gguf")
+        m = llamax.Model(SMOL)
+        check(llamax.AdapterMismatchError, "suffix|lora", llamax.LoraAdapter, m, p)
+        m.close()''',
     "context_params_out_of_range": '''
         m = llamax.Model(SMOL)
         for kw in ({"n_ctx": -1}, {"n_batch": 0}, {"n_seq_max": 10**6}, {"n_threads": 0}, {"pooling": "max"}):

@@ -19,6 +19,8 @@ import llamax
 sys.path.insert(0, TESTS)
 import data
 SMOL = str(data.smollm2())
+# 100 ms is the promise; under tools/sanitize.sh every graph node is several times slower
+LIMIT = 1.0 if os.environ.get("LLAMAX_SANITIZE_RUN") else 0.1
 
 def interrupt_after(delay):
     sent = {}
@@ -36,7 +38,7 @@ def expect_interrupt(fn, delay=0.4):
     except KeyboardInterrupt:
         lag = time.perf_counter() - sent["t"]
         print(f"LAG-MS {lag * 1e3:.2f}")
-        assert lag < 0.1, f"stopped {lag * 1e3:.1f} ms after SIGINT (limit 100 ms)"
+        assert lag < LIMIT, f"stopped {lag * 1e3:.1f} ms after SIGINT (limit {LIMIT * 1e3:.0f} ms)"
         return
     raise AssertionError(f"no KeyboardInterrupt ({time.perf_counter() - t0:.2f} s)")
 '''
