@@ -151,8 +151,42 @@ void check_model_gguf(const std::string & path) {
 // ---------------------------------------------------------------------------
 // Adapters
 
+namespace {
+
+// llama.cpp's adapter loader reads these keys with gguf_get_val_* and no type
+// check: a key of another type asserts (aborts).  Found by tools/fuzz.py.
+void check_adapter_kv_types(const std::string & path) {
+    gguf_init_params params = {/*no_alloc=*/true, /*ctx=*/nullptr};
+    take_last_log_error();
+    gguf_context * g = gguf_init_from_file(path.c_str(), params);
+    if (g == nullptr) {
+        throw Error(ErrorKind::InvalidGGUF, with_reason(path + ": cannot read LoRA adapter GGUF"));
+    }
+    struct Guard {
+        gguf_context * g;
+        ~Guard() { gguf_free(g); }
+    } guard{g};
+    const std::pair<const char *, gguf_type> expected[] = {
+        {"general.type", GGUF_TYPE_STRING},
+        {"general.architecture", GGUF_TYPE_STRING},
+        {"adapter.type", GGUF_TYPE_STRING},
+        {"adapter.lora.alpha", GGUF_TYPE_FLOAT32},
+    };
+    for (const auto & [key, type] : expected) {
+        const int64_t id = gguf_find_key(g, key);
+        if (id >= 0 && gguf_get_kv_type(g, id) != type) {
+            throw Error(ErrorKind::InvalidGGUF, path + ": '" + key + "' has type " +
+                                                    gguf_type_name(gguf_get_kv_type(g, id)) + ", expected " +
+                                                    gguf_type_name(type));
+        }
+    }
+}
+
+}  // namespace
+
 Adapter * adapter_load(llama_model * model, const std::string & path) {
     check_gguf_file(path);
+    check_adapter_kv_types(path);
     take_last_log_error();
     llama_adapter_lora * p = llama_adapter_lora_init(model, path.c_str());
     if (p == nullptr) {

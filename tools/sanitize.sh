@@ -33,7 +33,7 @@ case $mode in
         ;;
   *) echo "usage: $0 asan|tsan [pytest args]" >&2; exit 2 ;;
 esac
-if [ ! -x "$venv/bin/python" ]; then python3 -m venv "$venv"; fi
+if [ ! -x "$venv/bin/pip" ]; then rm -rf "$venv"; python3 -m venv "$venv"; fi
 echo "[sanitize] building with LLAMAX_SANITIZE=$flags into $venv" >&2
 LLAMAX_SANITIZE=$flags "$venv/bin/pip" install -q "$root[test]" >&2
 cd "$root/tests/core"   # away from the source tree's llamax/

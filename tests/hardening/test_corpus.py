@@ -418,6 +418,18 @@ CASES = {
         m = llamax.Model(SMOL)
         check(llamax.AdapterMismatchError, "suffix|lora", llamax.LoraAdapter, m, p)
         m.close()''',
+    "fuzz_lora_alpha_wrong_type_abort": '''
+        # adapter.lora.alpha stored as another type: llama.cpp's adapter loader reads
+        # it with gguf_get_val_f32, which asserts (aborts) on the type
+        p = os.path.join(TESTS, "hardening", "fuzz_finds", "lora-alpha-wrong-type-abort.gguf")
+        with llamax.Llama(SMOL, n_ctx=64, n_threads=1) as llm:
+            check(llamax.InvalidGGUFError, "adapter.lora.alpha' has type", llm.load_lora, "x", p)
+        # the same for the other keys it reads
+        bad = header(0, 3) + kv_str("general.type", "adapter") + kv_str("adapter.type", "lora") \
+            + gstr("general.architecture") + u32(4) + u32(7)
+        m = llamax.Model(SMOL)
+        check(llamax.InvalidGGUFError, "general.architecture' has type", llamax.LoraAdapter, m, write("la.gguf", bad))
+        m.close()''',
     "context_params_out_of_range": '''
         m = llamax.Model(SMOL)
         for kw in ({"n_ctx": -1}, {"n_batch": 0}, {"n_seq_max": 10**6}, {"n_threads": 0}, {"pooling": "max"}):
