@@ -24,7 +24,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -59,27 +58,6 @@ def sentences(n: int) -> list[str]:
     return out
 
 
-class Worker:
-    """A JSON-lines worker process in another venv (one model load for the run)."""
-
-    def __init__(self, py, script):
-        self.p = subprocess.Popen([str(py), str(script), "serve"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                  text=True, bufsize=1, env=dict(os.environ, HF_HUB_OFFLINE="1",
-                                                                 TRANSFORMERS_OFFLINE="1"))
-        self.info = json.loads(self.p.stdout.readline())
-
-    def __call__(self, **req):
-        self.p.stdin.write(json.dumps(req) + "\n")
-        out = json.loads(self.p.stdout.readline())
-        if "error" in out:
-            raise RuntimeError(f"{Path(self.p.args[1]).name}: {out['error']}")
-        return out
-
-    def close(self):
-        self.p.stdin.close()
-        self.p.wait(60)
-
-
 def cos_min_mean(a, ref) -> tuple[float, float]:
     a = np.asarray(a, np.float32)
     a = a / np.linalg.norm(a, axis=1, keepdims=True)
@@ -109,7 +87,8 @@ def run(threads: int, runs: int, n: int, with_peers: bool, log) -> dict:
     st_info = lcp_info = None
     if with_peers:
         log("starting sentence-transformers (tool venv)")
-        st = Worker(data.tool_venv(reference=True), HERE / "st_worker.py")
+        st = peers.Worker(data.tool_venv(reference=True), HERE / "st_worker.py",
+                          env=dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1"))
         workers.append(st)
         st_info = st.info
         st_dir = str(data.minilm_dir())
@@ -124,7 +103,7 @@ def run(threads: int, runs: int, n: int, with_peers: bool, log) -> dict:
         contestants["sentence-transformers"] = st_run
 
         log("starting llama-cpp-python (peer venv)")
-        lcp = Worker(peers.ensure(log=log), HERE / "peer_worker.py")
+        lcp = peers.Worker(peers.ensure(log=log), HERE / "peer_worker.py")
         workers.append(lcp)
         lcp_info = lcp.info
         lcp(op="embed", model=str(models["f16"]), threads=threads, sentences=texts[:8])

@@ -54,25 +54,9 @@ def pct(xs, q):
     return float(np.percentile(xs, q)) if xs else float("nan")
 
 
-class Peer:
+def Peer() -> peers.Worker:
     """The llama-cpp-python worker process (one model load for the whole run)."""
-
-    def __init__(self):
-        py = peers.ensure(log=lambda m: print(m, file=sys.stderr))
-        self.p = subprocess.Popen([str(py), str(HERE / "peer_worker.py"), "serve"], stdin=subprocess.PIPE,
-                                  stdout=subprocess.PIPE, text=True, bufsize=1)
-        self.info = json.loads(self.p.stdout.readline())
-
-    def __call__(self, **req):
-        self.p.stdin.write(json.dumps(req) + "\n")
-        out = json.loads(self.p.stdout.readline())
-        if "error" in out:
-            raise RuntimeError(f"llama-cpp-python worker: {out['error']}")
-        return out
-
-    def close(self):
-        self.p.stdin.close()
-        self.p.wait(30)
+    return peers.Worker(peers.ensure(log=lambda m: print(m, file=sys.stderr)), HERE / "peer_worker.py")
 
 
 def _gen_loras(model_path: Path, out: Path):

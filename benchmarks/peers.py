@@ -70,3 +70,25 @@ def ensure(log=print) -> Path:
 
 if __name__ == "__main__":
     print(ensure())
+
+
+class Worker:
+    """A JSON-lines worker process in another venv (one model load for the
+    whole run): a request per line on stdin, an answer per line on stdout."""
+
+    def __init__(self, py, script, env=None):
+        self.name = Path(script).name
+        self.p = subprocess.Popen([str(py), str(script), "serve"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                  text=True, bufsize=1, env=env)
+        self.info = json.loads(self.p.stdout.readline())
+
+    def __call__(self, **req):
+        self.p.stdin.write(json.dumps(req) + "\n")
+        out = json.loads(self.p.stdout.readline())
+        if "error" in out:
+            raise RuntimeError(f"{self.name}: {out['error']}")
+        return out
+
+    def close(self):
+        self.p.stdin.close()
+        self.p.wait(60)

@@ -116,19 +116,30 @@ void check_gguf_file(const std::string & path) {
     }
 }
 
-void check_model_gguf(const std::string & path) {
-    // Metadata only, no tensors: gguf's own parser validates the header and
-    // returns NULL on what it rejects (llama.cpp then reports that itself).
-    gguf_init_params params = {/*no_alloc=*/true, /*ctx=*/nullptr};
-    take_last_log_error();
-    gguf_context * g = gguf_init_from_file(path.c_str(), params);
-    if (g == nullptr) {
-        throw Error(ErrorKind::InvalidGGUF, with_reason(path + ": cannot load model (corrupt or unsupported GGUF)"));
+namespace {
+
+// A GGUF's metadata only (no tensor data, no ggml context), freed on scope
+// exit; gguf's parser validates the header and returns NULL on what it rejects.
+struct GgufMeta {
+    gguf_context * g = nullptr;
+    GgufMeta(const std::string & path, const std::string & what) {
+        gguf_init_params params = {/*no_alloc=*/true, /*ctx=*/nullptr};
+        take_last_log_error();
+        g = gguf_init_from_file(path.c_str(), params);
+        if (g == nullptr) {
+            throw Error(ErrorKind::InvalidGGUF, with_reason(path + ": cannot read " + what));
+        }
     }
-    struct Guard {
-        gguf_context * g;
-        ~Guard() { gguf_free(g); }
-    } guard{g};
+    ~GgufMeta() { gguf_free(g); }
+    GgufMeta(const GgufMeta &) = delete;
+    GgufMeta & operator=(const GgufMeta &) = delete;
+};
+
+}  // namespace
+
+void check_model_gguf(const std::string & path) {
+    GgufMeta meta(path, "model (corrupt or unsupported GGUF)");
+    gguf_context * g = meta.g;
     // llama.cpp asserts (aborts the process) on a vocabulary with a repeated
     // token string (llama-vocab.cpp: id_to_token.size() == token_to_id.size();
     // found by tools/fuzz.py): refuse it here.
@@ -156,16 +167,8 @@ namespace {
 // llama.cpp's adapter loader reads these keys with gguf_get_val_* and no type
 // check: a key of another type asserts (aborts).  Found by tools/fuzz.py.
 void check_adapter_kv_types(const std::string & path) {
-    gguf_init_params params = {/*no_alloc=*/true, /*ctx=*/nullptr};
-    take_last_log_error();
-    gguf_context * g = gguf_init_from_file(path.c_str(), params);
-    if (g == nullptr) {
-        throw Error(ErrorKind::InvalidGGUF, with_reason(path + ": cannot read LoRA adapter GGUF"));
-    }
-    struct Guard {
-        gguf_context * g;
-        ~Guard() { gguf_free(g); }
-    } guard{g};
+    GgufMeta meta(path, "LoRA adapter GGUF");
+    gguf_context * g = meta.g;
     const std::pair<const char *, gguf_type> expected[] = {
         {"general.type", GGUF_TYPE_STRING},
         {"general.architecture", GGUF_TYPE_STRING},

@@ -14,7 +14,6 @@ Benchmarks import this module too.
 """
 from __future__ import annotations
 
-import hashlib
 import os
 import subprocess
 import sys
@@ -59,11 +58,8 @@ def _cache() -> Path:
 
 
 def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+    from llamax.models import _sha256 as sha256
+    return sha256(path)
 
 
 def _log(msg: str) -> None:

@@ -52,16 +52,22 @@ _N_BUCKETS = 1024
 _BUCKETS = []
 
 
+def _make_buckets() -> None:
+    # One function with an if-chain: every bucket is its own edge at its own
+    # offset.  (Separate identical functions share atheris' edge ids.)  Made
+    # before atheris.Setup: counters registered later may not be seen.
+    import atheris
+    ns: dict = {}
+    src = "def bucket(k):\n" + "".join(f"    if k == {i}:\n        return {i}\n" for i in range(_N_BUCKETS))
+    exec(compile(src, "<buckets>", "exec"), ns)
+    _BUCKETS.append(atheris.instrument_func(ns["bucket"]))
+
+
 def _feedback(outcome: str) -> None:
     import re
     import zlib
-    if not _BUCKETS:
-        import atheris
-        ns: dict = {}
-        exec(compile("".join(f"def b{i}():\n    return {i}\n" for i in range(_N_BUCKETS)), "<buckets>", "exec"), ns)
-        _BUCKETS.extend(atheris.instrument_func(ns[f"b{i}"]) for i in range(_N_BUCKETS))
     key = re.sub(r"\d+", "#", outcome.split(": ", 1)[-1] if outcome.startswith("/") else outcome)
-    _BUCKETS[zlib.crc32(key.encode()) % _N_BUCKETS]()
+    _BUCKETS[0](zlib.crc32(key.encode()) % _N_BUCKETS)
 
 
 def _tiny_files(tmp: Path) -> dict[str, Path]:
@@ -148,19 +154,28 @@ def target_tokenize():
               llamax.Model(str(data.minilm("f16")), vocab_only=True)]
 
     def one(buf: bytes) -> None:
-        m = models[buf[0] % 2] if buf else models[0]
+        which = buf[0] % 2 if buf else 0
+        m = models[which]
         flags = buf[1] if len(buf) > 1 else 0
-        text = buf[2:]
+        raw = buf[2:]
         try:
-            toks = m.tokenize(text, add_special=bool(flags & 1), parse_special=bool(flags & 2))
+            m.tokenize(raw)  # bytes: invalid UTF-8 must be a clean InvalidUtf8Error
         except llamax.InvalidUtf8Error:
-            return
+            pass
+        text = raw.decode("utf-8", "replace")  # then always a valid text, so the tokenizer runs
+        toks = m.tokenize(text, add_special=bool(flags & 1), parse_special=bool(flags & 2))
+        # feedback: which model, how many tokens, which first and last token
+        _feedback(f"{which}:{len(toks).bit_length()}:{int(toks[0]) % 97 if len(toks) else -1}:"
+                  f"{int(toks[-1]) % 89 if len(toks) else -1}")
         m.detokenize(toks, special=bool(flags & 4))
         m.detokenize_text(toks, errors="replace")
-        s = text.decode("utf-8")
-        flat, offs = m.tokenize_batch([s, s[: len(s) // 2]], add_special=bool(flags & 1),
-                                      parse_special=bool(flags & 2))
-        assert list(flat[offs[0]:offs[1]]) == list(toks) or (len(toks) == 0 and offs[1] - offs[0] == 1)
+        flat, offs = m.tokenize_batch([text, text[: len(text) // 2]], add_special=bool(flags & 1),
+                                      parse_special=bool(flags & 2), max_tokens=flags * 4, truncate=True)
+        n0 = int(offs[1] - offs[0])
+        if flags == 0:
+            assert list(flat[offs[0]:offs[1]]) == list(toks) or (len(toks) == 0 and n0 == 1)
+        else:
+            assert n0 <= max(flags * 4, 1) or flags * 4 == 0
         for t in toks[:64]:
             m.token_to_piece(int(t), special=bool(flags & 8))
 
@@ -217,6 +232,7 @@ def main() -> None:
     with atheris.instrument_imports():
         import llamax  # noqa: F401  (the Python layers: coverage for the fuzzer)
         import llamax.chat  # noqa: F401
+    _make_buckets()
     one, seed = TARGETS[name]()
     d = _fuzz_dir(name)
     corpus = d / "corpus"

@@ -9,7 +9,6 @@ It writes minilm_st_ref.npy: float32 (len(sentences.json), 384), the
 normalized vectors sentence-transformers' own all-MiniLM-L6-v2 pipeline
 (max_seq_length 256, mean pooling, Normalize) gives for sentences.json.
 """
-import json
 import os
 import subprocess
 import sys

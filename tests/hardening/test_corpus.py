@@ -7,7 +7,6 @@ leave the process alive and able to go on (each case does real work after
 its error).  Fuzzer finds (tools/fuzz.py) are recorded here as cases too.
 """
 import os
-import struct
 import textwrap
 
 import pytest
