@@ -10,6 +10,7 @@ hanging the server.
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import time
 from typing import Any, Iterable
@@ -63,18 +64,26 @@ class _Budget:
             raise ChatTemplateError(f"chat template took longer than {MAX_RENDER_SECONDS} s to render")
 
 
-def _make_env(budget: _Budget):
-    from jinja2.sandbox import ImmutableSandboxedEnvironment, safe_range
+_ENV_CLASS = None
+
+
+def _env_class():
+    """The sandbox class, made once (a class made per template would be a
+    reference cycle per Llama, freed only by the garbage collector)."""
+    global _ENV_CLASS
+    if _ENV_CLASS is not None:
+        return _ENV_CLASS
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     class _Env(ImmutableSandboxedEnvironment):
         # Attribute and item lookups, calls and ranges are where a template's
-        # work happens: each checks the render's deadline.  `*`, `**` and `+`
-        # are intercepted too: one expression ('x' * 10**10) could otherwise
-        # allocate gigabytes before any output-size check sees it.
+        # work happens: each checks the render's deadline (self.budget).
+        # `*`, `**` and `+` are intercepted too: one expression ('x' * 10**10)
+        # could otherwise allocate gigabytes before any output-size check sees it.
         intercepted_binops = frozenset(["*", "**", "+"])
 
         def call_binop(self, context, operator, left, right):
-            budget.check()
+            self.budget.check()
             if operator == "**":
                 if isinstance(right, (int, float)) and abs(right) > 64 and isinstance(left, (int, float)) \
                         and abs(left) > 1:
@@ -90,35 +99,46 @@ def _make_env(budget: _Budget):
             return super().call_binop(context, operator, left, right)
 
         def getattr(self, obj, attribute):
-            budget.check()
+            self.budget.check()
             return super().getattr(obj, attribute)
 
         def getitem(self, obj, argument):
-            budget.check()
+            self.budget.check()
             return super().getitem(obj, argument)
 
         def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (jinja's signature)
-            budget.check()
+            __self.budget.check()
             return super().call(__context, __obj, *args, **kwargs)
 
-    def bounded_range(*args):
-        for i in safe_range(*args):
-            budget.check()
-            yield i
+    _ENV_CLASS = _Env
+    return _Env
 
-    def raise_exception(message):
-        raise ChatTemplateError(f"chat template raised: {message}")
 
-    def strftime_now(fmt):
-        return datetime.datetime.now().strftime(fmt)
+def _bounded_range(budget: _Budget, *args):
+    from jinja2.sandbox import safe_range
+    for i in safe_range(*args):
+        budget.check()
+        yield i
 
-    def tojson(value, indent=None, ensure_ascii=False, sort_keys=False, separators=None):
-        return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii, sort_keys=sort_keys,
-                          separators=separators)
 
-    env = _Env(trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
-    env.globals.update(range=bounded_range, raise_exception=raise_exception, strftime_now=strftime_now)
-    env.filters["tojson"] = tojson
+def _raise_exception(message):
+    raise ChatTemplateError(f"chat template raised: {message}")
+
+
+def _strftime_now(fmt):
+    return datetime.datetime.now().strftime(fmt)
+
+
+def _tojson(value, indent=None, ensure_ascii=False, sort_keys=False, separators=None):
+    return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii, sort_keys=sort_keys, separators=separators)
+
+
+def _make_env(budget: _Budget):
+    env = _env_class()(trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
+    env.budget = budget
+    env.globals.update(range=functools.partial(_bounded_range, budget), raise_exception=_raise_exception,
+                       strftime_now=_strftime_now)
+    env.filters["tojson"] = _tojson
     return env
 
 

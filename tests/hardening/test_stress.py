@@ -83,7 +83,8 @@ def _run(llm, spec):
         tok = llamax.CancelToken()
         threading.Timer(0.01, tok.cancel).start()
         try:
-            llm(prompt, max_tokens=400, cancel=tok, **G)
+            # EOS banned: without it a greedy answer could end before the timer fires
+            llm(prompt, max_tokens=400, cancel=tok, logit_bias=llm._test_no_eog, **G)
         except llamax.CancelledError:
             return "cancelled"
         return "finished"  # never expected: 400 tokens take seconds
@@ -97,6 +98,8 @@ def _make_llm(path, files, n_contexts):
     llm.load_lora("a", a)
     llm.load_lora("b", b)
     llm.load_control_vector("cv", cv)
+    # (for the "cancel" requests: every end-of-generation token banned)
+    llm._test_no_eog = {t: -1e9 for t in range(llm.n_vocab()) if llm._model.is_eog(t)}
     return llm
 
 
