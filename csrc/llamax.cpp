@@ -624,6 +624,13 @@ void Context::watch_sigint(bool on) {
     }
 }
 
+void Context::throw_cancelled(const char * what) const {
+    if (interrupted()) {
+        throw Error(ErrorKind::Interrupted, std::string(what) + " was interrupted (SIGINT)", 2);
+    }
+    throw Error(ErrorKind::Aborted, std::string(what) + " was cancelled", 2);
+}
+
 bool Context::interrupted() const {
     return watch_sigint_ && g_sigint_count.load(std::memory_order_relaxed) != sigint_start_;
 }
@@ -828,7 +835,7 @@ void Context::raw_decode(llama_batch & batch, int32_t n_outputs) {
                         " tokens: the context is full (clear or trim the KV cache, or raise n_ctx)", rc);
     }
     if (rc == 2) {
-        throw Error(ErrorKind::Aborted, "decode was cancelled", rc);
+        throw_cancelled("decode");
     }
     throw Error(ErrorKind::Decode, with_reason("llama_decode failed with code " + std::to_string(rc)), rc);
 }
@@ -950,7 +957,7 @@ int32_t Context::embed(const llama_token * tokens, const int64_t * offsets, int3
             llama_memory_clear(mem, true);
         }
         if (abort_.load(std::memory_order_relaxed) || interrupted()) {
-            throw Error(ErrorKind::Aborted, "embedding was cancelled");
+            throw_cancelled("embedding");
         }
         llama_batch batch = {n, const_cast<llama_token *>(tokens + offsets[i]), nullptr, pos_buf_.data(),
                              nseq_buf_.data(), seqp_buf_.data(), out_buf_.data()};
@@ -1107,7 +1114,7 @@ GenResult Context::generate(llama_sampler * smpl, const llama_token * prompt, in
             return res;
         }
         if (abort_.load(std::memory_order_relaxed) || interrupted()) {
-            throw Error(ErrorKind::Aborted, "generation was cancelled");
+            throw_cancelled("generation");
         }
         llama_batch b = {1, &tok, nullptr, &pos, nsbuf.data(), spbuf.data(), &one};
         raw_decode(b, 1);

@@ -35,6 +35,7 @@ enum class ErrorKind : int {
     Load,                 // LoadError(OSError)
     Grammar,              // GrammarError(ValueError)
     Busy,                 // ContextBusyError(RuntimeError)
+    Interrupted,          // SIGINT while watching: Python's handler runs (KeyboardInterrupt)
 };
 
 struct Error : std::runtime_error {
@@ -168,7 +169,7 @@ public:
 
     // Ctrl-C: while watching, a SIGINT (seen by a chained C handler, see
     // llamax.cpp) aborts the running decode/generate/embed with
-    // ErrorKind::Aborted, within one graph node.  The Python layer watches
+    // ErrorKind::Interrupted, within one graph node.  The Python layer watches
     // only calls made on the main thread while SIGINT has Python's default
     // handler, then lets Python run that handler (KeyboardInterrupt).
     void watch_sigint(bool on);
@@ -208,6 +209,7 @@ private:
     void check_tokens(const llama_token * tokens, int32_t n) const;
     void raw_decode(llama_batch & batch, int32_t n_outputs);
     static bool abort_cb(void * data);
+    [[noreturn]] void throw_cancelled(const char * what) const;  // Interrupted or Aborted
 
     llama_context * ctx_ = nullptr;
     const llama_model * model_ = nullptr;

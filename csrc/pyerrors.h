@@ -40,6 +40,15 @@ inline void translate_exception() {
     try {
         throw;
     } catch (const Error & e) {
+        if (e.kind == ErrorKind::Interrupted) {
+            // Ctrl-C stopped the call: run Python's handler now (it raises
+            // KeyboardInterrupt and consumes the pending signal); if the
+            // signal was consumed elsewhere, raise what it would have raised.
+            if (PyErr_CheckSignals() == 0) {
+                PyErr_SetNone(PyExc_KeyboardInterrupt);
+            }
+            return;
+        }
         PyObject * cls = g_error_classes[(int) e.kind];
         set_error(cls ? cls : PyExc_RuntimeError, e.what());
     } catch (const std::bad_alloc &) {

@@ -51,6 +51,6 @@ cdef class Context:
     cdef readonly bint embeddings
     cdef object __weakref__
     cdef CContext * _get(self) except NULL
-    cdef CContext * _enter(self) except NULL
+    cdef CContext * _enter(self, bint watch_sigint=*) except NULL
     cdef void _leave(self) noexcept
     cdef void _free(self) noexcept

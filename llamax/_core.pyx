@@ -34,7 +34,7 @@ from llamax.includes.llama cimport *
 from llamax._shim cimport *
 
 from llamax._errors import (
-    AdapterInUseError, ArgumentTypeError, CancelledError, ClosedError, ContextBusyError, ContextOverflowError, ControlVectorError,
+    AdapterInUseError, ArgumentTypeError, ClosedError, ContextBusyError, ContextOverflowError, ControlVectorError,
     GrammarError, InvalidArgumentError, InvalidGGUFError, InvalidUtf8Error, LoadError, TokenError,
     ViewsExportedError, _SHIM_KINDS,
 )
@@ -1011,17 +1011,6 @@ cdef bint _watch_sigint():
             and signal.getsignal(signal.SIGINT) is signal.default_int_handler)
 
 
-cdef int _raise_if_interrupted(CContext * c) except -1:
-    # After a native call stopped with CancelledError: if SIGINT stopped it,
-    # run Python's handler now (raises KeyboardInterrupt).
-    if c.interrupted():
-        PyErr_CheckSignals()
-        # the handler is Python's default one (see _watch_sigint): if the
-        # signal was consumed elsewhere, raise what it would have raised
-        raise KeyboardInterrupt
-    return 0
-
-
 cdef class Context:
     """An inference context on a model: KV cache, adapter set, control vector.
 
@@ -1082,19 +1071,25 @@ cdef class Context:
             del self._c
             self._c = NULL
 
-    cdef CContext * _enter(self) except NULL:
+    cdef CContext * _enter(self, bint watch_sigint=False) except NULL:
         # Count Python-level users before the GIL is released, so that close()
         # (which runs with the GIL) never frees the context under them; then
-        # take the per-context lock without the GIL.
+        # take the per-context lock without the GIL.  watch_sigint: a long
+        # call (decode/generate/embed) that Ctrl-C should stop (see
+        # _watch_sigint; the shim raises Interrupted, translated to
+        # KeyboardInterrupt by running Python's handler).
         if self._c == NULL or self._close_pending:
             raise ClosedError("the context is closed")
         self._busy += 1
         cdef CContext * c = self._c
         with nogil:
             c.mutex().lock()
+        if watch_sigint:
+            c.watch_sigint(_watch_sigint())
         return c
 
     cdef void _leave(self) noexcept:
+        self._c.watch_sigint(False)  # (no-op unless _enter started watching)
         self._c.mutex().unlock()
         self._busy -= 1
 
@@ -1318,17 +1313,11 @@ cdef class Context:
             raise ViewsExportedError(
                 f"this decode asks for more output rows than ever before, so llama.cpp would move the "
                 f"buffer that {self._n_views} live logits/embeddings view(s) read; delete them (or copy) first")
-        cdef bint watch = _watch_sigint()
-        c = self._enter()
+        c = self._enter(watch_sigint=True)
         try:
-            c.watch_sigint(watch)
             with nogil:  # the forward pass
                 n_out = c.decode(&tv[0], <int32_t> n, pp, sp, lp)
-        except CancelledError:
-            _raise_if_interrupted(c)
-            raise
         finally:
-            c.watch_sigint(False)
             self._leave()
         return n_out
 
@@ -1382,17 +1371,11 @@ cdef class Context:
         if self._n_views and c.would_grow_outputs(c.n_batch(), c.n_batch()):
             raise ViewsExportedError("logits/embeddings views are alive and embed() would move their buffer")
         cdef cbool norm = bool(normalize)
-        cdef bint watch = _watch_sigint()
-        c = self._enter()
+        c = self._enter(watch_sigint=True)
         try:
-            c.watch_sigint(watch)
             with nogil:
                 c.embed(&tv[0], &ov[0], <int32_t> n_in, &dst[0, 0], norm)
-        except CancelledError:
-            _raise_if_interrupted(c)
-            raise
         finally:
-            c.watch_sigint(False)
             self._leave()
         return out
 
@@ -1495,17 +1478,11 @@ cdef class Context:
         cdef int32_t n_tok = <int32_t> tv.shape[0]
         cdef llama_sampler * smpl = _sa_t._smpl
         _sa_t._in_use = True
-        cdef bint watch = _watch_sigint()
-        c = self._enter()
+        c = self._enter(watch_sigint=True)
         try:
-            c.watch_sigint(watch)
             with nogil:  # prompt + token loop; the callback re-takes the GIL only if given
                 res = c.generate(smpl, tp, n_tok, gp, cb, &st)
-        except CancelledError:
-            _raise_if_interrupted(c)
-            raise
         finally:
-            c.watch_sigint(False)
             self._leave()
             _sa_t._in_use = False
         if st.error != NULL:

@@ -95,7 +95,8 @@ class UnknownAdapterError(LlamaxError, KeyError):
     """No adapter is loaded or registered under that name."""
 
 
-# Index = llamax::ErrorKind in csrc/llamax.h.
+# Index = llamax::ErrorKind in csrc/llamax.h.  (Interrupted, after these, has
+# no class: csrc/pyerrors.h runs Python's SIGINT handler -> KeyboardInterrupt.)
 _SHIM_KINDS = (
     InvalidArgumentError, TokenError, ContextOverflowError, InvalidGGUFError,
     AdapterMismatchError, ControlVectorError, AdapterInUseError, KVCacheFullError,
