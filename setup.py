@@ -1,8 +1,12 @@
 """Build llamax: the pinned llama.cpp (static, cached), the C++ shim and the
 Cython core, linked into one self-contained extension module.
 
-See third_party/llama_cpp.py for the fetch/verify/build of llama.cpp and the
-LLAMAX_* environment variables.
+See third_party/build_llama_cpp.py for the fetch/verify/build of llama.cpp
+and the LLAMAX_* environment variables.
+
+Linux and macOS only: the shim uses POSIX calls (``sigaction`` for Ctrl-C
+during native calls, ``fseeko`` for large GGUF files), so Windows is refused
+up front instead of failing half-way through a compile.
 """
 import os
 import sys
@@ -11,9 +15,13 @@ from pathlib import Path
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
+if sys.platform == "win32":
+    sys.exit("llamax builds on Linux and macOS only: its C++ shim uses POSIX signals (sigaction) "
+             "and fseeko.  On Windows, use WSL2 (Linux) and install llamax there.")
+
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE / "third_party"))
-import llama_cpp as llama_build  # noqa: E402  (third_party/llama_cpp.py, build-time only)
+import build_llama_cpp as llama_build  # noqa: E402  (build-time only)
 
 
 class LlamaxBuildExt(build_ext):
@@ -47,16 +55,12 @@ class LlamaxBuildExt(build_ext):
 def extensions():
     from Cython.Build import cythonize
 
-    if sys.platform == "win32":
-        cflags = ["/std:c++17", "/O2"]
-        lflags = []
-    else:
-        cflags = ["-std=c++17", "-O2", "-fvisibility=hidden", "-Wno-unused-function"]
-        lflags = []
-        if sys.platform.startswith("linux"):
-            # keep ggml's symbols out of the dynamic symbol table, so that
-            # another llama.cpp in the same process can't interpose on ours
-            lflags.append("-Wl,--exclude-libs,ALL")
+    cflags = ["-std=c++17", "-O2", "-fvisibility=hidden", "-Wno-unused-function"]
+    lflags = []
+    if sys.platform.startswith("linux"):
+        # keep ggml's symbols out of the dynamic symbol table, so that
+        # another llama.cpp in the same process can't interpose on ours
+        lflags.append("-Wl,--exclude-libs,ALL")
     ext = Extension(
         "llamax._core",
         sources=["llamax/_core.pyx", "csrc/llamax.cpp"],

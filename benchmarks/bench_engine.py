@@ -55,7 +55,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "third_party"))
 import data  # noqa: E402
-import llama_cpp as llama_build  # noqa: E402
+import build_llama_cpp as llama_build  # noqa: E402
 
 import llamax  # noqa: E402
 

@@ -84,7 +84,7 @@ def decode_apis(model_path, threads, runs, peer, bench_exe):
         return len(out) / (time.perf_counter() - t0)
 
     def lx_completion():
-        llm._pool.slots[0].key = None  # cold: no prefix reuse between runs
+        llm.reset_cache()  # cold: no prefix reuse between runs
         t0 = time.perf_counter()
         r = llm.create_completion("Once upon a time", max_tokens=N_GEN, temperature=0.0, top_k=1)
         return r["usage"]["completion_tokens"] / (time.perf_counter() - t0)
@@ -278,7 +278,7 @@ def ttft(model_path, threads, peer, reps):
 
     def first(cold):
         if cold:
-            llm._pool.slots[0].key = None  # forget the cached prefix
+            llm.reset_cache()  # forget the cached prefix
         t0 = time.perf_counter()
         dt = None
         for _ in llm.create_completion(prompt, max_tokens=4, temperature=0.0, stream=True):

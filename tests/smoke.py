@@ -6,9 +6,7 @@ only tokenizes (for builders without network access to the model).
 """
 import os
 import sys
-import tempfile
 
-import numpy as np
 
 import llamax
 

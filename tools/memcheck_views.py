@@ -10,7 +10,6 @@ hit valid memory; the script prints the sums it read.
 import gc
 import sys
 
-import numpy as np
 
 import llamax
 

@@ -10,6 +10,8 @@ import threading
 import numpy as np
 import pytest
 
+from conftest import LOGPROBS_CHAT, LOGPROBS_COMPLETION, assert_distinct
+
 from .conftest import forget_cache, make_llama
 
 G = dict(temperature=0)
@@ -62,20 +64,23 @@ def cold(smollm2_path, api_loras):
             with make_llama(smollm2_path) as m:
                 m.load_lora("coder", api_loras["coder"])
                 m.load_lora("translator", api_loras["translator"])
-                memo[config, q] = chat(m, config, q)
+                memo[config, q] = Answer(m.create_chat_completion(msgs(q), max_tokens=MAX, **G,
+                                                                  **LOGPROBS_CHAT, **CONFIGS[config]))
         return memo[config, q]
     return get
 
 
 def test_alternating_states_equal_cold_runs(llm1, cold):
-    # the three states answer differently, so KV reused from another state would show
-    assert len({cold("A", Q1), cold("base", Q1), cold("B", Q1)}) == 3
+    # the three states compute different numbers, so KV reused from another state would show
+    assert_distinct([cold(c, Q1).result for c in ("A", "base", "B")])
     p1, p2 = prompt_of(llm1, Q1), prompt_of(llm1, Q2)
     assert _shared(p1, p2) > 60  # the system prompt and the template's tokens
     # The same long prompt with the state changing every request: matching on
     # tokens alone would reuse all of it but the last token.
     for config in ("A", "base", "B", "A", "base"):
-        assert chat(llm1, config, Q1) == cold(config, Q1), config
+        got = Answer(llm1.create_chat_completion(msgs(Q1), max_tokens=MAX, **G, **LOGPROBS_CHAT,
+                                                 **CONFIGS[config]))
+        assert got == cold(config, Q1), config
 
 
 def _shared(a, b):
@@ -110,7 +115,7 @@ def test_repeated_prompt_under_same_state_skips_prompt_decode(smollm2_path, api_
         slot = m._pool.slots[0]
         # cold: nothing cached
         kept, a1 = _cached_at_start(m, "A", Q1)
-        assert kept == 0 and a1 == cold("A", Q1)
+        assert kept == 0 and a1 == cold("A", Q1)[0]
         assert np.array_equal(slot.tokens[: len(p1)], p1)   # now the KV holds the prompt and the answer
         # the same prompt under the same state: the whole prompt comes from the cache, and
         # sampling starts from the logits saved after it, so the answer is the same
@@ -119,7 +124,7 @@ def test_repeated_prompt_under_same_state_skips_prompt_decode(smollm2_path, api_
         assert a2 == a1
         # the same tokens under another state: nothing is reused
         kept, b1 = _cached_at_start(m, "base", Q1)
-        assert kept == 0 and b1 == cold("base", Q1)
+        assert kept == 0 and b1 == cold("base", Q1)[0]
         # a new question under the same state: the shared prefix is reused
         kept, b2 = _cached_at_start(m, "base", Q2)
         assert kept == _shared(p1, p2)
@@ -149,11 +154,26 @@ JOBS = [(kind, config) for kind in ("chat", "completion") for config in ("A", "B
 FOX = "The quick brown fox"
 
 
-def _run(llm, kind, config):
+def _result(llm, kind, config):
     if kind == "chat":
-        return content(llm.create_chat_completion([{"role": "user", "content": "Tell me a story."}],
-                                                  max_tokens=MAX, **G, **CONFIGS[config]))
-    return llm(FOX, max_tokens=MAX, **G, **CONFIGS[config])["choices"][0]["text"]
+        return llm.create_chat_completion([{"role": "user", "content": "Tell me a story."}],
+                                          max_tokens=MAX, **G, **LOGPROBS_CHAT, **CONFIGS[config])
+    return llm(FOX, max_tokens=MAX, **G, **LOGPROBS_COMPLETION, **CONFIGS[config])
+
+
+class Answer(tuple):
+    """(text, logprobs of every token) of one request; ``.result`` is the whole result."""
+
+    def __new__(cls, r):
+        ch = r["choices"][0]
+        text = ch["message"]["content"] if "message" in ch else ch["text"]
+        self = super().__new__(cls, (text, repr(ch["logprobs"])))
+        self.result = r
+        return self
+
+
+def _run(llm, kind, config):
+    return Answer(_result(llm, kind, config))
 
 
 def _in_threads(fns):
@@ -188,7 +208,8 @@ def test_six_threads_three_contexts_get_their_solo_answers(smollm2_path, api_lor
         for kind, config in JOBS:
             forget_cache(m)
             solo.append(_run(m, kind, config))
-        assert len(set(solo[:3])) == 3 and len(set(solo[3:])) == 3
+        assert_distinct([a.result for a in solo[:3]])   # else a mix-up would go unseen
+        assert_distinct([a.result for a in solo[3:]])
         forget_cache(m)   # every threaded request starts cold too, as its solo run did
         got = _in_threads([lambda k=kind, c=config: _run(m, k, c) for kind, config in JOBS])
         assert got == solo
@@ -214,7 +235,8 @@ def test_adapter_affinity_two_tenants_no_swaps(smollm2_path, api_loras, base_llm
         # so all answers are those of a request with the prompt cached (which
         # may differ from the cold answer: see forget_cache).
         ref = {c: _run(m, "completion", c) for c in ("A", "B")}
-        assert ref["A"] != ref["B"] and cold["A"] != cold["B"]
+        assert_distinct([ref["A"].result, ref["B"].result])
+        assert_distinct([cold["A"].result, cold["B"].result])
         # one after the other, in an irregular order (so that taking the least
         # recently used context would swap adapters)
         for c in ("A", "A", "B", "B", "A", "B", "A", "A"):
@@ -229,5 +251,5 @@ def test_adapter_affinity_two_tenants_no_swaps(smollm2_path, api_loras, base_llm
         # a third state has to take one of the two contexts: that is a swap, and a correct answer
         base = _run(m, "completion", "base")
         assert sum(s.ctx.n_state_calls for s in slots) > sum(calls)
-        assert base == base_llm(FOX, max_tokens=MAX, **G)["choices"][0]["text"]
-        assert base not in ref.values()
+        assert base == Answer(base_llm(FOX, max_tokens=MAX, **G, **LOGPROBS_COMPLETION))
+        assert_distinct([base.result, ref["A"].result, ref["B"].result])

@@ -7,7 +7,7 @@ import pytest
 
 import llamax
 from llamax import gguf_tools as gt
-from conftest import run_py
+from conftest import LOGPROBS_CHAT, LOGPROBS_COMPLETION, assert_changed, assert_distinct, run_py
 
 from .conftest import N_THREADS, forget_cache, make_llama
 
@@ -58,19 +58,21 @@ def check_chat(r, model_path):
 def test_seed_example(smollm2_path, api_loras):
     """The issue's example with the default model and the generated adapters.
     Only the import and the paths change, plus temperature=0 (so the answers
-    can be compared), max_tokens (runtime) and n_threads (see conftest)."""
+    can be compared), max_tokens (runtime), n_threads (see conftest) and
+    logprobs (an adapter's effect is shown on numbers: see tests/conftest.py)."""
     from llamax import Llama
+    L = dict(G, **LOGPROBS_CHAT)
     llm = Llama(model_path=str(smollm2_path), n_threads=N_THREADS)
     llm.load_lora("coder", api_loras["coder"])
     llm.load_lora("translator", api_loras["translator"])
     resp_a = llm.create_chat_completion(
         messages=[{"role": "user", "content": "Write a quicksort in Python."}],
-        active_loras=[{"name": "coder", "scale": 1.0}], max_tokens=32, **G)
+        active_loras=[{"name": "coder", "scale": 1.0}], max_tokens=32, **L)
     resp_b = llm.create_chat_completion(
         messages=[{"role": "user", "content": "Explain gravity."}],
-        active_loras=[{"name": "translator", "scale": 0.85}], max_tokens=16, **G)
+        active_loras=[{"name": "translator", "scale": 0.85}], max_tokens=16, **L)
     resp_c = llm.create_chat_completion(   # active_loras omitted: the pure base model
-        messages=[{"role": "user", "content": "What is the capital of Japan?"}], max_tokens=16, **G)
+        messages=[{"role": "user", "content": "What is the capital of Japan?"}], max_tokens=16, **L)
     messages = [{"role": "user", "content": "Name the first 5 planets."},
                 {"role": "assistant", "content": "The first 5 are:\n1. Mercury\n2."}]
     before = copy.deepcopy(messages)
@@ -78,7 +80,7 @@ def test_seed_example(smollm2_path, api_loras):
     data = (np.random.default_rng(0).standard_normal(N_EMBD * 29) * 0.2).astype(np.float32).tolist()
     resp_e = llm.create_chat_completion(messages=[{"role": "user", "content": "Tell me a story."}],
                                         control_vector={"data": data, "layer_start": 10, "layer_end": 29},
-                                        max_tokens=16, **G)
+                                        max_tokens=16, **L)
     for r in (resp_a, resp_b, resp_c, resp_d, resp_e):
         check_chat(r, smollm2_path)
     assert len({r["id"] for r in (resp_a, resp_b, resp_c, resp_d, resp_e)}) == 5
@@ -90,20 +92,23 @@ def test_seed_example(smollm2_path, api_loras):
     try:
         def base(c, n):
             forget_cache(fresh)
-            return content(fresh.create_chat_completion([{"role": "user", "content": c}], max_tokens=n, **G))
-        assert content(resp_c) == base("What is the capital of Japan?", 16)
+            return fresh.create_chat_completion([{"role": "user", "content": c}], max_tokens=n, **L)
+        base_c = base("What is the capital of Japan?", 16)
+        assert content(resp_c) == content(base_c)
+        assert resp_c["choices"][0]["logprobs"] == base_c["choices"][0]["logprobs"]
         assert "Tokyo" in content(resp_c)
-        # the adapters and the vector change the greedy answers
-        assert content(resp_a) != base("Write a quicksort in Python.", 32)
-        assert content(resp_b) != base("Explain gravity.", 16)
+        # the adapters and the vector change what the model computes
+        assert_changed(resp_a, base("Write a quicksort in Python.", 32))
+        assert_changed(resp_b, base("Explain gravity.", 16))
         story = base("Tell me a story.", 16)
-        assert content(resp_e) != story
+        assert_changed(resp_e, story)
     finally:
         fresh.close()
     # and after the control vector, a plain request is the base model again
     again = llm.create_chat_completion(messages=[{"role": "user", "content": "Tell me a story."}],
-                                       max_tokens=16, **G)
-    assert content(again) == story
+                                       max_tokens=16, **L)
+    assert content(again) == content(story)
+    assert again["choices"][0]["logprobs"] == story["choices"][0]["logprobs"]
     llm.close()
 
 
@@ -293,34 +298,39 @@ def test_removed_lora_options_point_at_load_lora(smollm2_path, kw, value):
 # -- 3. active_loras on every path -------------------------------------------------------------
 
 def test_active_loras_on_completion(llm, base_llm):
-    base = text(base_llm(FOX, max_tokens=12, **G))
-    assert text(llm(FOX, max_tokens=12, **G)) == base
-    coder = text(llm(FOX, max_tokens=12, active_loras=CODER, **G))
-    assert coder != base
+    L = dict(G, **LOGPROBS_COMPLETION)
+    base = base_llm(FOX, max_tokens=12, **L)
+    plain = llm(FOX, max_tokens=12, **L)
+    assert text(plain) == text(base) and plain["choices"][0]["logprobs"] == base["choices"][0]["logprobs"]
+    coder = llm(FOX, max_tokens=12, active_loras=CODER, **L)
+    assert_changed(coder, base)
     stream = "".join(c["choices"][0]["text"] for c in llm(FOX, max_tokens=12, active_loras=CODER, stream=True, **G))
-    assert stream == coder
+    assert stream == text(coder)
     # an empty set and a zero scale are the base model
-    assert text(llm(FOX, max_tokens=12, active_loras=[], **G)) == base
-    assert text(llm(FOX, max_tokens=12, active_loras=[{"name": "coder", "scale": 0.0}], **G)) == base
+    for loras in ([], [{"name": "coder", "scale": 0.0}]):
+        r = llm(FOX, max_tokens=12, active_loras=loras, **L)
+        assert text(r) == text(base) and r["choices"][0]["logprobs"] == base["choices"][0]["logprobs"]
 
 
-def test_active_loras_on_chat(llm, base_chat):
+def test_active_loras_on_chat(llm, base_llm):
     """A fork's chat path drops active_loras: every turn runs on the base model."""
-    base = base_chat("Tell me a story.", 16)
-    coder = content(llm.create_chat_completion(STORY, active_loras=CODER, max_tokens=16, **G))
-    assert coder != base
-    assert content(llm.create_chat_completion(STORY, max_tokens=16, **G)) == base
+    L = dict(G, **LOGPROBS_CHAT)
+    base = base_llm.create_chat_completion(STORY, max_tokens=16, **L)
+    coder = llm.create_chat_completion(STORY, active_loras=CODER, max_tokens=16, **L)
+    assert_changed(coder, base)
+    plain = llm.create_chat_completion(STORY, max_tokens=16, **L)
+    assert content(plain) == content(base) and plain["choices"][0]["logprobs"] == base["choices"][0]["logprobs"]
     gravity = [{"role": "user", "content": "Explain gravity."}]
-    tr = content(llm.create_chat_completion(gravity, active_loras=[{"name": "translator", "scale": 0.85}],
-                                            max_tokens=16, **G))
-    assert tr != base_chat("Explain gravity.", 16)
+    tr = llm.create_chat_completion(gravity, active_loras=[{"name": "translator", "scale": 0.85}],
+                                    max_tokens=16, **L)
+    assert_changed(tr, base_llm.create_chat_completion(gravity, max_tokens=16, **L))
 
 
-def test_active_loras_on_streaming_chat(llm, base_chat):
-    coder = content(llm.create_chat_completion(STORY, active_loras=CODER, max_tokens=16, **G))
+def test_active_loras_on_streaming_chat(llm, base_llm):
+    coder = llm.create_chat_completion(STORY, active_loras=CODER, max_tokens=16, **G, **LOGPROBS_CHAT)
     chunks = list(llm.create_chat_completion(STORY, active_loras=CODER, max_tokens=16, stream=True, **G))
-    assert stream_content(chunks) == coder
-    assert stream_content(chunks) != base_chat("Tell me a story.", 16)
+    assert stream_content(chunks) == content(coder)
+    assert_changed(coder, base_llm.create_chat_completion(STORY, max_tokens=16, **G, **LOGPROBS_CHAT))
 
 
 def test_active_loras_on_embeddings(llm, base_llm):
@@ -410,7 +420,7 @@ def test_active_loras_validation(llm):
 
 # -- 4. adapters on demand --------------------------------------------------------------------
 
-def test_adapters_on_demand_lru(smollm2_path, api_loras, third_lora):
+def test_adapters_on_demand_lru(smollm2_path, api_loras, third_lora, base_llm):
     paths = {"coder": api_loras["coder"], "translator": api_loras["translator"], "third": third_lora}
     with make_llama(smollm2_path, max_loaded_adapters=2, n_contexts=2) as m:
         for name, p in paths.items():
@@ -421,18 +431,24 @@ def test_adapters_on_demand_lru(smollm2_path, api_loras, third_lora):
 
         assert state() == {"coder": False, "translator": False, "third": False}
         assert all(e["on_demand"] for e in m.list_loras())
-        out = {}
+        L = dict(G, **LOGPROBS_COMPLETION)
+
+        def run(name, n=12):
+            r = m(FOX, max_tokens=n, active_loras=[{"name": name, "scale": 1.0}], **L)
+            return text(r), r["choices"][0]["logprobs"]
+
+        out, results = {}, []
         for name in paths:
-            out[name] = text(m(FOX, max_tokens=12, active_loras=[{"name": name, "scale": 1.0}], **G))
+            r = m(FOX, max_tokens=12, active_loras=[{"name": name, "scale": 1.0}], **L)
+            out[name] = text(r), r["choices"][0]["logprobs"]
+            results.append(r)
             assert sum(state().values()) <= 2
-        assert len(set(out.values())) == 3          # each adapter answers differently
+        assert_distinct(results)                   # each adapter computes something else
         # coder was the least recently used: it made room for third
         assert state() == {"coder": False, "translator": True, "third": True}
-        again = text(m(FOX, max_tokens=12, active_loras=[{"name": "coder", "scale": 1.0}], **G))
-        assert again == out["coder"]               # reloaded: same answer
+        assert run("coder") == out["coder"]        # reloaded: the same answer and numbers
         assert state() == {"coder": True, "translator": False, "third": True}
-        assert text(m(FOX, max_tokens=12, active_loras=[{"name": "translator", "scale": 1.0}], **G)) \
-            == out["translator"]
+        assert run("translator") == out["translator"]
         assert state() == {"coder": True, "translator": True, "third": False}
 
         # an adapter a running request holds is never the one unloaded, even if least recent
@@ -440,7 +456,7 @@ def test_adapters_on_demand_lru(smollm2_path, api_loras, third_lora):
                logit_bias={m.token_eos(): -1000.0}, **G)
         next(it)
         m(FOX, max_tokens=2, active_loras=[{"name": "translator", "scale": 1.0}], **G)
-        assert text(m(FOX, max_tokens=12, active_loras=[{"name": "third", "scale": 1.0}], **G)) == out["third"]
+        assert run("third") == out["third"]
         assert state() == {"coder": True, "translator": False, "third": True}
         it.close()
         # a request may not name more adapters than fit
@@ -448,7 +464,11 @@ def test_adapters_on_demand_lru(smollm2_path, api_loras, third_lora):
             m(FOX, max_tokens=2, active_loras=[{"name": n, "scale": 0.5} for n in paths])
         assert all(e["in_use"] == 0 for e in m.list_loras())
         # the base model is untouched by all of this
-        assert text(m(FOX, max_tokens=12, **G)) not in out.values()
+        base = m(FOX, max_tokens=12, **L)
+        ref = base_llm(FOX, max_tokens=12, **L)
+        assert (text(base), base["choices"][0]["logprobs"]) == (text(ref), ref["choices"][0]["logprobs"])
+        for r in results:
+            assert_changed(r, base)
 
 
 def test_on_demand_gives_up_when_every_adapter_is_held(smollm2_path, api_loras):
@@ -478,8 +498,9 @@ def test_control_vector_padded_format(llm, base_chat):
     base = base_chat("Tell me a story.", 12)
     data = _padded(0, 29)
     cv = {"data": data, "layer_start": 10, "layer_end": 29}
-    steered = content(llm.create_chat_completion(STORY, control_vector=cv, max_tokens=12, **G))
-    assert steered != base
+    steered_r = llm.create_chat_completion(STORY, control_vector=cv, max_tokens=12, **G, **LOGPROBS_CHAT)
+    assert_changed(steered_r, llm.create_chat_completion(STORY, max_tokens=12, **G, **LOGPROBS_CHAT))
+    steered = content(steered_r)
     # a list, a longer array (the tail past layer_end is ignored) and a stream give the same
     as_list = {"data": data.tolist(), "layer_start": 10, "layer_end": 29}
     assert content(llm.create_chat_completion(STORY, control_vector=as_list, max_tokens=12, **G)) == steered
@@ -527,11 +548,14 @@ def test_named_control_vectors_sum(llm, gen_dir, base_chat):
 
         def chat(**kw):
             return content(llm.create_chat_completion(STORY, max_tokens=12, **G, **kw))
+
+        def first(**kw):
+            return llm.create_chat_completion(STORY, max_tokens=1, **G, **LOGPROBS_CHAT, **kw)
         base = base_chat("Tell me a story.", 12)
-        oa = chat(control_vectors=[{"name": "a", "scale": 1.0}])
-        ob = chat(control_vectors=[{"name": "b", "scale": 1.0}])
-        oab = chat(control_vectors=[{"name": "a", "scale": 1.0}, {"name": "b", "scale": 1.0}])
-        assert len({base, oa, ob, oab}) == 4
+        A, B = {"name": "a", "scale": 1.0}, {"name": "b", "scale": 1.0}
+        assert_distinct([first(), first(control_vectors=[A]), first(control_vectors=[B]),
+                         first(control_vectors=[A, B])])
+        oab = chat(control_vectors=[A, B])
         # the sum is the padded sum of the two files' directions
         a = llamax.ControlVector.load(llm.model, pa)
         b = llamax.ControlVector.load(llm.model, pb)

@@ -4,9 +4,10 @@ Used by setup.py (and by the benchmarks, to build llama-bench from the very
 same tree and flags).  Nothing here is imported at run time.
 
 The source is the ``vendor/llama.cpp`` folder of the llama-cpp-python 0.3.36
-sdist on PyPI (upstream commit 0c1e570).  The sdist is downloaded once, its
-sha256 checked, and both the archive and the extracted tree are cached under
-``~/.cache/llamax`` (``LLAMAX_CACHE_DIR`` moves it).  ``LLAMAX_LLAMA_CPP_DIR``
+sdist on the package index (upstream commit 0c1e570).  The sdist is fetched
+once with ``pip download`` (llamax/_fetch.py: your pip configuration
+applies), its sha256 checked, and both the archive and the extracted tree are
+cached under ``~/.cache/llamax`` (``LLAMAX_CACHE_DIR`` moves it).  ``LLAMAX_LLAMA_CPP_DIR``
 points at a local llama.cpp tree instead and skips the download.
 
 The build is cached too, keyed by the pin, the backend and every CMake
@@ -26,6 +27,7 @@ Environment:
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import os
 import platform
 import shlex
@@ -33,74 +35,41 @@ import shutil
 import subprocess
 import sys
 import tarfile
-import urllib.request
 from pathlib import Path
 
 PIN_VERSION = "0.3.36"
 PIN_COMMIT = "0c1e570"
+SDIST_REQUIREMENT = f"llama-cpp-python=={PIN_VERSION}"
 SDIST_NAME = f"llama_cpp_python-{PIN_VERSION}.tar.gz"
 SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
-SDIST_URL = (
-    "https://files.pythonhosted.org/packages/ec/e9/"
-    "e7de2b0463ea3ffbf0ede6cb21b58c1258a8f6521aae45ca773a59fe7cf3/" + SDIST_NAME
-)
-SIMPLE_INDEX = "https://pypi.org/simple/llama-cpp-python/"
 
 # Static archives in link order: dependants first.
 CPU_LIBS = ["llama", "ggml", "ggml-cpu", "ggml-base"]
+
+
+def _load_fetch():
+    """llamax/_fetch.py, loaded by path: the package can't be imported before
+    its extension is built, and this module is also run on its own."""
+    path = Path(__file__).resolve().parent.parent / "llamax" / "_fetch.py"
+    spec = importlib.util.spec_from_file_location("_llamax_fetch", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+_fetch = _load_fetch()
+cache_dir = _fetch.cache_dir
 
 
 def log(msg: str) -> None:
     print(f"[llamax-build] {msg}", file=sys.stderr, flush=True)
 
 
-def cache_dir() -> Path:
-    root = os.environ.get("LLAMAX_CACHE_DIR")
-    if root:
-        return Path(root).expanduser()
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "llamax"
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _download(url: str, dest: Path) -> None:
-    tmp = dest.with_suffix(dest.suffix + ".part")
-    log(f"downloading {url}")
-    with urllib.request.urlopen(url, timeout=300) as r, open(tmp, "wb") as f:
-        shutil.copyfileobj(r, f, 1 << 20)
-    tmp.replace(dest)
-
-
 def fetch_sdist() -> Path:
-    """Return the verified sdist archive, downloading it if needed."""
-    dl = cache_dir() / "dl"
-    dl.mkdir(parents=True, exist_ok=True)
-    path = dl / SDIST_NAME
-    if path.exists() and _sha256(path) == SDIST_SHA256:
-        return path
-    urls = [os.environ.get("LLAMAX_SDIST_URL") or SDIST_URL]
-    errors = []
-    for url in urls:
-        try:
-            _download(url, path)
-        except OSError as e:  # URLError is an OSError
-            errors.append(f"{url}: {e}")
-            continue
-        digest = _sha256(path)
-        if digest == SDIST_SHA256:
-            return path
-        path.unlink()
-        errors.append(f"{url}: sha256 {digest} != pinned {SDIST_SHA256}")
-    raise RuntimeError(
-        "could not fetch the pinned llama.cpp source:\n  " + "\n  ".join(errors)
-        + f"\nPut {SDIST_NAME} in {dl} or set LLAMAX_LLAMA_CPP_DIR to a llama.cpp tree."
-    )
+    """Return the verified sdist archive, fetched with pip download if needed."""
+    return _fetch.pip_download(
+        SDIST_REQUIREMENT, SDIST_NAME, SDIST_SHA256, sdist=True,
+        instead=f"set LLAMAX_LLAMA_CPP_DIR to a llama.cpp source tree (upstream {PIN_COMMIT})")
 
 
 def source_dir() -> Path:
@@ -349,6 +318,6 @@ def link_info(src: Path, bdir: Path) -> dict:
 
 
 if __name__ == "__main__":
-    # python third_party/llama_cpp.py [target ...]   e.g. llama-bench
+    # python third_party/build_llama_cpp.py [target ...]   e.g. llama-bench
     info = build(sys.argv[1:] or None)
     print(info["build"])
