@@ -8,6 +8,7 @@
 #include <cerrno>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <string_view>
 #include <unordered_set>
@@ -157,6 +158,34 @@ void check_model_gguf(const std::string & path) {
             }
         }
     }
+    // llama.cpp asserts 0 < n_layer <= LLAMA_MAX_LAYERS (512) while loading.
+    const int64_t arch_key = gguf_find_key(g, "general.architecture");
+    if (arch_key >= 0 && gguf_get_kv_type(g, arch_key) == GGUF_TYPE_STRING) {
+        const std::string bc = std::string(gguf_get_val_str(g, arch_key)) + ".block_count";
+        const int64_t k = gguf_find_key(g, bc.c_str());
+        if (k >= 0) {
+            const gguf_type t = gguf_get_kv_type(g, k);
+            int64_t v = -1;
+            if (t == GGUF_TYPE_UINT32) {
+                v = gguf_get_val_u32(g, k);
+            } else if (t == GGUF_TYPE_INT32) {
+                v = gguf_get_val_i32(g, k);
+            } else if (t == GGUF_TYPE_UINT64) {
+                v = (int64_t) std::min<uint64_t>(gguf_get_val_u64(g, k), INT64_MAX);
+            } else if (t == GGUF_TYPE_INT64) {
+                v = gguf_get_val_i64(g, k);
+            }
+            if (v != -1 && (v < 1 || v > 512)) {
+                throw Error(ErrorKind::InvalidGGUF, path + ": " + bc + " = " + std::to_string(v) +
+                                                        " is outside [1, 512]: corrupt model header");
+            }
+        }
+    }
+}
+
+bool gguf_has_tensor(const std::string & path, const std::string & name) {
+    GgufMeta meta(path, "model");
+    return gguf_find_tensor(meta.g, name.c_str()) >= 0;
 }
 
 // ---------------------------------------------------------------------------
@@ -640,7 +669,69 @@ bool Context::abort_cb(void * data) {
     return c->abort_.load(std::memory_order_relaxed) || c->interrupted();
 }
 
-Context::Context(llama_model * model, llama_context_params params) {
+namespace {
+
+// The pooling a context will use: the one asked for, else the model's own
+// ("<arch>.pooling_type"; none when the key is missing).
+enum llama_pooling_type effective_pooling(const llama_model * model, enum llama_pooling_type asked) {
+    if (asked != LLAMA_POOLING_TYPE_UNSPECIFIED) {
+        return asked;
+    }
+    char arch[128];
+    if (llama_model_meta_val_str(model, "general.architecture", arch, sizeof(arch)) < 0) {
+        return LLAMA_POOLING_TYPE_NONE;
+    }
+    char val[32];
+    const std::string key = std::string(arch) + ".pooling_type";
+    if (llama_model_meta_val_str(model, key.c_str(), val, sizeof(val)) < 0) {
+        return LLAMA_POOLING_TYPE_NONE;
+    }
+    return static_cast<enum llama_pooling_type>(std::atoi(val));
+}
+
+int64_t pad_to(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
+
+// Parameter relations llama.cpp asserts on (aborting the process) while it
+// builds a context, checked first.
+void check_context_params(const llama_model * model, const llama_context_params & p) {
+    const int64_t n_seq = std::max<uint32_t>(1, p.n_seq_max);
+    // llama_context reserves one output row per sequence, within n_batch
+    // (GGML_ASSERT n_outputs_max <= cparams.n_outputs_max in output_reserve).
+    if (n_seq > (int64_t) p.n_batch) {
+        throw Error(ErrorKind::InvalidArgument,
+                    "n_seq_max=" + std::to_string(n_seq) + " exceeds n_batch=" + std::to_string(p.n_batch) +
+                        ": llama.cpp reserves an output row per sequence within n_batch; raise n_batch or lower "
+                        "n_seq_max");
+    }
+    // Mean (and rank) pooling multiplies the token outputs by an
+    // n_tokens x n_seqs matrix.  llama.cpp reserves its graphs with n_tokens
+    // rounded up to a multiple of n_seq_max but the outputs not, so the
+    // shapes disagree (GGML_ASSERT ggml_can_mul_mat) unless the reserve size
+    // min(n_ctx, n_batch, n_ubatch) is already such a multiple.
+    if (p.embeddings) {
+        const enum llama_pooling_type pt = effective_pooling(model, p.pooling_type);
+        if (pt == LLAMA_POOLING_TYPE_MEAN || pt == LLAMA_POOLING_TYPE_RANK) {
+            int64_t n_ctx = p.n_ctx > 0 ? p.n_ctx : llama_model_n_ctx_train(model);
+            n_ctx = p.kv_unified ? pad_to(n_ctx, 256) : pad_to(std::max<int64_t>(1, n_ctx / n_seq), 256) * n_seq;
+            const int64_t n_ubatch = std::min(p.n_ubatch, p.n_batch);
+            const int64_t t = std::min<int64_t>({n_ctx, (int64_t) p.n_batch, n_ubatch});
+            if (t % n_seq != 0) {
+                const int64_t fix = pad_to(t, n_seq);
+                throw Error(ErrorKind::InvalidArgument,
+                            "with " + std::string(pt == LLAMA_POOLING_TYPE_MEAN ? "mean" : "rank") +
+                                " pooling, min(n_ctx, n_batch, n_ubatch) = " + std::to_string(t) +
+                                " must be a multiple of n_seq_max=" + std::to_string(n_seq) +
+                                " (llama.cpp's pooling graph needs it): e.g. n_batch=n_ubatch=" +
+                                std::to_string(fix) + (n_ctx < fix ? " and n_ctx=" + std::to_string(fix) : ""));
+            }
+        }
+    }
+}
+
+}  // namespace
+
+Context::Context(llama_model * model, llama_context_params params, int32_t max_positions) {
+    check_context_params(model, params);
     params.abort_callback = &Context::abort_cb;
     params.abort_callback_data = this;
     take_last_log_error();
@@ -661,11 +752,29 @@ Context::Context(llama_model * model, llama_context_params params) {
         n_ctx_ = std::min<int32_t>(n_ctx_, (int32_t) params.n_ctx);
         n_ctx_seq_ = std::min<int32_t>(n_ctx_seq_, (int32_t) params.n_ctx);
     }
+    // Learned position embeddings (BERT, GPT-2, ...) have n_ctx_train rows: a
+    // position past them aborts in ggml_get_rows.
+    if (max_positions > 0) {
+        n_ctx_ = std::min(n_ctx_, max_positions * std::max<int32_t>(1, (int32_t) llama_n_seq_max(ctx_)));
+        n_ctx_seq_ = std::min(n_ctx_seq_, max_positions);
+    }
     n_batch_ = (int32_t) llama_n_batch(ctx_);
     n_seq_max_ = (int32_t) llama_n_seq_max(ctx_);
     out_capacity_ = n_seq_max_;  // llama.cpp reserves this many outputs at creation
     has_memory_ = llama_get_memory(ctx_) != nullptr;
-    set_threads(params.n_threads, params.n_threads_batch);
+    embeddings_ = params.embeddings;
+    kv_unified_ = params.kv_unified;
+    // Without KV memory (encoders) or with non-causal attention, llama.cpp
+    // needs a whole batch in one ubatch (it asserts n_ubatch >= n_tokens).
+    n_call_max_ = (!has_memory_ || !llama_get_causal_attn(ctx_)) ? (int32_t) llama_n_ubatch(ctx_) : n_batch_;
+    try {
+        set_threads(params.n_threads, params.n_threads_batch);
+    } catch (...) {
+        llama_free(ctx_);  // the destructor won't run for a constructor that throws
+        ctx_ = nullptr;
+        free_threadpools();
+        throw;
+    }
 }
 
 Context::~Context() {
@@ -846,10 +955,13 @@ int32_t Context::decode(const llama_token * tokens, int32_t n, const llama_pos *
     if (n <= 0) {
         throw Error(ErrorKind::InvalidArgument, "cannot decode an empty batch");
     }
-    if (n > n_batch_) {
-        throw Error(ErrorKind::InvalidArgument, "batch of " + std::to_string(n) + " tokens exceeds n_batch=" +
-                                                    std::to_string(n_batch_) +
-                                                    ": split it or raise n_batch when creating the context");
+    if (n > n_call_max_) {
+        const bool ub = n_call_max_ < n_batch_;
+        throw Error(ErrorKind::InvalidArgument,
+                    "batch of " + std::to_string(n) + " tokens exceeds " + (ub ? "n_ubatch=" : "n_batch=") +
+                        std::to_string(n_call_max_) +
+                        (ub ? " (this model needs a whole batch in one ubatch)" : "") +
+                        ": split it or raise " + (ub ? "n_ubatch" : "n_batch") + " when creating the context");
     }
     check_tokens(tokens, n);
     pos_buf_.resize(n);
@@ -881,7 +993,8 @@ int32_t Context::decode(const llama_token * tokens, int32_t n, const llama_pos *
                                                         std::to_string(n_ctx_seq_) + ")");
         }
         pos_buf_[i] = p;
-        int8_t o = logits ? (logits[i] ? 1 : 0) : (i == n - 1 ? 1 : 0);
+        // with embeddings on (or no KV memory) llama.cpp outputs every row
+        int8_t o = outputs_all() ? 1 : logits ? (logits[i] ? 1 : 0) : (i == n - 1 ? 1 : 0);
         out_buf_[i] = o;
         n_out += o;
     }
@@ -911,7 +1024,7 @@ int32_t Context::embed(const llama_token * tokens, const int64_t * offsets, int3
             throw Error(ErrorKind::InvalidArgument,
                         "input " + std::to_string(i) + " has no tokens (offsets must increase strictly)");
         }
-        const int64_t limit = std::min<int64_t>(n_batch_, n_ctx_seq_);
+        const int64_t limit = std::min<int64_t>(n_call_max_, n_ctx_seq_);
         if (len > limit) {
             throw Error(ErrorKind::ContextOverflow, "input " + std::to_string(i) + " has " + std::to_string(len) +
                                                         " tokens, more than fit in one sequence (" +
@@ -933,7 +1046,7 @@ int32_t Context::embed(const llama_token * tokens, const int64_t * offsets, int3
     while (i < n_inputs) {
         // as many whole inputs as fit
         int32_t j = i;
-        while (j < n_inputs && j - i < n_seq_max_ && offsets[j + 1] - offsets[i] <= n_batch_) {
+        while (j < n_inputs && j - i < n_seq_max_ && offsets[j + 1] - offsets[i] <= n_call_max_) {
             ++j;
         }
         const int32_t n = static_cast<int32_t>(offsets[j] - offsets[i]);
@@ -1023,7 +1136,7 @@ GenResult Context::generate(llama_sampler * smpl, const llama_token * prompt, in
     }
     GenResult res;
     // Prompt, in n_batch chunks; only the last token needs logits.
-    const int32_t chunk = n_batch_;
+    const int32_t chunk = n_call_max_;
     std::vector<llama_pos> pbuf(chunk);
     std::vector<int32_t> nsbuf(chunk, 1);
     llama_seq_id sid = gp.seq_id;
@@ -1036,12 +1149,15 @@ GenResult Context::generate(llama_sampler * smpl, const llama_token * prompt, in
             obuf[i] = 0;
         }
         bool last = off + n == n_prompt;
-        if (last) {
+        if (last || outputs_all()) {
             obuf[n - 1] = 1;
+        }
+        if (outputs_all()) {
+            std::fill(obuf.begin(), obuf.begin() + n, 1);
         }
         llama_batch b = {n, const_cast<llama_token *>(prompt + off), nullptr, pbuf.data(), nsbuf.data(),
                          spbuf.data(), obuf.data()};
-        raw_decode(b, last ? 1 : 0);
+        raw_decode(b, outputs_all() ? n : last ? 1 : 0);
         pos += n;
         res.n_prompt += n;
     }
@@ -1064,7 +1180,7 @@ GenResult Context::generate(llama_sampler * smpl, const llama_token * prompt, in
     for (;;) {
         if (saved) {
             saved = false;
-            tok = sample_saved(smpl, gp.plain_greedy);
+            tok = sample_saved(smpl, gp.grammar, gp.plain_greedy);
         } else if (gp.plain_greedy) {
             // A chain that is only llama.cpp's greedy sampler picks the first
             // maximum logit; doing that directly skips building the
@@ -1084,7 +1200,11 @@ GenResult Context::generate(llama_sampler * smpl, const llama_token * prompt, in
             tok = best;
             llama_sampler_accept(smpl, tok);
         } else {
-            tok = llama_sampler_sample(smpl, ctx_, -1);
+            const float * lg = llama_get_logits_ith(ctx_, -1);
+            if (lg == nullptr) {
+                throw Error(ErrorKind::Decode, with_reason("no logits after decode"));
+            }
+            tok = sample_checked(smpl, gp.grammar, lg, n_vocab_, cand_);
         }
         if (!gp.ignore_eos && llama_vocab_is_eog(vocab_, tok)) {
             res.finish = Finish::Eog;
@@ -1122,7 +1242,7 @@ GenResult Context::generate(llama_sampler * smpl, const llama_token * prompt, in
     }
 }
 
-llama_token Context::sample_saved(llama_sampler * smpl, bool plain_greedy) {
+llama_token Context::sample_saved(llama_sampler * smpl, llama_sampler * grammar, bool plain_greedy) {
     const float * lg = prompt_logits_.data();
     if (plain_greedy) {
         int32_t best = 0;
@@ -1134,25 +1254,94 @@ llama_token Context::sample_saved(llama_sampler * smpl, bool plain_greedy) {
         llama_sampler_accept(smpl, best);
         return best;
     }
-    // what llama_sampler_sample does, on the saved row
-    cand_.resize(n_vocab_);
-    for (int32_t i = 0; i < n_vocab_; ++i) {
-        cand_[i] = llama_token_data{i, lg[i], 0.0f};
+    return sample_checked(smpl, grammar, lg, n_vocab_, cand_);
+}
+
+llama_token Context::sample(llama_sampler * chain, llama_sampler * grammar, int32_t row) {
+    if (row < 0 || row >= last_n_outputs_) {
+        throw Error(ErrorKind::InvalidArgument, "output row " + std::to_string(row) + " is out of range for " +
+                                                    std::to_string(last_n_outputs_) + " outputs");
     }
-    llama_token_data_array arr = {cand_.data(), cand_.size(), -1, false};
-    llama_sampler_apply(smpl, &arr);
+    // llama_get_logits_ith takes negative indices from the end of the outputs
+    const float * lg = llama_get_logits_ith(ctx_, row - last_n_outputs_);
+    if (lg == nullptr) {
+        throw Error(ErrorKind::InvalidArgument, with_reason("no logits for output row " + std::to_string(row)));
+    }
+    return sample_checked(chain, grammar, lg, n_vocab_, cand_);
+}
+
+void accept_checked(llama_sampler * chain, llama_sampler * grammar, llama_token token) {
+    if (grammar != nullptr) {
+        llama_token_data one = {token, 0.0f, 0.0f};
+        llama_token_data_array arr = {&one, 1, -1, false};
+        llama_sampler_apply(grammar, &arr);  // const for grammars: no state change
+        if (std::isinf(one.logit) && one.logit < 0) {
+            throw Error(ErrorKind::Grammar, "token " + std::to_string(token) +
+                                                " is not allowed by the grammar at this point");
+        }
+    }
+    try {
+        llama_sampler_accept(chain, token);
+    } catch (const std::exception & e) {
+        throw Error(ErrorKind::Grammar, std::string("the sampler could not accept token ") +
+                                            std::to_string(token) + ": " + e.what());
+    }
+}
+
+llama_token sample_checked(llama_sampler * chain, llama_sampler * grammar, const float * logits, int32_t n_vocab,
+                           std::vector<llama_token_data> & cand) {
+    cand.resize(n_vocab);
+    for (int32_t i = 0; i < n_vocab; ++i) {
+        cand[i] = llama_token_data{i, logits[i], 0.0f};
+    }
+    llama_token_data_array arr = {cand.data(), cand.size(), -1, false};
+    llama_sampler_apply(chain, &arr);
     if (arr.selected < 0 || arr.selected >= (int64_t) arr.size) {
         throw Error(ErrorKind::Decode, "the sampler chain selected no token");
     }
-    llama_token tok = arr.data[arr.selected].id;
-    llama_sampler_accept(smpl, tok);
-    return tok;
+    const llama_token_data & pick = arr.data[arr.selected];
+    // Every candidate banned: greedy then picks the first, a random draw the
+    // last -- a token nothing allowed.
+    if (!(pick.logit > -INFINITY) && !(pick.p > 0.0f)) {
+        if (grammar != nullptr) {
+            throw Error(ErrorKind::Grammar,
+                        "no token satisfies the grammar here (a dead end: the grammar allows nothing, or "
+                        "logit_bias bans every token it allows)");
+        }
+        throw Error(ErrorKind::InvalidArgument, "every token is banned (logit_bias): nothing can be sampled");
+    }
+    accept_checked(chain, grammar, pick.id);
+    return pick.id;
+}
+
+int64_t gbnf_max_nesting(const std::string & t) {
+    int64_t depth = 0, deepest = 0;
+    for (size_t i = 0; i < t.size(); ++i) {
+        const char ch = t[i];
+        if (ch == '"' || ch == '[') {  // a literal or a class: skip to its end, honouring escapes
+            const char close = ch == '"' ? '"' : ']';
+            for (++i; i < t.size() && t[i] != close; ++i) {
+                if (t[i] == '\\') {
+                    ++i;
+                }
+            }
+        } else if (ch == '#') {
+            while (i < t.size() && t[i] != '\n' && t[i] != '\r') {
+                ++i;
+            }
+        } else if (ch == '(') {
+            deepest = std::max(deepest, ++depth);
+        } else if (ch == ')') {
+            depth = std::max<int64_t>(0, depth - 1);
+        }
+    }
+    return deepest;
 }
 
 void Context::kv_clear() { llama_memory_clear(llama_get_memory(ctx_), true); }
 
 bool Context::kv_remove(llama_seq_id seq, llama_pos p0, llama_pos p1) {
-    if (seq >= 0) {
+    if (seq != -1) {  // -1: every sequence; other negatives assert in llama.cpp
         check_seq(seq);
     }
     return llama_memory_seq_rm(llama_get_memory(ctx_), seq, p0, p1);
@@ -1163,6 +1352,13 @@ void Context::kv_copy(llama_seq_id src, llama_seq_id dst, llama_pos p0, llama_po
     check_seq(dst);
     if (src == dst) {
         return;
+    }
+    // Without a unified KV buffer each sequence has its own stream, and
+    // llama.cpp copies only whole streams (it asserts on a partial range).
+    if (!kv_unified_ && n_seq_max_ > 1 && (p0 > 0 || p1 >= 0)) {
+        throw Error(ErrorKind::InvalidArgument,
+                    "with kv_unified=False only whole sequences can be copied (p0 and p1 left at -1); "
+                    "the copy replaces all of the destination sequence");
     }
     llama_memory_seq_cp(llama_get_memory(ctx_), src, dst, p0, p1);
 }

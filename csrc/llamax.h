@@ -115,7 +115,32 @@ struct GenParams {
     // that the KV still holds exactly that prompt, under the same state).
     bool from_saved_logits = false;
     std::vector<std::vector<llama_token>> stop_sequences;
+    // The chain's grammar sampler (owned by the chain), or null: every token
+    // is checked against it before it is accepted (see accept_checked).
+    llama_sampler * grammar = nullptr;
 };
+
+// Sample one token from a row of logits with the chain, then accept it.
+// Unlike llama_sampler_sample, nothing here asserts or throws past the
+// caller: a grammar that no candidate satisfies (a dead end, e.g. logit_bias
+// banning every token the grammar allows) raises ErrorKind::Grammar, and so
+// does a chain that selects a token the grammar rejects.  `cand` is scratch.
+llama_token sample_checked(llama_sampler * chain, llama_sampler * grammar, const float * logits, int32_t n_vocab,
+                           std::vector<llama_token_data> & cand);
+
+// Accept `token` into the chain.  With a grammar, the token is first tested
+// against it (llama.cpp's own accept aborts on an end-of-generation token the
+// grammar doesn't allow yet, and empties the grammar's stacks -- after which
+// any use aborts -- on another rejected token): ErrorKind::Grammar instead.
+void accept_checked(llama_sampler * chain, llama_sampler * grammar, llama_token token);
+
+// The deepest nesting of parentheses in a GBNF text, outside string
+// literals, character classes and comments.  llama.cpp's grammar parser
+// recurses once per level (a stack overflow on deep nesting).
+int64_t gbnf_max_nesting(const std::string & text);
+
+// Whether the GGUF file has a tensor of that name (metadata only).
+bool gguf_has_tensor(const std::string & path, const std::string & name);
 
 enum class Finish : int { Eog = 0, Length = 1, StopSequence = 2, Callback = 3, ContextFull = 4 };
 
@@ -131,7 +156,9 @@ typedef int (*token_cb_fn)(void * user, llama_token token);
 
 class Context {
 public:
-    Context(llama_model * model, llama_context_params params);  // GIL-free
+    // GIL-free.  max_positions > 0: the model has learned (absolute) position
+    // embeddings with that many rows, and no sequence may grow past it.
+    Context(llama_model * model, llama_context_params params, int32_t max_positions = 0);
     ~Context();
     Context(const Context &) = delete;
     Context & operator=(const Context &) = delete;
@@ -163,6 +190,10 @@ public:
 
     GenResult generate(llama_sampler * smpl, const llama_token * prompt, int32_t n_prompt,
                        const GenParams & params, token_cb_fn cb, void * user);
+
+    // Sample (and accept) from output row `row` of the last decode, as
+    // sample_checked does.
+    llama_token sample(llama_sampler * chain, llama_sampler * grammar, int32_t row);
 
     // KV memory
     void kv_clear();
@@ -202,9 +233,14 @@ public:
     // Outputs a decode of this shape would need beyond the current buffer.
     // (A context without KV memory -- an encoder-only embedding model --
     // reserves one output row per batch token.)
+    // With embeddings on, llama.cpp outputs every token of a batch too.
     int64_t outputs_reserved_for(int32_t n_tokens, int32_t n_outputs) const {
-        return has_memory_ ? n_outputs : n_tokens;
+        return outputs_all() ? n_tokens : n_outputs;
     }
+    bool outputs_all() const { return !has_memory_ || embeddings_; }
+    // The most tokens one decode may take: n_ubatch where llama.cpp needs the
+    // whole batch in one ubatch (no KV memory, or non-causal attention).
+    int32_t n_call_max() const { return n_call_max_; }
     bool would_grow_outputs(int32_t n_tokens, int32_t n_outputs) const {
         return outputs_reserved_for(n_tokens, n_outputs) > out_capacity_;
     }
@@ -221,7 +257,9 @@ private:
     const llama_model * model_ = nullptr;
     const llama_vocab * vocab_ = nullptr;
     bool has_memory_ = true;
-    int32_t n_vocab_ = 0, n_ctx_ = 0, n_ctx_seq_ = 0, n_batch_ = 0, n_seq_max_ = 0;
+    bool embeddings_ = false;
+    bool kv_unified_ = true;
+    int32_t n_vocab_ = 0, n_ctx_ = 0, n_ctx_seq_ = 0, n_batch_ = 0, n_seq_max_ = 0, n_call_max_ = 0;
     std::mutex mu_;
     std::atomic<bool> abort_{false};
     bool watch_sigint_ = false;
@@ -239,7 +277,7 @@ private:
     std::vector<int8_t> out_buf_;
     std::vector<float> prompt_logits_;  // logits after the last prompt generate() decoded
     std::vector<llama_token_data> cand_;  // candidates for sampling from saved logits
-    llama_token sample_saved(llama_sampler * smpl, bool plain_greedy);
+    llama_token sample_saved(llama_sampler * smpl, llama_sampler * grammar, bool plain_greedy);
     ggml_threadpool_t tp_ = nullptr;
     ggml_threadpool_t tp_batch_ = nullptr;
     void free_threadpools();

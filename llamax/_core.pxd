@@ -13,7 +13,9 @@ cdef class Model:
     cdef int32_t _unk              # [UNK] id (WPM fix-up), -1 if none
     cdef readonly str path
     cdef readonly bint vocab_only
-    cdef object _children      # weakref.WeakSet of Context / LoraAdapter
+    cdef object _children      # weakref.WeakSet of Context / LoraAdapter / Sampler
+    cdef int32_t _max_positions    # learned position embeddings: rows (n_ctx_train), else 0
+    cdef int _busy             # calls running without the GIL (tokenize, ...): close() refuses
     cdef object __weakref__
     cdef llama_model * _ptr(self) except NULL
 
@@ -33,10 +35,13 @@ cdef class ControlVector:
 
 cdef class Sampler:
     cdef llama_sampler * _smpl
+    cdef llama_sampler * _grammar  # the chain's grammar sampler (owned by the chain), or NULL
     cdef readonly Model model
     cdef readonly dict params
     cdef bint _in_use
     cdef bint _plain_greedy   # the chain is one greedy sampler: generate may argmax directly
+    cdef object __weakref__
+    cdef llama_sampler * _ptr(self) except NULL
 
 
 cdef class Context:
@@ -46,6 +51,7 @@ cdef class Context:
     cdef int _n_views         # exported output views (logits / token embeddings)
     cdef int _n_seq_views     # exported pooled-embedding views
     cdef bint _close_pending  # close() ran while views were alive: free when the last goes
+    cdef unsigned long _owner # thread inside a call (holds the lock), 0 if none: re-entrancy check
     cdef tuple _adapters      # LoraAdapter objects applied here: kept alive on purpose
     cdef ControlVector _cvec
     cdef readonly bint embeddings

@@ -22,6 +22,7 @@ cimport cython
 from cpython.buffer cimport PyBUF_FORMAT, PyBUF_ND, PyBUF_STRIDES, PyBUF_WRITABLE
 from cpython.exc cimport PyErr_CheckSignals, PyErr_SetInterrupt
 from cpython.ref cimport Py_DECREF, Py_INCREF, PyObject
+from cpython.pythread cimport PyThread_get_thread_ident
 from libc.stdint cimport INT32_MAX, INT32_MIN, int8_t, int32_t, int64_t, uint32_t
 from libc.string cimport memcpy
 from libcpp cimport bool as cbool
@@ -44,6 +45,11 @@ logger.addHandler(logging.NullHandler())  # quiet unless the application configu
 
 # Long texts are tokenized without the GIL; short ones aren't worth the switch.
 DEF TOKENIZE_NOGIL_BYTES = 4096
+DEF MAX_THREADS = 512             # GGML_MAX_N_THREADS
+DEF MAX_PENALTY_LAST_N = 1 << 20  # llama.cpp allocates a ring buffer of this many tokens
+DEF MAX_GRAMMAR_BYTES = 1 << 20
+DEF MAX_GRAMMAR_NESTING = 1000    # llama.cpp's parser recurses per level (8 MiB stacks)
+DEF MAX_GRAMMAR_RULES = 10000     # ... and its left-recursion check per rule in a chain
 
 # ---------------------------------------------------------------------------
 # Module set-up: error classes for the shim, backend, logging.
@@ -112,6 +118,34 @@ log_set_min_level(_ggml_level(logger.getEffectiveLevel()))
 atexit.register(_stop_logging)
 
 
+# ---------------------------------------------------------------------------
+# Interpreter exit.  A thread still inside a native call when the script
+# ends (a daemon thread generating, a half-consumed stream's producer) would
+# otherwise meet the interpreter's finalization: CPython ends such a thread
+# with a forced unwind through C++ frames (abort: "exception not rethrown"),
+# or frees what it runs on.  At exit every running call is cancelled and
+# waited for, and no new one starts.
+
+cdef bint _shutting_down = False
+_LIVE_CONTEXTS = weakref.WeakSet()
+_EXIT_WAIT_S = 30.0
+
+
+def _cancel_running_at_exit():
+    global _shutting_down
+    _shutting_down = True
+    import time
+    busy = [c for c in list(_LIVE_CONTEXTS) if (<Context> c)._busy]
+    for c in busy:
+        c.cancel()
+    deadline = time.monotonic() + _EXIT_WAIT_S
+    while any((<Context> c)._busy for c in busy) and time.monotonic() < deadline:
+        time.sleep(0.002)  # releases the GIL: the cancelled calls return and leave
+
+
+atexit.register(_cancel_running_at_exit)
+
+
 def system_info():
     """llama.cpp's build and CPU feature summary."""
     return llama_print_system_info().decode("utf-8", "replace")
@@ -142,7 +176,10 @@ cdef object _as_tokens(object tokens, int32_t n_vocab=-1):
     try:
         view = tokens  # zero-copy for int32 C-contiguous buffers
     except (TypeError, ValueError, BufferError):
-        arr = np.asarray(tokens)
+        try:
+            arr = np.asarray(tokens)
+        except ValueError:  # ragged nesting
+            raise ArgumentTypeError("tokens must be a flat sequence of ints (got a nested, ragged one)") from None
         if arr.ndim != 1:
             if arr.ndim == 0:
                 raise ArgumentTypeError(f"tokens must be a sequence of ints, not {type(tokens).__name__}")
@@ -187,7 +224,7 @@ cdef object _as_floats(object data, str what):
 
 
 cdef inline int _check_int(object v, str name, long lo, long hi) except -1:
-    if isinstance(v, bool) or not isinstance(v, int):
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
         raise ArgumentTypeError(f"{name} must be an int, not {type(v).__name__}")
     if v < lo or v > hi:
         raise InvalidArgumentError(f"{name}={v} is out of range [{lo}, {hi}]")
@@ -334,6 +371,12 @@ cdef class Model:
                                    + (f" ({reason})" if reason else " (corrupt or unsupported GGUF)"))
         self._model = m
         self._vocab = llama_model_get_vocab(m)
+        self._max_positions = 0
+        if not vocab_only:
+            with nogil:
+                has_pos = gguf_has_tensor(cpath, b"position_embd.weight")
+            if has_pos:
+                self._max_positions = llama_model_n_ctx_train(m)
         self._unk = -1
         if llama_get_vocab_type(self._vocab) == LLAMA_VOCAB_TYPE_WPM:
             unk = self.metadata.get("tokenizer.ggml.unknown_token_id", "")
@@ -359,8 +402,13 @@ cdef class Model:
         """
         if self._model == NULL:
             return
+        if self._busy:
+            raise ContextBusyError("the model is in use by another thread (tokenize, detokenize or creating a "
+                                   "context); close it when that call returns")
         children = list(self._children)
         for c in children:
+            if isinstance(c, Sampler) and (<Sampler> c)._in_use:
+                raise ContextBusyError("a sampler of this model is in use by another thread")
             if isinstance(c, Context) and (<Context> c)._busy:
                 raise ContextBusyError("a context of this model is in use by another thread")
             if isinstance(c, Context) and ((<Context> c)._n_views or (<Context> c)._n_seq_views):
@@ -379,6 +427,17 @@ cdef class Model:
     @property
     def closed(self):
         return self._model == NULL
+
+    @property
+    def busy(self):
+        """Whether a call runs on the model or one of its contexts or samplers
+        (close() would raise ContextBusyError)."""
+        if self._busy:
+            return True
+        for c in list(self._children):
+            if (isinstance(c, Context) and (<Context> c)._busy) or (isinstance(c, Sampler) and (<Sampler> c)._in_use):
+                return True
+        return False
 
     def __enter__(self):
         return self
@@ -518,21 +577,25 @@ cdef class Model:
         out = np.empty(cap, dtype=np.int32)
         cdef int32_t[::1] ov = out
         cdef int32_t n
-        if n_text >= TOKENIZE_NOGIL_BYTES:
-            with nogil:  # long texts: tokenization is linear-ish in bytes
+        self._busy += 1  # close() from another thread must wait for the GIL-free part
+        try:
+            if n_text >= TOKENIZE_NOGIL_BYTES:
+                with nogil:  # long texts: tokenization is linear-ish in bytes
+                    n = llama_tokenize(v, p, n_text, &ov[0], cap, add, parse)
+            else:
                 n = llama_tokenize(v, p, n_text, &ov[0], cap, add, parse)
-        else:
-            n = llama_tokenize(v, p, n_text, &ov[0], cap, add, parse)
-        if n == INT32_MIN:
-            raise InvalidArgumentError("tokenization result does not fit in int32")
-        if n < 0:
-            cap = -n
-            out = np.empty(cap, dtype=np.int32)
-            ov = out
-            with nogil:
-                n = llama_tokenize(v, p, n_text, &ov[0], cap, add, parse)
+            if n == INT32_MIN:
+                raise InvalidArgumentError("tokenization result does not fit in int32")
             if n < 0:
-                raise InvalidArgumentError("tokenization failed")
+                cap = -n
+                out = np.empty(cap, dtype=np.int32)
+                ov = out
+                with nogil:
+                    n = llama_tokenize(v, p, n_text, &ov[0], cap, add, parse)
+                if n < 0:
+                    raise InvalidArgumentError("tokenization failed")
+        finally:
+            self._busy -= 1
         if self._unk >= 0:
             n = wpm_long_words_to_unk(v, self._unk, &ov[0], n)
         return out[:n]
@@ -576,8 +639,12 @@ cdef class Model:
         cdef vector[int64_t] offsets
         cdef cbool add = bool(add_special), parse = bool(parse_special), trunc = bool(truncate)
         cdef int32_t cap = max_tokens
-        with nogil:
-            tokenize_many(self._vocab, self._unk, views, add, parse, cap, trunc, flat, offsets)
+        self._busy += 1  # close() from another thread must wait for the GIL-free part
+        try:
+            with nogil:
+                tokenize_many(self._vocab, self._unk, views, add, parse, cap, trunc, flat, offsets)
+        finally:
+            self._busy -= 1
         tokens = np.empty(flat.size(), dtype=np.int32)
         offs = np.empty(offsets.size(), dtype=np.int64)
         cdef int32_t[::1] tv = tokens
@@ -612,11 +679,15 @@ cdef class Model:
         buf.resize(n_tok * 8 + 16)
         cdef int32_t n
         cdef bint sp = bool(special)
-        with nogil:  # long token lists: linear work without Python objects
-            n = llama_detokenize(self._vocab, &tv[0], n_tok, buf.data(), <int32_t> buf.size(), False, sp)
-            if n < 0:
-                buf.resize(-n)
+        self._busy += 1  # close() from another thread must wait for the GIL-free part
+        try:
+            with nogil:  # long token lists: linear work without Python objects
                 n = llama_detokenize(self._vocab, &tv[0], n_tok, buf.data(), <int32_t> buf.size(), False, sp)
+                if n < 0:
+                    buf.resize(-n)
+                    n = llama_detokenize(self._vocab, &tv[0], n_tok, buf.data(), <int32_t> buf.size(), False, sp)
+        finally:
+            self._busy -= 1
         if n < 0:
             raise InvalidArgumentError("detokenization failed")
         return buf.data()[:n]
@@ -855,11 +926,16 @@ cdef class Sampler:
                         ("frequency_penalty", frequency_penalty), ("presence_penalty", presence_penalty)):
             _check_float(v, name)
         _check_int(top_k, "top_k", 0, INT32_MAX)
-        _check_int(penalty_last_n, "penalty_last_n", -1, INT32_MAX)
+        if penalty_last_n == -1 and not isinstance(penalty_last_n, bool):
+            raise InvalidArgumentError("penalty_last_n=-1 (llama.cpp's tools: the context size) is not supported "
+                                       "here: give a number of tokens (0 disables the penalties)")
+        _check_int(penalty_last_n, "penalty_last_n", 0, MAX_PENALTY_LAST_N)
         if not 0.0 <= top_p <= 1.0:
             raise InvalidArgumentError(f"top_p={top_p} must be in [0, 1]")
         if not 0.0 <= min_p <= 1.0:
             raise InvalidArgumentError(f"min_p={min_p} must be in [0, 1]")
+        if not 0.0 <= typical_p <= 1.0:
+            raise InvalidArgumentError(f"typical_p={typical_p} must be in [0, 1] (1.0 disables it)")
         if repeat_penalty <= 0:
             raise InvalidArgumentError(f"repeat_penalty={repeat_penalty} must be > 0 (1.0 disables it)")
         if seed is None:
@@ -882,6 +958,10 @@ cdef class Sampler:
                 biases.push_back(lb)
         if grammar is not None and not isinstance(grammar, str):
             raise ArgumentTypeError(f"grammar must be a GBNF string, not {type(grammar).__name__}")
+        if not isinstance(grammar_root, str):
+            raise ArgumentTypeError(f"grammar_root must be a str, not {type(grammar_root).__name__}")
+        if grammar is not None:
+            _check_grammar(grammar, grammar_root)
         self.params = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                            typical_p=typical_p, repeat_penalty=repeat_penalty,
                            frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
@@ -893,6 +973,7 @@ cdef class Sampler:
         cdef llama_sampler * g
         cdef bytes bg, broot
         self._smpl = chain
+        self._grammar = NULL
         if repeat_penalty != 1.0 or frequency_penalty != 0.0 or presence_penalty != 0.0:
             llama_sampler_chain_add(chain, llama_sampler_init_penalties(
                 n_vocab, penalty_last_n, repeat_penalty, frequency_penalty, presence_penalty))
@@ -900,13 +981,14 @@ cdef class Sampler:
             llama_sampler_chain_add(chain, llama_sampler_init_logit_bias(n_vocab, biases.size(), biases.data()))
         if grammar is not None:
             bg = grammar.encode("utf-8")
-            broot = str(grammar_root).encode("utf-8")
+            broot = grammar_root.encode("utf-8")
             take_last_log_error()
             g = llama_sampler_init_grammar(_mo_t._vocab, bg, broot)
             if g == NULL:
                 why = take_last_log_error().decode("utf-8", "replace").strip()
                 raise GrammarError("invalid GBNF grammar" + (f": {why}" if why else ""))
             llama_sampler_chain_add(chain, g)
+            self._grammar = g
         if temperature <= 0:
             llama_sampler_chain_add(chain, llama_sampler_init_greedy())
             self._plain_greedy = llama_sampler_chain_n(chain) == 1
@@ -921,21 +1003,48 @@ cdef class Sampler:
                 llama_sampler_chain_add(chain, llama_sampler_init_min_p(min_p, 1))
             llama_sampler_chain_add(chain, llama_sampler_init_temp(temperature))
             llama_sampler_chain_add(chain, llama_sampler_init_dist(<uint32_t> seed))
+        # Tracked like the model's other children: its grammar points into the
+        # model's vocabulary, so Model.close() closes it first.
+        _mo_t._children.add(self)
 
     def __dealloc__(self):
         if self._smpl != NULL:
             llama_sampler_free(self._smpl)
             self._smpl = NULL
 
+    cdef llama_sampler * _ptr(self) except NULL:
+        if self._smpl == NULL or self.model._model == NULL:
+            raise ClosedError("the sampler is closed (or its model is)")
+        if self._in_use:
+            raise ContextBusyError("this sampler is in use by a running request (another thread, or a "
+                                   "callback inside it)")
+        return self._smpl
+
+    def close(self):
+        """Free the sampler chain now.  Idempotent; ContextBusyError while in use."""
+        if self._smpl == NULL:
+            return
+        if self._in_use:
+            raise ContextBusyError("this sampler is in use by a running request")
+        llama_sampler_free(self._smpl)
+        self._smpl = NULL
+        self._grammar = NULL
+
+    @property
+    def closed(self):
+        return self._smpl == NULL or self.model._model == NULL
+
     def reset(self):
         """Forget penalty history and grammar progress; the RNG is not reseeded."""
-        if self._smpl != NULL:
-            llama_sampler_reset(self._smpl)
+        llama_sampler_reset(self._ptr())
 
     def accept(self, token):
+        """Record ``token`` as sampled (penalty history, grammar progress).
+        GrammarError if the grammar does not allow it here."""
+        cdef llama_sampler * smpl = self._ptr()
         _check_int(token, "token", INT32_MIN, INT32_MAX)
         _check_token_id(token, llama_vocab_n_tokens(self.model._vocab))
-        llama_sampler_accept(self._smpl, token)
+        accept_checked(smpl, self._grammar, token)
 
     def sample(self, ctx, idx=-1):
         """Sample from output row ``idx`` of the context's last decode (and accept it)."""
@@ -943,11 +1052,12 @@ cdef class Sampler:
         _check_int(idx, "idx", INT32_MIN, INT32_MAX)
         if ctx.model is not self.model:
             raise InvalidArgumentError("this sampler was made for another model")
-        if self._in_use:
-            raise ContextBusyError("this sampler is in use by another request")
+        cdef llama_sampler * smpl = self._ptr()
+        cdef llama_sampler * grammar = self._grammar
         cdef CContext * c = _ct_t._enter()
         cdef llama_token tok
         cdef int32_t n_out, row
+        self._in_use = True
         try:
             n_out = c.last_n_outputs()
             if n_out == 0:
@@ -957,19 +1067,38 @@ cdef class Sampler:
             if idx < 0:
                 idx += n_out
             row = idx
-            # llama_sampler_sample's idx is a batch position, not an output row;
-            # llamax keeps rows in batch order, so map through the row count.
-            with nogil:
-                tok = llama_sampler_sample(self._smpl, c.raw(), _row_to_batch_index(c, row))
+            with nogil:  # n_vocab candidates through the chain
+                tok = c.sample(smpl, grammar, row)
         finally:
+            self._in_use = False
             _ct_t._leave()
         return tok
 
 
-cdef inline int32_t _row_to_batch_index(CContext * c, int32_t row) noexcept nogil:
-    # -1 addresses the last output; other rows are passed as negative offsets
-    # from the end, which llama.cpp resolves against the output rows.
-    return row - c.last_n_outputs()
+cdef _check_grammar(str grammar, str root):
+    """Refuse grammars llama.cpp's parser can't survive (it recurses per
+    nesting level and per rule in a chain: a stack overflow kills the
+    process) before it sees them."""
+    if "\0" in grammar or "\0" in root:
+        raise GrammarError("the grammar contains a NUL character")
+    try:
+        b = grammar.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise GrammarError(f"the grammar is not encodable as UTF-8 (a lone surrogate at {e.start})") from None
+    try:
+        root.encode("utf-8")
+    except UnicodeEncodeError:
+        raise GrammarError("grammar_root is not encodable as UTF-8") from None
+    if len(b) > MAX_GRAMMAR_BYTES:
+        raise GrammarError(f"the grammar is {len(b)} bytes; at most {MAX_GRAMMAR_BYTES} are accepted")
+    cdef string text = b
+    cdef int64_t depth = gbnf_max_nesting(text)
+    if depth > MAX_GRAMMAR_NESTING:
+        raise GrammarError(f"the grammar nests parentheses {depth} deep; at most {MAX_GRAMMAR_NESTING} levels "
+                           f"are accepted (llama.cpp's parser recurses per level)")
+    n_rules = grammar.count("::=")
+    if n_rules > MAX_GRAMMAR_RULES:
+        raise GrammarError(f"the grammar has {n_rules} rules; at most {MAX_GRAMMAR_RULES} are accepted")
 
 
 # ---------------------------------------------------------------------------
@@ -1040,8 +1169,10 @@ cdef class Context:
         _check_int(n_batch, "n_batch", 1, 1 << 20)
         _check_int(n_ubatch, "n_ubatch", 1, 1 << 20)
         _check_int(n_seq_max, "n_seq_max", 1, 256)
-        _check_int(n_threads, "n_threads", 1, 4096)
-        _check_int(n_threads_batch, "n_threads_batch", 1, 4096)
+        _check_int(n_threads, "n_threads", 1, MAX_THREADS)
+        _check_int(n_threads_batch, "n_threads_batch", 1, MAX_THREADS)
+        if pooling is not None and not isinstance(pooling, str):
+            raise ArgumentTypeError(f"pooling must be a str or None, not {type(pooling).__name__}")
         if pooling not in _POOLING:
             raise InvalidArgumentError(f"pooling={pooling!r}: expected one of none, mean, cls, last, rank")
         cdef llama_context_params p = llama_context_default_params()
@@ -1058,9 +1189,17 @@ cdef class Context:
         if flash_attn is not None:
             p.flash_attn_type = LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else LLAMA_FLASH_ATTN_TYPE_DISABLED
         cdef CContext * c = NULL
-        with nogil:  # allocates the KV cache and reserves compute graphs
-            c = new CContext(m, p)
+        cdef int32_t max_pos = _mo_t._max_positions
+        if _shutting_down:
+            raise ClosedError("the interpreter is exiting")
+        _mo_t._busy += 1  # Model.close() from another thread waits for this
+        try:
+            with nogil:  # allocates the KV cache and reserves compute graphs
+                c = new CContext(m, p, max_pos)
+        finally:
+            _mo_t._busy -= 1
         self._c = c
+        _LIVE_CONTEXTS.add(self)
         self.model = model
         self.embeddings = bool(embeddings)
         _mo_t._children.add(self)
@@ -1080,16 +1219,27 @@ cdef class Context:
         # KeyboardInterrupt by running Python's handler).
         if self._c == NULL or self._close_pending:
             raise ClosedError("the context is closed")
+        cdef unsigned long me = PyThread_get_thread_ident()
+        if self._busy and self._owner == me:
+            # a callback of a running call (generate's per-token callback,
+            # a log handler) calling back into it: the lock is ours, waiting
+            # for it would never end
+            raise ContextBusyError("re-entrant call: this context is running a call on this thread (a "
+                                   "callback inside generate/decode?); use it after that call returns")
+        if _shutting_down:
+            raise ClosedError("the interpreter is exiting")
         self._busy += 1
         cdef CContext * c = self._c
         with nogil:
             c.mutex().lock()
+        self._owner = me
         if watch_sigint:
             c.watch_sigint(_watch_sigint())
         return c
 
     cdef void _leave(self) noexcept:
         self._c.watch_sigint(False)  # (no-op unless _enter started watching)
+        self._owner = 0
         self._c.mutex().unlock()
         self._busy -= 1
 
@@ -1120,6 +1270,11 @@ cdef class Context:
     @property
     def closed(self):
         return self._c == NULL or self._close_pending
+
+    @property
+    def busy(self):
+        """Whether a call is running on this context (close() would raise ContextBusyError)."""
+        return self._busy > 0
 
     def __enter__(self):
         return self
@@ -1171,8 +1326,8 @@ cdef class Context:
     def set_threads(self, n_threads, n_threads_batch=None):
         if n_threads_batch is None:
             n_threads_batch = n_threads
-        _check_int(n_threads, "n_threads", 1, 4096)
-        _check_int(n_threads_batch, "n_threads_batch", 1, 4096)
+        _check_int(n_threads, "n_threads", 1, MAX_THREADS)
+        _check_int(n_threads_batch, "n_threads_batch", 1, MAX_THREADS)
         cdef CContext * c = self._enter()
         try:
             c.set_threads(n_threads, n_threads_batch)
@@ -1191,6 +1346,9 @@ cdef class Context:
         cdef vector[float] scales
         cdef LoraAdapter a
         keep = []
+        if isinstance(adapters, (str, bytes)) or not hasattr(adapters, "__iter__"):
+            raise ArgumentTypeError(f"set_adapters() takes a sequence of (LoraAdapter, scale) pairs, "
+                                    f"not {type(adapters).__name__}")
         for item in adapters:
             try:
                 ad, scale = item
@@ -1222,13 +1380,15 @@ cdef class Context:
         """The applied set, as ``((LoraAdapter, scale), ...)``."""
         return self._adapters
 
-    def set_control_vector(self, ControlVector cv=None):
+    def set_control_vector(self, cv=None):
         """Apply ``cv`` (``None`` clears).  Identical re-applies and clears of nothing are no-ops."""
         cdef CControlVectorPtr p
+        cdef ControlVector typed_cv
         if cv is not None:
-            if cv.model is not self.model:
+            typed_cv = _typed(cv, ControlVector, "cv")
+            if typed_cv.model is not self.model:
                 raise InvalidArgumentError("this control vector was made for another model")
-            p = cv._cv
+            p = typed_cv._cv
         cdef CContext * c = self._enter()
         cdef cbool changed
         try:
@@ -1453,6 +1613,7 @@ cdef class Context:
         gp.ignore_eos = bool(ignore_eos)
         gp.plain_greedy = _sa_t._plain_greedy
         gp.from_saved_logits = bool(from_saved_logits)
+        gp.grammar = _sa_t._grammar
         cdef vector[llama_token] sv
         cdef const int32_t[::1] s
         for seq in stop_sequences:
@@ -1463,10 +1624,10 @@ cdef class Context:
             gp.stop_sequences.push_back(sv)
         if self._n_seq_views:
             raise ViewsExportedError("pooled-embedding views are alive; delete them before generating")
-        if self._n_views and c.would_grow_outputs(1, 1):
+        # the prompt's chunks output every row when embeddings are on
+        if self._n_views and c.would_grow_outputs(min(<int32_t> tv.shape[0], c.n_call_max()) or 1, 1):
             raise ViewsExportedError("logits views are alive and generation would move their buffer")
-        if _sa_t._in_use:
-            raise ContextBusyError("this sampler is in use by another request")
+        _sa_t._ptr()  # closed or in use: raises
         cdef _CbState st
         st.fn = <PyObject *> callback
         st.error = NULL
@@ -1477,14 +1638,14 @@ cdef class Context:
         cdef const int32_t * tp = &tv[0] if tv.shape[0] else NULL
         cdef int32_t n_tok = <int32_t> tv.shape[0]
         cdef llama_sampler * smpl = _sa_t._smpl
-        _sa_t._in_use = True
         c = self._enter(watch_sigint=True)
+        _sa_t._in_use = True
         try:
             with nogil:  # prompt + token loop; the callback re-takes the GIL only if given
                 res = c.generate(smpl, tp, n_tok, gp, cb, &st)
         finally:
-            self._leave()
             _sa_t._in_use = False
+            self._leave()
         if st.error != NULL:
             err = <object> st.error
             Py_DECREF(err)

@@ -54,6 +54,7 @@ cdef extern from "llamax.h" namespace "llamax" nogil:
         cbool plain_greedy
         cbool from_saved_logits
         vector[vector[llama_token]] stop_sequences
+        llama_sampler * grammar
 
     cdef enum class CFinish "llamax::Finish":
         Eog
@@ -68,7 +69,7 @@ cdef extern from "llamax.h" namespace "llamax" nogil:
         int32_t n_prompt
 
     cdef cppclass CContext "llamax::Context":
-        CContext(llama_model * model, llama_context_params params) except +translate_exception
+        CContext(llama_model * model, llama_context_params params, int32_t max_positions) except +translate_exception
         llama_context * raw()
         CMutex & mutex()
         cbool set_adapters(const vector[CAdapter *] & adapters, const vector[float] & scales) except +translate_exception
@@ -79,6 +80,7 @@ cdef extern from "llamax.h" namespace "llamax" nogil:
                       bint normalize) except +translate_exception
         CGenResult generate(llama_sampler * smpl, const llama_token * prompt, int32_t n_prompt,
                             const CGenParams & params, token_cb_fn cb, void * user) except +translate_exception
+        llama_token sample(llama_sampler * chain, llama_sampler * grammar, int32_t row) except +translate_exception
         void kv_clear()
         cbool kv_remove(llama_seq_id seq, llama_pos p0, llama_pos p1) except +translate_exception
         void kv_copy(llama_seq_id src, llama_seq_id dst, llama_pos p0, llama_pos p1) except +translate_exception
@@ -99,6 +101,8 @@ cdef extern from "llamax.h" namespace "llamax" nogil:
         int32_t n_batch()
         int32_t n_seq_max()
         cbool would_grow_outputs(int32_t n_tokens, int32_t n_outputs)
+        cbool outputs_all()
+        int32_t n_call_max()
         cbool has_memory()
 
     CAdapter * adapter_load(llama_model * model, const string & path) except +translate_exception
@@ -115,6 +119,9 @@ cdef extern from "llamax.h" namespace "llamax" nogil:
 
     void check_gguf_file(const string & path) except +translate_exception
     void check_model_gguf(const string & path) except +translate_exception
+    cbool gguf_has_tensor(const string & path, const string & name) except +translate_exception
+    void accept_checked(llama_sampler * chain, llama_sampler * grammar, llama_token token) except +translate_exception
+    int64_t gbnf_max_nesting(const string & text)
     int32_t wpm_long_words_to_unk(const llama_vocab * vocab, llama_token unk, llama_token * tokens, int32_t n)
     void tokenize_many(const llama_vocab * vocab, llama_token unk, const vector[pair[const char *, int32_t]] & texts,
                        cbool add_special, cbool parse_special, int32_t max_tokens, cbool truncate,

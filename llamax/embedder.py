@@ -73,9 +73,10 @@ class Embedder:
 
     @max_seq_length.setter
     def max_seq_length(self, value: int) -> None:
-        n_ctx = self._llm.n_ctx()
-        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= n_ctx:
-            raise InvalidArgumentError(f"max_seq_length must be an int in [1, n_ctx={n_ctx}], got {value!r}")
+        limit = self._llm._embed_limit()  # n_ctx, and BERT's trained length
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= limit:
+            raise InvalidArgumentError(f"max_seq_length must be an int in [1, {limit}] (n_ctx, and the model's "
+                                       f"trained length for learned positions), got {value!r}")
         self._max_seq_length = value
 
     def get_sentence_embedding_dimension(self) -> int:

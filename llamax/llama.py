@@ -25,7 +25,7 @@ import numpy as np
 
 from llamax._core import Context, ControlVector, Model, Sampler
 from llamax._errors import (
-    ArgumentTypeError, CancelledError, ControlVectorError, InvalidArgumentError, TokenError, UnknownAdapterError,
+    ArgumentTypeError, CancelledError, ContextBusyError, ControlVectorError, InvalidArgumentError, TokenError, UnknownAdapterError,
 )
 from llamax.adapters import AdapterRegistry
 from llamax.chat import ChatTemplate, ChatTemplateError, prepare_prefill
@@ -273,6 +273,11 @@ class Llama:
         """Free contexts, then adapters, then the model.  Idempotent."""
         if self._closed:
             return
+        # Refused while a request runs (another thread, an open stream): its
+        # context, adapters and model must outlive it.  Nothing is closed then.
+        if self._model.busy or any(s.busy for s in self._pool.slots) or self._embed_lock.locked():
+            raise ContextBusyError("a request is running on this Llama (another thread, or a stream not "
+                                   "finished or closed): close it after that, or cancel it first")
         self._closed = True
         self._pool.close()
         if self._embed_ctx is not None:
@@ -502,8 +507,10 @@ class Llama:
         _check_bools(stream=stream, echo=echo)
         if suffix is not None:
             raise InvalidArgumentError("suffix (fill-in-the-middle) is not supported")
-        if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int) or logprobs < 0):
-            raise InvalidArgumentError("logprobs must be a non-negative int (top alternatives per token)")
+        if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int) or logprobs < 0
+                                     or logprobs > self.n_vocab()):
+            raise InvalidArgumentError(f"logprobs must be an int in [0, n_vocab={self.n_vocab()}] (top alternatives "
+                                       "per token)")
         tokens = self._prompt_tokens(prompt)
         req = self._request(tokens, logprobs=logprobs, **_request_args(locals()))
         cid = f"cmpl-{uuid.uuid4()}"
@@ -608,15 +615,24 @@ class Llama:
                 pooling = {"0": "none", "1": "mean", "2": "cls", "3": "last", "4": "rank"}.get(pt, "mean")
             if pooling not in ("mean", "cls", "last"):
                 raise InvalidArgumentError(f"embeddings need pooling mean, cls or last, not {pooling!r}")
-            n_ctx = self._ctx_kwargs["n_ctx"]
             # One decode packs whole inputs, one sequence id each, up to n_ctx
-            # tokens and EMBED_SEQS inputs (see Context.embed).
-            self._embed_ctx = Context(self._model, n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx,
+            # tokens and EMBED_SEQS inputs (see Context.embed).  Sizes are a
+            # multiple of EMBED_SEQS: llama.cpp's mean-pooling graph needs it
+            # (and at least one row per sequence); inputs stay capped at the
+            # caller's n_ctx (see _embed_limit).
+            nb = max(EMBED_SEQS, -(-self._ctx_kwargs["n_ctx"] // EMBED_SEQS) * EMBED_SEQS)
+            self._embed_ctx = Context(self._model, n_ctx=nb, n_batch=nb, n_ubatch=nb,
                                       n_seq_max=EMBED_SEQS, n_threads=self._ctx_kwargs["n_threads"],
                                       n_threads_batch=self._ctx_kwargs["n_threads_batch"],
                                       flash_attn=self._ctx_kwargs["flash_attn"], embeddings=True,
                                       pooling=pooling)
         return self._embed_ctx
+
+    def _embed_limit(self) -> int:
+        """The most tokens one embedding input may have: n_ctx, and for models
+        with learned position embeddings (BERT) their trained length."""
+        with self._embed_lock:
+            return min(self._ctx_kwargs["n_ctx"], self._embedding_context().n_ctx_seq)
 
     def embed(self, input, normalize: bool = False, truncate: bool = True, active_loras=None,
               control_vector=None, control_vectors=None):
@@ -657,12 +673,13 @@ class Llama:
             raise ArgumentTypeError(f"input must be a str or a list of str, not {type(input).__name__}")
         if not texts:
             raise InvalidArgumentError("input is empty: pass at least one string")
-        limit = self._ctx_kwargs["n_ctx"]
+        limit = self._embed_limit()
         if max_tokens is not None:
             if isinstance(max_tokens, bool) or not isinstance(max_tokens, int):
                 raise ArgumentTypeError("max_tokens must be an int or None")
             if not 1 <= max_tokens <= limit:
-                raise InvalidArgumentError(f"max_tokens={max_tokens} must be in [1, n_ctx={limit}]")
+                raise InvalidArgumentError(f"max_tokens={max_tokens} must be in [1, {limit}] (n_ctx, and the "
+                                           f"model's trained length for learned positions)")
             limit = max_tokens
         # Tokenized without the GIL and before any lock: the vocabulary is read-only.
         tokens, offsets = self._model.tokenize_batch(list(texts), add_special=True, max_tokens=limit,
@@ -686,7 +703,10 @@ class Llama:
         if isinstance(prompt, (str, bytes)):
             tokens = self._model.tokenize(prompt, add_special=True, parse_special=False)
         elif isinstance(prompt, (list, tuple, np.ndarray)):
-            tokens = np.asarray(prompt)
+            try:
+                tokens = np.asarray(prompt)
+            except ValueError:  # ragged nesting
+                raise ArgumentTypeError("a token prompt must be a flat list of ints") from None
             if tokens.ndim != 1 or (tokens.size and tokens.dtype.kind not in "iu"):
                 raise ArgumentTypeError("a token prompt must be a flat list of ints")
             if tokens.size and (tokens.min() < -2**31 or tokens.max() >= 2**31):

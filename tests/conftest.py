@@ -21,6 +21,12 @@ def smollm2_path():
 
 
 @pytest.fixture(scope="session")
+def minilm_f16():
+    """all-MiniLM-L6-v2 as f16 GGUF (converted once, cached: tests/data.py)."""
+    return data.minilm("f16")
+
+
+@pytest.fixture(scope="session")
 def model(smollm2_path):
     m = llamax.Model(smollm2_path)
     yield m
@@ -77,12 +83,17 @@ def logits_after(ctx, tokens):
 # answers: whether a seeded random adapter flips a greedy token within N
 # tokens depends on the CPU's kernels (an AVX-512 machine gave the base
 # model's answer where an AVX2 one did not).  The measure is the first
-# generated token's top-5 log-probabilities, which the request's prompt
-# alone determines.  The test adapters move them by 0.1-0.8 (tests/api,
-# measured on AVX2 and AVX-512 builds); the same computation on the two
-# kinds of kernels differs by about 1e-3 (README, "Tests on every CPU").
-TOP = 5
-EFFECT = 0.02
+# generated token's top-20 log-probabilities, and both sides of a comparison
+# are always computed on the same machine in the same run, where a cold
+# request is bit-for-bit repeatable (tests assert that too).  Across
+# machines the numbers themselves differ: the base model's first-token
+# logprobs differ by up to 0.47 between an AVX2 and an AVX-512 build of the
+# same Q4_1 model, so no test compares a number with one from another CPU.
+# Measured on both builds (README, "Tests on every CPU"): the test adapters
+# move the top-20 first-token logprobs by 0.37-1.21; EFFECT is far below
+# that and far above float rounding.
+TOP = 20
+EFFECT = 0.01
 LOGPROBS_CHAT = dict(logprobs=True, top_logprobs=TOP)   # keywords for create_chat_completion
 LOGPROBS_COMPLETION = dict(logprobs=TOP)                # ... and for create_completion / __call__
 

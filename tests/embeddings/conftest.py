@@ -11,11 +11,6 @@ HERE = Path(__file__).resolve().parent
 
 
 @pytest.fixture(scope="session")
-def minilm_f16():
-    return data.minilm("f16")
-
-
-@pytest.fixture(scope="session")
 def minilm_q8():
     return data.minilm("q8_0")
 

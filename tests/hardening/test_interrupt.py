@@ -14,6 +14,10 @@ from conftest import run_py
 
 PRE = r'''
 import os, signal, sys, threading, time
+# Python's default Ctrl-C handler, whatever this process inherited (a
+# launcher that runs it in the background may leave SIGINT ignored, and then
+# Python installs no handler at all)
+signal.signal(signal.SIGINT, signal.default_int_handler)
 import numpy as np
 import llamax
 sys.path.insert(0, TESTS)
