@@ -695,13 +695,18 @@ int64_t pad_to(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
 // builds a context, checked first.
 void check_context_params(const llama_model * model, const llama_context_params & p) {
     const int64_t n_seq = std::max<uint32_t>(1, p.n_seq_max);
+    // The n_ctx asked for (0: the trained length), before llama.cpp pads it.
+    // With causal attention llama.cpp caps n_batch at this value.
+    const int64_t n_ctx_raw = p.n_ctx > 0 ? p.n_ctx : llama_model_n_ctx_train(model);
     // llama_context reserves one output row per sequence, within n_batch
     // (GGML_ASSERT n_outputs_max <= cparams.n_outputs_max in output_reserve).
-    if (n_seq > (int64_t) p.n_batch) {
+    if (n_seq > std::min<int64_t>(p.n_batch, n_ctx_raw)) {
         throw Error(ErrorKind::InvalidArgument,
                     "n_seq_max=" + std::to_string(n_seq) + " exceeds n_batch=" + std::to_string(p.n_batch) +
-                        ": llama.cpp reserves an output row per sequence within n_batch; raise n_batch or lower "
-                        "n_seq_max");
+                        (n_ctx_raw < (int64_t) p.n_batch ? " capped at n_ctx=" + std::to_string(n_ctx_raw)
+                                                         : std::string()) +
+                        ": llama.cpp reserves an output row per sequence within n_batch; raise n_batch (and "
+                        "n_ctx) or lower n_seq_max");
     }
     // Mean (and rank) pooling multiplies the token outputs by an
     // n_tokens x n_seqs matrix.  llama.cpp reserves its graphs with n_tokens
@@ -711,10 +716,14 @@ void check_context_params(const llama_model * model, const llama_context_params 
     if (p.embeddings) {
         const enum llama_pooling_type pt = effective_pooling(model, p.pooling_type);
         if (pt == LLAMA_POOLING_TYPE_MEAN || pt == LLAMA_POOLING_TYPE_RANK) {
-            int64_t n_ctx = p.n_ctx > 0 ? p.n_ctx : llama_model_n_ctx_train(model);
+            int64_t n_ctx = n_ctx_raw;
             n_ctx = p.kv_unified ? pad_to(n_ctx, 256) : pad_to(std::max<int64_t>(1, n_ctx / n_seq), 256) * n_seq;
             const int64_t n_ubatch = std::min(p.n_ubatch, p.n_batch);
-            const int64_t t = std::min<int64_t>({n_ctx, (int64_t) p.n_batch, n_ubatch});
+            // non-causal models (BERT) reserve min(padded n_ctx, n_ubatch) tokens; causal ones at most
+            // the unpadded n_ctx (their n_batch is capped there): both must be multiples
+            const int64_t t_pad = std::min<int64_t>({n_ctx, (int64_t) p.n_batch, n_ubatch});
+            const int64_t t_raw = std::min<int64_t>(t_pad, n_ctx_raw);
+            const int64_t t = t_raw % n_seq != 0 ? t_raw : t_pad;
             if (t % n_seq != 0) {
                 const int64_t fix = pad_to(t, n_seq);
                 throw Error(ErrorKind::InvalidArgument,
@@ -722,7 +731,7 @@ void check_context_params(const llama_model * model, const llama_context_params 
                                 " pooling, min(n_ctx, n_batch, n_ubatch) = " + std::to_string(t) +
                                 " must be a multiple of n_seq_max=" + std::to_string(n_seq) +
                                 " (llama.cpp's pooling graph needs it): e.g. n_batch=n_ubatch=" +
-                                std::to_string(fix) + (n_ctx < fix ? " and n_ctx=" + std::to_string(fix) : ""));
+                                std::to_string(fix) + (n_ctx_raw < fix ? " and n_ctx=" + std::to_string(fix) : ""));
             }
         }
     }

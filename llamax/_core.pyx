@@ -729,8 +729,12 @@ cdef class LoraAdapter:
         self.path = _fspath(path)
         cdef string cpath = self.path.encode("utf-8", "surrogateescape")
         cdef CAdapter * a = NULL
-        with nogil:  # reads and converts the adapter's tensors
-            a = adapter_load(m, cpath)
+        _mo_t._busy += 1  # Model.close() from another thread waits for this
+        try:
+            with nogil:  # reads and converts the adapter's tensors
+                a = adapter_load(m, cpath)
+        finally:
+            _mo_t._busy -= 1
         self._a = a
         _mo_t._children.add(self)
 
@@ -848,10 +852,16 @@ cdef class ControlVector:
         cdef string cpath = _fspath(path).encode("utf-8", "surrogateescape")
         cdef const llama_model * m = _mo_t._ptr()
         cdef float s = scale
+        _check_int(layer_start, "layer_start", INT32_MIN, INT32_MAX)
+        _check_int(layer_end, "layer_end", INT32_MIN, INT32_MAX)
         cdef int32_t a = layer_start, b = layer_end
         cdef CControlVectorPtr cv
-        with nogil:
-            cv = cvec_from_gguf(m, cpath, s, a, b)
+        _mo_t._busy += 1  # Model.close() from another thread waits for this
+        try:
+            with nogil:
+                cv = cvec_from_gguf(m, cpath, s, a, b)
+        finally:
+            _mo_t._busy -= 1
         return _wrap_cv(model, cv)
 
     @staticmethod

@@ -142,7 +142,16 @@ class Embedder:
     # -- lifetime ------------------------------------------------------------------
 
     def close(self) -> None:
+        """Free the model.  ContextBusyError while encode() runs in another thread."""
         self._llm.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._llm.closed
+
+    @property
+    def busy(self) -> bool:
+        return self._llm.busy
 
     def __enter__(self):
         return self

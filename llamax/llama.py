@@ -275,7 +275,7 @@ class Llama:
             return
         # Refused while a request runs (another thread, an open stream): its
         # context, adapters and model must outlive it.  Nothing is closed then.
-        if self._model.busy or any(s.busy for s in self._pool.slots) or self._embed_lock.locked():
+        if self.busy:
             raise ContextBusyError("a request is running on this Llama (another thread, or a stream not "
                                    "finished or closed): close it after that, or cancel it first")
         self._closed = True
@@ -284,6 +284,16 @@ class Llama:
             self._embed_ctx.close()
         self._adapters.close()
         self._model.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def busy(self) -> bool:
+        """Whether a request runs on this Llama (close() would raise ContextBusyError)."""
+        return (not self._closed and (self._model.busy or any(s.busy for s in self._pool.slots)
+                                      or self._embed_lock.locked()))
 
     def __enter__(self):
         return self

@@ -4,6 +4,7 @@
     python tools/fuzz.py gguf      [-max_total_time=600] [libFuzzer options]
     python tools/fuzz.py tokenize  [-max_total_time=600]
     python tools/fuzz.py template  [-max_total_time=600]
+    python tools/fuzz.py grammar   [-max_total_time=600]
 
 Targets:
 - gguf: model loading from bytes.  The input is written to a file and
@@ -19,6 +20,13 @@ Targets:
 - template: the sandboxed chat template renders arbitrary template source
   over arbitrary messages; only ChatTemplateError / InvalidArgumentError may
   come out, within the render deadline.
+
+- grammar: GBNF text, or a JSON schema turned into GBNF by llama-cpp-python's
+  own converter (llama_cpp/llama_grammar.py in the pinned sdist), builds a
+  Sampler and generates a few tokens under it on SmolLM2, greedy or
+  random.  Only GrammarError may come out; dead ends, rejected tokens and
+  parser limits must not crash.  (libFuzzer's -timeout flags grammars
+  whose matching work grows without bound.)
 
 Corpora and crash files go under $LLAMAX_FUZZ_DIR (default
 ~/.cache/llamax/fuzz/<target>).  Python exceptions are finds too: atheris
@@ -220,7 +228,76 @@ def target_template():
     return one, seed
 
 
-TARGETS = {"gguf": target_gguf, "tokenize": target_tokenize, "template": target_template}
+def target_grammar():
+    import importlib.util
+    import json
+
+    import data
+    import llamax
+    # llama-cpp-python's converter, from the pinned sdist (standard library only)
+    sdist = data.llama_build.source_dir().parent.parent
+    spec = importlib.util.spec_from_file_location("lcp_llama_grammar", sdist / "llama_cpp" / "llama_grammar.py")
+    conv = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(conv)
+    m = llamax.Model(str(data.smollm2()))
+    c = llamax.Context(m, n_ctx=256, n_threads=1)
+    prompt = m.tokenize("Output:")
+
+    def to_gbnf(schema) -> str:
+        return conv.json_schema_to_gbnf(json.dumps(schema))
+
+    def one(buf: bytes) -> None:
+        flags = buf[0] if buf else 0
+        text = buf[1:].decode("utf-8", "replace")
+        if flags & 1:
+            try:
+                gbnf = to_gbnf(json.loads(text))
+            except Exception:  # noqa: BLE001 (the converter's own refusals are not llamax's)
+                _feedback("schema-refused")
+                return
+        else:
+            gbnf = text
+        kw = {"temperature": 0.0} if not flags & 2 else {"temperature": 1.0, "seed": flags}
+        try:
+            s = llamax.Sampler(m, grammar=gbnf, **kw)
+        except llamax.GrammarError as e:
+            _feedback("parse:" + str(e)[:50])
+            return
+        c.kv_clear()
+        try:
+            out, finish = c.generate(prompt, s, max_tokens=8)
+            _feedback(f"gen:{finish}:{len(out)}")
+        except llamax.GrammarError as e:
+            _feedback("gen-error:" + str(e)[:30])
+        try:  # the same sampler after the run: reset and sample again
+            s.reset()
+            c.kv_clear()
+            c.generate(prompt, s, max_tokens=2)
+        except llamax.GrammarError:
+            pass
+
+    def seed(corpus: Path) -> None:
+        if any(corpus.iterdir()):
+            return
+        gbnf = ['root ::= "yes" | "no"', 'root ::= [a-z]+ ("," [a-z]+)*', r'root ::= [\x00]',
+                'root ::= obj\nobj ::= "{" ws (str ws ":" ws val ("," ws str ws ":" ws val)*)? "}"\n'
+                'val ::= obj | str | [0-9]+\nstr ::= "\\"" [a-z]* "\\""\nws ::= [ ]?',
+                'root ::= x\nx ::= x "a" | "b"', "root ::= (" * 3]
+        schemas = [{"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"}},
+                    "required": ["a"]},
+                   {"type": "array", "items": {"enum": ["x", "y", 3]}, "minItems": 1, "maxItems": 3},
+                   {"anyOf": [{"type": "boolean"}, {"$ref": "#/$defs/n"}], "$defs": {"n": {"type": "null"}}},
+                   {"type": "string", "pattern": "^[A-Z]{2}[0-9]+$"}]
+        for i, g in enumerate(gbnf):
+            (corpus / f"g{i}").write_bytes(bytes([2 * (i % 2)]) + g.encode())
+        for i, sch in enumerate(schemas):
+            (corpus / f"s{i}").write_bytes(bytes([1 + 2 * (i % 2)]) + json.dumps(sch).encode())
+
+    return one, seed
+
+
+TARGETS = {"gguf": target_gguf, "tokenize": target_tokenize, "template": target_template,
+           "grammar": target_grammar}
 
 
 def main() -> None:

@@ -239,6 +239,70 @@ CASES = {
         check(llamax.ContextBusyError, "running", llm.close)
         th.join()
         llm.close()''',
+    "close_during_every_long_call": """
+        # Every object closed from another thread during each long call it has:
+        # ContextBusyError and nothing closed (or, if the call ended first, a
+        # normal close); the call itself finishes or is cancelled; never a crash.
+        lora = gt.make_lora(SMOL, os.path.join(WORK, "race.gguf"), rank=32, seed=1)
+        cvf = gt.make_control_vector(os.path.join(WORK, "race-cv.gguf"), 576, range(1, 29), seed=1)
+        text = "hello world " * 500_000
+        refused = []
+
+        def race(name, obj, fn, cancel=None):
+            out = {}
+            def run():
+                try:
+                    fn()
+                    out["r"] = "done"
+                except llamax.LlamaxError as e:
+                    out["r"] = type(e).__name__
+            th = threading.Thread(target=run); th.start()
+            t0 = time.time()
+            while not obj.busy and th.is_alive() and time.time() - t0 < 10:
+                time.sleep(0.0005)
+            try:
+                obj.close()
+            except llamax.ContextBusyError:
+                refused.append(name)
+                assert not obj.closed, name
+            if cancel is not None:
+                cancel()
+            th.join(120)
+            assert not th.is_alive(), name
+            assert out["r"] in ("done", "CancelledError", "ClosedError"), (name, out)
+            obj.close()
+
+        def fresh():
+            return llamax.Model(SMOL)
+        m = fresh(); race("tokenize", m, lambda: m.tokenize(text))
+        m = fresh(); race("tokenize_batch", m, lambda: m.tokenize_batch([text] * 2))
+        m = fresh(); race("detokenize", m, lambda: m.detokenize(list(range(1000, 2000)) * 4000))
+        m = fresh(); race("new context", m, lambda: llamax.Context(m, n_ctx=16384, n_threads=1))
+        m = fresh(); race("lora load", m, lambda: llamax.LoraAdapter(m, lora))
+        m = fresh(); race("control vector load", m, lambda: llamax.ControlVector.load(m, cvf))
+        m = fresh()
+        for name, fn in (("decode", lambda c: c.decode([1] + [100 + i % 900 for i in range(3000)])),
+                         ("generate", lambda c: c.generate([1, 2], llamax.Sampler(m), max_tokens=3000,
+                                                           ignore_eos=True))):
+            c = llamax.Context(m, n_ctx=4096, n_batch=4096, n_threads=1)
+            race(name, c, lambda: fn(c), cancel=c.cancel)
+            c = llamax.Context(m, n_ctx=4096, n_batch=4096, n_threads=1)
+            race("model during " + name, m, lambda: fn(c), cancel=c.cancel)
+            c.close()
+            m = fresh()
+        mm = llamax.Model(MINI)
+        c = llamax.Context(mm, embeddings=True, n_threads=1)
+        toks, offs = mm.tokenize_batch(["word " * 100] * 400)
+        race("embed", c, lambda: c.embed(toks, offs), cancel=c.cancel)
+        mm.close()
+        llm = llamax.Llama(SMOL, n_ctx=2048, n_threads=1)
+        tok = llamax.CancelToken()
+        race("completion", llm, lambda: llm("Hi", max_tokens=1500, logit_bias={2: -1e9}, cancel=tok),
+             cancel=tok.cancel)
+        emb = llamax.Embedder(MINI, n_threads=1)
+        race("encode", emb, lambda: emb.encode(["word " * 100] * 150))
+        assert len(refused) >= 10, refused
+        N_OK += 1""",
     "llama_close_during_stream": '''
         llm = llamax.Llama(SMOL, n_ctx=2048, n_threads=1)
         ban = {t: -1e9 for t in range(llm.n_vocab()) if llm._model.is_eog(t)}
