@@ -1213,7 +1213,7 @@ GenResult Context::generate(llama_sampler * smpl, const llama_token * prompt, in
             if (lg == nullptr) {
                 throw Error(ErrorKind::Decode, with_reason("no logits after decode"));
             }
-            tok = sample_checked(smpl, gp.grammar, lg, n_vocab_, cand_);
+            tok = sample_chain(smpl, gp.grammar, lg);
         }
         if (!gp.ignore_eos && llama_vocab_is_eog(vocab_, tok)) {
             res.finish = Finish::Eog;
@@ -1263,10 +1263,11 @@ llama_token Context::sample_saved(llama_sampler * smpl, llama_sampler * grammar,
         llama_sampler_accept(smpl, best);
         return best;
     }
-    return sample_checked(smpl, grammar, lg, n_vocab_, cand_);
+    return sample_chain(smpl, grammar, lg);
 }
 
 llama_token Context::sample(llama_sampler * chain, llama_sampler * grammar, int32_t row) {
+    abort_.store(false, std::memory_order_relaxed);  // a cancel between calls is not for this one
     if (row < 0 || row >= last_n_outputs_) {
         throw Error(ErrorKind::InvalidArgument, "output row " + std::to_string(row) + " is out of range for " +
                                                     std::to_string(last_n_outputs_) + " outputs");
@@ -1276,7 +1277,7 @@ llama_token Context::sample(llama_sampler * chain, llama_sampler * grammar, int3
     if (lg == nullptr) {
         throw Error(ErrorKind::InvalidArgument, with_reason("no logits for output row " + std::to_string(row)));
     }
-    return sample_checked(chain, grammar, lg, n_vocab_, cand_);
+    return sample_chain(chain, grammar, lg);
 }
 
 void accept_checked(llama_sampler * chain, llama_sampler * grammar, llama_token token) {
@@ -1297,14 +1298,37 @@ void accept_checked(llama_sampler * chain, llama_sampler * grammar, llama_token 
     }
 }
 
-llama_token sample_checked(llama_sampler * chain, llama_sampler * grammar, const float * logits, int32_t n_vocab,
-                           std::vector<llama_token_data> & cand) {
-    cand.resize(n_vocab);
-    for (int32_t i = 0; i < n_vocab; ++i) {
-        cand[i] = llama_token_data{i, logits[i], 0.0f};
+llama_token Context::sample_chain(llama_sampler * chain, llama_sampler * grammar, const float * logits) {
+    cand_.resize(n_vocab_);
+    for (int32_t i = 0; i < n_vocab_; ++i) {
+        cand_[i] = llama_token_data{i, logits[i], 0.0f};
     }
-    llama_token_data_array arr = {cand.data(), cand.size(), -1, false};
-    llama_sampler_apply(chain, &arr);
+    llama_token_data_array arr = {cand_.data(), cand_.size(), -1, false};
+    if (grammar == nullptr) {
+        llama_sampler_apply(chain, &arr);
+    } else {
+        // What the chain's apply does, sampler by sampler, except that the
+        // grammar sees the candidates in slices: its work per token can
+        // explode on ambiguous grammars (minutes), and between slices a
+        // cancel or Ctrl-C stops it.  Each candidate is judged on its own,
+        // so slicing changes no result.
+        const int n = llama_sampler_chain_n(chain);
+        for (int i = 0; i < n; ++i) {
+            llama_sampler * s = llama_sampler_chain_get(chain, i);
+            if (s != grammar) {
+                llama_sampler_apply(s, &arr);
+                continue;
+            }
+            constexpr size_t kSlice = 2048;
+            for (size_t off = 0; off < arr.size; off += kSlice) {
+                llama_token_data_array part = {arr.data + off, std::min(kSlice, arr.size - off), -1, false};
+                llama_sampler_apply(grammar, &part);
+                if (abort_.load(std::memory_order_relaxed) || interrupted()) {
+                    throw_cancelled("sampling under the grammar");
+                }
+            }
+        }
+    }
     if (arr.selected < 0 || arr.selected >= (int64_t) arr.size) {
         throw Error(ErrorKind::Decode, "the sampler chain selected no token");
     }

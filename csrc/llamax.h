@@ -120,14 +120,6 @@ struct GenParams {
     llama_sampler * grammar = nullptr;
 };
 
-// Sample one token from a row of logits with the chain, then accept it.
-// Unlike llama_sampler_sample, nothing here asserts or throws past the
-// caller: a grammar that no candidate satisfies (a dead end, e.g. logit_bias
-// banning every token the grammar allows) raises ErrorKind::Grammar, and so
-// does a chain that selects a token the grammar rejects.  `cand` is scratch.
-llama_token sample_checked(llama_sampler * chain, llama_sampler * grammar, const float * logits, int32_t n_vocab,
-                           std::vector<llama_token_data> & cand);
-
 // Accept `token` into the chain.  With a grammar, the token is first tested
 // against it (llama.cpp's own accept aborts on an end-of-generation token the
 // grammar doesn't allow yet, and empties the grammar's stacks -- after which
@@ -192,7 +184,7 @@ public:
                        const GenParams & params, token_cb_fn cb, void * user);
 
     // Sample (and accept) from output row `row` of the last decode, as
-    // sample_checked does.
+    // sample_chain does.
     llama_token sample(llama_sampler * chain, llama_sampler * grammar, int32_t row);
 
     // KV memory
@@ -278,6 +270,13 @@ private:
     std::vector<float> prompt_logits_;  // logits after the last prompt generate() decoded
     std::vector<llama_token_data> cand_;  // candidates for sampling from saved logits
     llama_token sample_saved(llama_sampler * smpl, llama_sampler * grammar, bool plain_greedy);
+    // Sample one token from a row of logits with the chain, then accept it.
+    // Unlike llama_sampler_sample, nothing here asserts or throws past the
+    // caller: a grammar that no candidate satisfies (a dead end, e.g.
+    // logit_bias banning every token the grammar allows) raises
+    // ErrorKind::Grammar, and so does a chain that selects a token the
+    // grammar rejects; the grammar's work can be cancelled.
+    llama_token sample_chain(llama_sampler * chain, llama_sampler * grammar, const float * logits);
     ggml_threadpool_t tp_ = nullptr;
     ggml_threadpool_t tp_batch_ = nullptr;
     void free_threadpools();

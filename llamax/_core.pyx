@@ -1064,7 +1064,7 @@ cdef class Sampler:
             raise InvalidArgumentError("this sampler was made for another model")
         cdef llama_sampler * smpl = self._ptr()
         cdef llama_sampler * grammar = self._grammar
-        cdef CContext * c = _ct_t._enter()
+        cdef CContext * c = _ct_t._enter(watch_sigint=True)  # a grammar's work can be long
         cdef llama_token tok
         cdef int32_t n_out, row
         self._in_use = True

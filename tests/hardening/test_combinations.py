@@ -160,6 +160,23 @@ CASES = {
         assert len(made) == 2
         del made
         m.close()''',
+    "grammar_explosion_is_cancellable": '''
+        # 20 "[a-z ]*" in a row: llama.cpp's matching work explodes (seconds per
+        # token here, minutes for more terms).  A CancelToken and Context.cancel()
+        # stop it between slices of candidates instead of after the token.
+        g = "root ::= " + " ".join(["[a-z ]*"] * 20)
+        with llamax.Llama(SMOL, n_ctx=256, n_threads=1) as llm:
+            tok = llamax.CancelToken()
+            threading.Timer(1.0, tok.cancel).start()
+            t0 = time.time()
+            check(llamax.CancelledError, "cancel", llm, "Output:", grammar=g, max_tokens=60, cancel=tok)
+            assert time.time() - t0 < 60, "not stopped within the token it was in"
+        m = llamax.Model(SMOL)
+        c = llamax.Context(m, n_threads=1)
+        threading.Timer(1.0, c.cancel).start()
+        check(llamax.CancelledError, "cancel", c.generate, m.tokenize("Output:"), llamax.Sampler(m, grammar=g),
+              max_tokens=60)
+        c.close(); m.close()''',
     # -- samplers ----------------------------------------------------------------------------------
     "sampler_after_model_close": '''
         m = llamax.Model(SMOL)
