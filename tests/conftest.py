@@ -89,7 +89,7 @@ def logits_after(ctx, tokens):
 # machines the numbers themselves differ: the base model's first-token
 # logprobs differ by up to 0.47 between an AVX2 and an AVX-512 build of the
 # same Q4_1 model, so no test compares a number with one from another CPU.
-# Measured on both builds (README, "Tests on every CPU"): the test adapters
+# Measured on both builds (tools/adapter_effects.py; README, "Tests on every CPU"): the test adapters
 # move the top-20 first-token logprobs by 0.37-1.21; EFFECT is far below
 # that and far above float rounding.
 TOP = 20
