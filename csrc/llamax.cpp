@@ -138,7 +138,7 @@ struct GgufMeta {
 
 }  // namespace
 
-void check_model_gguf(const std::string & path) {
+bool check_model_gguf(const std::string & path) {
     GgufMeta meta(path, "model (corrupt or unsupported GGUF)");
     gguf_context * g = meta.g;
     // llama.cpp asserts (aborts the process) on a vocabulary with a repeated
@@ -181,11 +181,7 @@ void check_model_gguf(const std::string & path) {
             }
         }
     }
-}
-
-bool gguf_has_tensor(const std::string & path, const std::string & name) {
-    GgufMeta meta(path, "model");
-    return gguf_find_tensor(meta.g, name.c_str()) >= 0;
+    return gguf_find_tensor(g, "position_embd.weight") >= 0;
 }
 
 // ---------------------------------------------------------------------------
@@ -1158,11 +1154,10 @@ GenResult Context::generate(llama_sampler * smpl, const llama_token * prompt, in
             obuf[i] = 0;
         }
         bool last = off + n == n_prompt;
-        if (last || outputs_all()) {
-            obuf[n - 1] = 1;
-        }
-        if (outputs_all()) {
+        if (outputs_all()) {  // llama.cpp outputs every row anyway: say so
             std::fill(obuf.begin(), obuf.begin() + n, 1);
+        } else if (last) {
+            obuf[n - 1] = 1;
         }
         llama_batch b = {n, const_cast<llama_token *>(prompt + off), nullptr, pbuf.data(), nsbuf.data(),
                          spbuf.data(), obuf.data()};
@@ -1343,7 +1338,9 @@ llama_token Context::sample_chain(llama_sampler * chain, llama_sampler * grammar
         }
         throw Error(ErrorKind::InvalidArgument, "every token is banned (logit_bias): nothing can be sampled");
     }
-    accept_checked(chain, grammar, pick.id);
+    // The grammar already set every token it rejects to -inf and a dead end
+    // is caught above, so the pick needs no second grammar test (nullptr).
+    accept_checked(chain, nullptr, pick.id);
     return pick.id;
 }
 

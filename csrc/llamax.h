@@ -131,8 +131,7 @@ void accept_checked(llama_sampler * chain, llama_sampler * grammar, llama_token 
 // recurses once per level (a stack overflow on deep nesting).
 int64_t gbnf_max_nesting(const std::string & text);
 
-// Whether the GGUF file has a tensor of that name (metadata only).
-bool gguf_has_tensor(const std::string & path, const std::string & name);
+
 
 enum class Finish : int { Eog = 0, Length = 1, StopSequence = 2, Callback = 3, ContextFull = 4 };
 
@@ -306,6 +305,8 @@ void tokenize_many(const llama_vocab * vocab, llama_token unk,
 void check_gguf_file(const std::string & path);  // exists, regular, readable, GGUF magic
 // A model file's metadata, for what llama.cpp would assert on (abort) rather
 // than report: call after check_gguf_file, before llama_model_load_from_file.
-void check_model_gguf(const std::string & path);
+// Returns whether the model has learned (absolute) position embeddings
+// (a position_embd.weight tensor: BERT, GPT-2, ...), read in the same pass.
+bool check_model_gguf(const std::string & path);
 
 }  // namespace llamax

@@ -333,6 +333,23 @@ cdef str _meta_str(int32_t (*fn)(const llama_model *, int32_t, char *, size_t) n
     return buf.data()[:n].decode("utf-8", "replace")
 
 
+@cython.final
+cdef class _ModelUse:
+    """``with _ModelUse(model):`` around a GIL-free call that reads the model
+    (tokenize, context creation, adapter loads...): Model.close() from
+    another thread refuses (ContextBusyError) until it ends."""
+    cdef Model model
+
+    def __cinit__(self, Model model):
+        self.model = model
+
+    def __enter__(self):
+        self.model._busy += 1
+
+    def __exit__(self, *exc):
+        self.model._busy -= 1
+
+
 cdef class Model:
     """A GGUF model loaded once; contexts, adapters and samplers hang off it.
 
@@ -356,11 +373,12 @@ cdef class Model:
         cdef string cpath = self.path.encode("utf-8", "surrogateescape")
         cdef llama_model * m = NULL
         cdef string why
+        cdef cbool learned_positions
         # Checked first: llama.cpp would log and return NULL without a reason
         # we can type (missing file vs directory vs not GGUF).
         with nogil:
             check_gguf_file(cpath)
-            check_model_gguf(cpath)
+            learned_positions = check_model_gguf(cpath)
         with nogil:  # loading reads and maps the whole file: seconds for big models
             take_last_log_error()
             m = llama_model_load_from_file(cpath.c_str(), params)
@@ -371,12 +389,7 @@ cdef class Model:
                                    + (f" ({reason})" if reason else " (corrupt or unsupported GGUF)"))
         self._model = m
         self._vocab = llama_model_get_vocab(m)
-        self._max_positions = 0
-        if not vocab_only:
-            with nogil:
-                has_pos = gguf_has_tensor(cpath, b"position_embd.weight")
-            if has_pos:
-                self._max_positions = llama_model_n_ctx_train(m)
+        self._max_positions = llama_model_n_ctx_train(m) if learned_positions else 0
         self._unk = -1
         if llama_get_vocab_type(self._vocab) == LLAMA_VOCAB_TYPE_WPM:
             unk = self.metadata.get("tokenizer.ggml.unknown_token_id", "")
@@ -397,20 +410,17 @@ cdef class Model:
     def close(self):
         """Free the model now: closes its contexts and adapters first.
 
-        Raises ContextBusyError if one of its contexts is in use by another
-        thread, AdapterInUseError never (contexts go first).  Idempotent.
+        Raises ContextBusyError while a call runs on it or on one of its
+        contexts or samplers (``busy``), AdapterInUseError never (contexts
+        go first).  Idempotent.
         """
         if self._model == NULL:
             return
-        if self._busy:
-            raise ContextBusyError("the model is in use by another thread (tokenize, detokenize or creating a "
-                                   "context); close it when that call returns")
+        if self.busy:
+            raise ContextBusyError("the model, or a context or sampler of it, is in use by another thread "
+                                   "(tokenize, a decode, a load...); close it when that call returns")
         children = list(self._children)
         for c in children:
-            if isinstance(c, Sampler) and (<Sampler> c)._in_use:
-                raise ContextBusyError("a sampler of this model is in use by another thread")
-            if isinstance(c, Context) and (<Context> c)._busy:
-                raise ContextBusyError("a context of this model is in use by another thread")
             if isinstance(c, Context) and ((<Context> c)._n_views or (<Context> c)._n_seq_views):
                 raise ViewsExportedError("numpy views of a context of this model are alive; "
                                          "delete them (or copy what you need) before closing the model")
@@ -577,8 +587,7 @@ cdef class Model:
         out = np.empty(cap, dtype=np.int32)
         cdef int32_t[::1] ov = out
         cdef int32_t n
-        self._busy += 1  # close() from another thread must wait for the GIL-free part
-        try:
+        with _ModelUse(self):
             if n_text >= TOKENIZE_NOGIL_BYTES:
                 with nogil:  # long texts: tokenization is linear-ish in bytes
                     n = llama_tokenize(v, p, n_text, &ov[0], cap, add, parse)
@@ -594,8 +603,6 @@ cdef class Model:
                     n = llama_tokenize(v, p, n_text, &ov[0], cap, add, parse)
                 if n < 0:
                     raise InvalidArgumentError("tokenization failed")
-        finally:
-            self._busy -= 1
         if self._unk >= 0:
             n = wpm_long_words_to_unk(v, self._unk, &ov[0], n)
         return out[:n]
@@ -639,12 +646,8 @@ cdef class Model:
         cdef vector[int64_t] offsets
         cdef cbool add = bool(add_special), parse = bool(parse_special), trunc = bool(truncate)
         cdef int32_t cap = max_tokens
-        self._busy += 1  # close() from another thread must wait for the GIL-free part
-        try:
-            with nogil:
-                tokenize_many(self._vocab, self._unk, views, add, parse, cap, trunc, flat, offsets)
-        finally:
-            self._busy -= 1
+        with _ModelUse(self), nogil:
+            tokenize_many(self._vocab, self._unk, views, add, parse, cap, trunc, flat, offsets)
         tokens = np.empty(flat.size(), dtype=np.int32)
         offs = np.empty(offsets.size(), dtype=np.int64)
         cdef int32_t[::1] tv = tokens
@@ -679,15 +682,11 @@ cdef class Model:
         buf.resize(n_tok * 8 + 16)
         cdef int32_t n
         cdef bint sp = bool(special)
-        self._busy += 1  # close() from another thread must wait for the GIL-free part
-        try:
-            with nogil:  # long token lists: linear work without Python objects
+        with _ModelUse(self), nogil:  # long token lists: linear work without Python objects
+            n = llama_detokenize(self._vocab, &tv[0], n_tok, buf.data(), <int32_t> buf.size(), False, sp)
+            if n < 0:
+                buf.resize(-n)
                 n = llama_detokenize(self._vocab, &tv[0], n_tok, buf.data(), <int32_t> buf.size(), False, sp)
-                if n < 0:
-                    buf.resize(-n)
-                    n = llama_detokenize(self._vocab, &tv[0], n_tok, buf.data(), <int32_t> buf.size(), False, sp)
-        finally:
-            self._busy -= 1
         if n < 0:
             raise InvalidArgumentError("detokenization failed")
         return buf.data()[:n]
@@ -729,12 +728,8 @@ cdef class LoraAdapter:
         self.path = _fspath(path)
         cdef string cpath = self.path.encode("utf-8", "surrogateescape")
         cdef CAdapter * a = NULL
-        _mo_t._busy += 1  # Model.close() from another thread waits for this
-        try:
-            with nogil:  # reads and converts the adapter's tensors
-                a = adapter_load(m, cpath)
-        finally:
-            _mo_t._busy -= 1
+        with _ModelUse(_mo_t), nogil:  # reads and converts the adapter's tensors
+            a = adapter_load(m, cpath)
         self._a = a
         _mo_t._children.add(self)
 
@@ -856,12 +851,8 @@ cdef class ControlVector:
         _check_int(layer_end, "layer_end", INT32_MIN, INT32_MAX)
         cdef int32_t a = layer_start, b = layer_end
         cdef CControlVectorPtr cv
-        _mo_t._busy += 1  # Model.close() from another thread waits for this
-        try:
-            with nogil:
-                cv = cvec_from_gguf(m, cpath, s, a, b)
-        finally:
-            _mo_t._busy -= 1
+        with _ModelUse(_mo_t), nogil:
+            cv = cvec_from_gguf(m, cpath, s, a, b)
         return _wrap_cv(model, cv)
 
     @staticmethod
@@ -1202,12 +1193,8 @@ cdef class Context:
         cdef int32_t max_pos = _mo_t._max_positions
         if _shutting_down:
             raise ClosedError("the interpreter is exiting")
-        _mo_t._busy += 1  # Model.close() from another thread waits for this
-        try:
-            with nogil:  # allocates the KV cache and reserves compute graphs
-                c = new CContext(m, p, max_pos)
-        finally:
-            _mo_t._busy -= 1
+        with _ModelUse(_mo_t), nogil:  # allocates the KV cache and reserves compute graphs
+            c = new CContext(m, p, max_pos)
         self._c = c
         _LIVE_CONTEXTS.add(self)
         self.model = model

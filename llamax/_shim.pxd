@@ -118,8 +118,7 @@ cdef extern from "llamax.h" namespace "llamax" nogil:
                                const vector[float] & scales) except +translate_exception
 
     void check_gguf_file(const string & path) except +translate_exception
-    void check_model_gguf(const string & path) except +translate_exception
-    cbool gguf_has_tensor(const string & path, const string & name) except +translate_exception
+    cbool check_model_gguf(const string & path) except +translate_exception
     void accept_checked(llama_sampler * chain, llama_sampler * grammar, llama_token token) except +translate_exception
     int64_t gbnf_max_nesting(const string & text)
     int32_t wpm_long_words_to_unk(const llama_vocab * vocab, llama_token unk, llama_token * tokens, int32_t n)
