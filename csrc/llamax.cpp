@@ -14,6 +14,8 @@
 #include <unordered_set>
 #include <csignal>
 #include <sys/stat.h>
+#include <pthread.h>
+#include <exception>
 
 namespace llamax {
 
@@ -254,6 +256,70 @@ void adapter_free(Adapter * a) {
     delete a;
 }
 
+namespace {
+
+struct TokenizeJob {
+    const llama_vocab * vocab;
+    const char * text;
+    int32_t n_text;
+    llama_token * out;
+    int32_t n_max;
+    bool add_special;
+    bool parse_special;
+    int32_t result = 0;
+    std::exception_ptr error;
+};
+
+void * tokenize_job_main(void * arg) {
+    auto * job = static_cast<TokenizeJob *>(arg);
+    try {
+        job->result = llama_tokenize(job->vocab, job->text, job->n_text, job->out, job->n_max,
+                                     job->add_special, job->parse_special);
+    } catch (...) {
+        job->error = std::current_exception();
+    }
+    return nullptr;
+}
+
+}  // namespace
+
+int32_t tokenize_safe(const llama_vocab * vocab, const char * text, int32_t n_text, llama_token * out,
+                      int32_t n_max, bool add_special, bool parse_special) {
+    if (n_text < TOKENIZE_DEEP_BYTES || llama_vocab_type(vocab) != LLAMA_VOCAB_TYPE_BPE) {
+        return llama_tokenize(vocab, text, n_text, out, n_max, add_special, parse_special);
+    }
+    TokenizeJob job{vocab, text, n_text, out, n_max, add_special, parse_special};
+    const size_t page = 1 << 16;
+    size_t stack = (size_t{16} << 20) + static_cast<size_t>(n_text) * 1024;
+    stack = (stack + page - 1) / page * page;
+    auto refuse = [&](int err) {
+        return Error(ErrorKind::OutOfMemory,
+                     "tokenizing " + std::to_string(n_text) + " bytes with this vocabulary's BPE pre-tokenizer "
+                     "(llama.cpp runs its regex with std::regex, which recurses once per character) needs a " +
+                     std::to_string(stack >> 20) + " MiB stack, and the system refused it (" + std::strerror(err) +
+                     "): tokenize the text in smaller pieces");
+    };
+    pthread_attr_t attr;
+    int rc = pthread_attr_init(&attr);
+    if (rc != 0) {
+        throw refuse(rc);
+    }
+    rc = pthread_attr_setstacksize(&attr, stack);
+    pthread_t th;
+    if (rc == 0) {
+        rc = pthread_create(&th, &attr, tokenize_job_main, &job);
+    }
+    pthread_attr_destroy(&attr);
+    if (rc != 0) {
+        throw refuse(rc);
+    }
+    pthread_join(th, nullptr);
+    if (job.error) {
+        std::rethrow_exception(job.error);
+    }
+    return job.result;
+}
+
 int32_t wpm_long_words_to_unk(const llama_vocab * vocab, llama_token unk, llama_token * tokens, int32_t n) {
     if (llama_vocab_type(vocab) != LLAMA_VOCAB_TYPE_WPM) {
         return n;
@@ -319,15 +385,15 @@ void tokenize_many(const llama_vocab * vocab, llama_token unk,
         const char * p = texts[i].first;
         const int32_t n_text = texts[i].second;
         buf.resize(static_cast<size_t>(n_text) + 8);
-        int32_t n = llama_tokenize(vocab, p, n_text, buf.data(), static_cast<int32_t>(buf.size()), add_special,
-                                   parse_special);
+        int32_t n = tokenize_safe(vocab, p, n_text, buf.data(), static_cast<int32_t>(buf.size()), add_special,
+                                  parse_special);
         if (n == INT32_MIN) {
             throw Error(ErrorKind::InvalidArgument, "input " + std::to_string(i) + ": too many tokens for int32");
         }
         if (n < 0) {
             buf.resize(static_cast<size_t>(-n));
-            n = llama_tokenize(vocab, p, n_text, buf.data(), static_cast<int32_t>(buf.size()), add_special,
-                               parse_special);
+            n = tokenize_safe(vocab, p, n_text, buf.data(), static_cast<int32_t>(buf.size()), add_special,
+                              parse_special);
             if (n < 0) {
                 throw Error(ErrorKind::InvalidArgument, "input " + std::to_string(i) + ": tokenization failed");
             }

@@ -281,6 +281,20 @@ private:
     void free_threadpools();
 };
 
+// llama_tokenize, made safe for long texts.  Some BPE pre-tokenizers
+// (DeepSeek, Falcon, GPT-NeoX, Aquila, ...) have no hand-written splitter in
+// llama.cpp and run their regexes through libstdc++'s std::regex, whose
+// matcher recurses once per character of a match: ~330 bytes of stack per
+// character, so a run of ~26k letters, digits, spaces or punctuation
+// overflows an 8 MiB stack (SIGSEGV).  A BPE text of TOKENIZE_DEEP_BYTES or
+// more is therefore tokenized on a helper thread whose stack is sized from
+// its length (1 KiB a byte + 16 MiB, reserved, touched only as used); if
+// the system will not map that, ErrorKind::OutOfMemory names the size.
+// Returns what llama_tokenize returns.
+constexpr int32_t TOKENIZE_DEEP_BYTES = 2048;
+int32_t tokenize_safe(const llama_vocab * vocab, const char * text, int32_t n_text, llama_token * out,
+                      int32_t n_max, bool add_special, bool parse_special);
+
 // Hugging Face's BERT WordPiece turns a word of more than 100 characters
 // into one [UNK] (max_input_chars_per_word); llama.cpp's WPM tokenizer
 // splits it into pieces instead.  For a WPM vocabulary, rewrite such words

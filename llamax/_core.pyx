@@ -590,9 +590,9 @@ cdef class Model:
         with _ModelUse(self):
             if n_text >= TOKENIZE_NOGIL_BYTES:
                 with nogil:  # long texts: tokenization is linear-ish in bytes
-                    n = llama_tokenize(v, p, n_text, &ov[0], cap, add, parse)
+                    n = tokenize_safe(v, p, n_text, &ov[0], cap, add, parse)
             else:
-                n = llama_tokenize(v, p, n_text, &ov[0], cap, add, parse)
+                n = tokenize_safe(v, p, n_text, &ov[0], cap, add, parse)
             if n == INT32_MIN:
                 raise InvalidArgumentError("tokenization result does not fit in int32")
             if n < 0:
@@ -600,7 +600,7 @@ cdef class Model:
                 out = np.empty(cap, dtype=np.int32)
                 ov = out
                 with nogil:
-                    n = llama_tokenize(v, p, n_text, &ov[0], cap, add, parse)
+                    n = tokenize_safe(v, p, n_text, &ov[0], cap, add, parse)
                 if n < 0:
                     raise InvalidArgumentError("tokenization failed")
         if self._unk >= 0:

@@ -10,6 +10,11 @@ applies), its sha256 checked, and both the archive and the extracted tree are
 cached under ``~/.cache/llamax`` (``LLAMAX_CACHE_DIR`` moves it).  ``LLAMAX_LLAMA_CPP_DIR``
 points at a local llama.cpp tree instead and skips the download.
 
+The patches in ``third_party/patches/`` are applied to the extracted tree
+(with ``patch -p1``); each says at its top what it fixes.  A tree given by
+``LLAMAX_LLAMA_CPP_DIR`` is the user's and is never modified: it builds
+without them.
+
 The build is cached too, keyed by the pin, the backend and every CMake
 argument, so a rebuild of the shim or the Cython modules never rebuilds
 llama.cpp.
@@ -43,6 +48,8 @@ SDIST_REQUIREMENT = f"llama-cpp-python=={PIN_VERSION}"
 SDIST_NAME = f"llama_cpp_python-{PIN_VERSION}.tar.gz"
 SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
 
+PATCH_DIR = Path(__file__).resolve().parent / "patches"
+
 # Static archives in link order: dependants first.
 CPU_LIBS = ["llama", "ggml", "ggml-cpu", "ggml-base"]
 
@@ -72,6 +79,30 @@ def fetch_sdist() -> Path:
         instead=f"set LLAMAX_LLAMA_CPP_DIR to a llama.cpp source tree (upstream {PIN_COMMIT})")
 
 
+def patches() -> list[Path]:
+    return sorted(PATCH_DIR.glob("*.patch"))
+
+
+def patches_digest() -> str:
+    """One hash over every patch's name and text: part of the source stamp
+    and of the build key, so a changed patch re-extracts and rebuilds."""
+    h = hashlib.sha256()
+    for p in patches():
+        h.update(p.name.encode() + b"\0" + p.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
+
+
+def _apply_patches(tree: Path) -> None:
+    tool = shutil.which("patch")
+    if tool is None and patches():
+        raise RuntimeError("the 'patch' program is needed to apply third_party/patches/ "
+                           "(Debian/Ubuntu: apt install patch)")
+    for p in patches():
+        log(f"applying {p.name}")
+        subprocess.run([tool, "-p1", "--forward", "--batch", "--quiet", "-i", str(p)],
+                       cwd=tree, check=True)
+
+
 def source_dir() -> Path:
     """Return the llama.cpp source tree (fetched, verified, extracted, cached)."""
     local = os.environ.get("LLAMAX_LLAMA_CPP_DIR")
@@ -83,7 +114,8 @@ def source_dir() -> Path:
     root = cache_dir() / "src" / f"llama_cpp_python-{PIN_VERSION}"
     tree = root / "vendor" / "llama.cpp"
     stamp = root / ".llamax-verified"
-    if stamp.is_file() and stamp.read_text().strip() == SDIST_SHA256:
+    want = f"{SDIST_SHA256} patches:{patches_digest()}"
+    if stamp.is_file() and stamp.read_text().strip() == want:
         return tree
     archive = fetch_sdist()
     if root.exists():
@@ -96,7 +128,8 @@ def source_dir() -> Path:
             tf.extractall(root.parent)
     if not (tree / "include" / "llama.h").is_file():
         raise RuntimeError(f"{archive} has no vendor/llama.cpp/include/llama.h")
-    stamp.write_text(SDIST_SHA256 + "\n")
+    _apply_patches(tree)
+    stamp.write_text(want + "\n")
     return tree
 
 
@@ -202,7 +235,10 @@ def cmake_args() -> list[str]:
 
 def build_key(args: list[str]) -> str:
     h = hashlib.sha256()
-    h.update(f"{PIN_VERSION}:{SDIST_SHA256}:{os.environ.get('LLAMAX_LLAMA_CPP_DIR', '')}".encode())
+    local = os.environ.get("LLAMAX_LLAMA_CPP_DIR", "")
+    h.update(f"{PIN_VERSION}:{SDIST_SHA256}:{local}".encode())
+    if not local:
+        h.update(f":patches:{patches_digest()}".encode())
     for a in args:
         h.update(b"\0" + a.encode())
     cc = os.environ.get("CC", "") + "|" + os.environ.get("CXX", "")

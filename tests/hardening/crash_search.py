@@ -1,5 +1,6 @@
 """Property-based search for crashes: random constructor and request
-parameters of Model, Context, Sampler, Llama and Embedder, each example run
+parameters of Model, Context, Sampler, Llama and Embedder (and long texts on
+each of llama.cpp's vocabularies), each example run
 in its own interpreter, whose outcome must be "works" or "a typed
 LlamaxError" -- never a signal (abort, segfault), a hang, or another
 exception.
@@ -37,6 +38,12 @@ GRAMMARS = [
 ]
 TEXTS = ["", " ", "Hello", "The quick brown fox jumps over the lazy dog. " * 40, "<|im_start|>user\nhi<|im_end|>",
          "\u00e9\u00e8 \u4f60\u597d \U0001f600", "\ud800 lone", "word " * 700, "\x00nul"]
+
+VOCABS = ["aquila", "baichuan", "bert-bge", "command-r", "deepseek-coder", "deepseek-llm", "falcon", "gemma-4",
+          "gpt-2", "gpt-neox", "llama-bpe", "llama-spm", "mpt", "nomic-bert-moe", "phi-3", "qwen2", "qwen35",
+          "refact", "starcoder"]
+RUN_PIECES = ["a", "A", "1", " ", "\n", "\t", "\r\n", ".", "<", "\u00e9", "\u4e2d", "\U0001f600", "\u200b",
+              "\u0301", "'s", " a", "a1", "<s>", "<|endoftext|>", "[CLS]", "\x00"]
 
 
 def strategies():
@@ -113,7 +120,16 @@ def strategies():
         "batch_size": st.sampled_from([1, 2, 32, 0]),
         "normalize": st.booleans(),
     })
-    return st.one_of(context, llama, embedder)
+    vocab = st.fixed_dictionaries({
+        "kind": st.just("vocab"),
+        "vocab": st.sampled_from(VOCABS),
+        # runs of one character class: llama.cpp's regex pre-tokenizers and
+        # byte fallback are where length turns into stack depth or quadratic work
+        "runs": st.lists(st.tuples(st.sampled_from(RUN_PIECES), st.sampled_from([1, 3, 1000, 30000, 120000])),
+                         min_size=1, max_size=3),
+        "add_special": st.booleans(), "parse_special": st.booleans(), "special": st.booleans(),
+    })
+    return st.one_of(context, llama, embedder, vocab)
 
 
 def run(spec: dict, timeout: float = 120.0) -> tuple[str, str]:
@@ -222,6 +238,15 @@ def _llama_scenario(spec, llamax):
     llm.close()
 
 
+def _vocab_scenario(spec, llamax):
+    import data
+    m = llamax.Model(data.vocab_dir() / f"ggml-vocab-{spec['vocab']}.gguf", vocab_only=True)
+    text = "".join(piece * n for piece, n in spec["runs"])
+    toks = m.tokenize(text, add_special=spec["add_special"], parse_special=spec["parse_special"])
+    m.detokenize(toks, special=spec["special"])
+    m.tokenize_batch([text, text[:100]], add_special=spec["add_special"], parse_special=spec["parse_special"])
+
+
 def _embedder_scenario(spec, llamax):
     e = llamax.Embedder(_paths()["minilm"], **{"n_threads": 1, **spec["ctor"]})
     e.encode(spec["texts"], batch_size=spec["batch_size"], normalize_embeddings=spec["normalize"])
@@ -235,6 +260,8 @@ def _worker(spec):
             _context_scenario(spec, llamax, np)
         elif spec["kind"] == "llama":
             _llama_scenario(spec, llamax)
+        elif spec["kind"] == "vocab":
+            _vocab_scenario(spec, llamax)
         else:
             _embedder_scenario(spec, llamax)
     except llamax.LlamaxError as e:
