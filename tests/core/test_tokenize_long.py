@@ -1,6 +1,6 @@
 """Long texts tokenize without crashing and without quadratic work.
 
-Two llama.cpp defects, fixed in llamax (README, "Reliability"):
+Three llama.cpp defects, fixed in llamax (README, "Reliability"):
 
 * BPE vocabularies whose pre-tokenizer regex llama.cpp runs with std::regex
   (DeepSeek, Falcon, GPT-NeoX, Aquila, ...) overflowed the stack on a run of
@@ -8,6 +8,8 @@ Two llama.cpp defects, fixed in llamax (README, "Reliability"):
   long BPE texts on a thread with a stack sized from the text.
 * SPM byte-fallback characters (newline, tab) were quadratic:
   third_party/patches/0001-spm-byte-fallback-linear.patch.
+* Many special tokens in one text (parse_special) were quadratic:
+  third_party/patches/0002-special-token-partition-linear.patch.
 
 Each case runs in its own interpreter: a crash is reported as a failure
 here, not as the death of the test run.  The timeout is a hang detector
@@ -95,3 +97,35 @@ def test_refused_stack_is_a_typed_error():
             raise SystemExit("no error")
     """)
     assert r.returncode == 0, f"exit {r.returncode}: {r.stdout} {r.stderr[-2000:]}"
+
+
+@pytest.mark.parametrize("vocab,special", [("gpt-2", "<|endoftext|>"), ("llama-bpe", "<|eot_id|>"),
+                                           ("aquila", "<|endoftext|>")])
+def test_many_special_tokens(vocab, special):
+    """Special-token partitioning (third_party/patches/0002): 150k special
+    tokens in one text were minutes of uncancellable work; the split must
+    still equal tokenizing the text between them on its own."""
+    path = data.vocab_dir() / f"ggml-vocab-{vocab}.gguf"
+    r = _run(f"""
+        import random, llamax
+        m = llamax.Model({str(path)!r}, vocab_only=True)
+        sp = {special!r}
+        sid = m.tokenize(sp, add_special=False, parse_special=True).tolist()
+        assert len(sid) == 1, sid
+        toks = m.tokenize(sp * 150_000, add_special=False, parse_special=True).tolist()
+        assert toks == sid * 150_000
+        rng = random.Random(7)
+        words = ["ab", "12x", "Hello,", "q"]
+        parts = [rng.choice(words + [sp]) for _ in range(3000)]
+        # words separated by the special token tokenize as if alone
+        text = sp.join(p for p in parts if p != sp)
+        got = m.tokenize(text, add_special=False, parse_special=True).tolist()
+        exp = []
+        for i, p in enumerate(q for q in parts if q != sp):
+            if i:
+                exp += sid
+            exp += m.tokenize(p, add_special=False).tolist()
+        assert got == exp
+        print("ok")
+    """, timeout=120)
+    assert r.returncode == 0, f"exit {r.returncode}: {r.stderr[-2000:]}"
