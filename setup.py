@@ -63,7 +63,7 @@ def extensions():
         lflags.append("-Wl,--exclude-libs,ALL")
     ext = Extension(
         "llamax._core",
-        sources=["llamax/_core.pyx", "csrc/llamax.cpp"],
+        sources=["llamax/_core.pyx", "csrc/llamax.cpp", "csrc/batcher.cpp"],
         include_dirs=["csrc"],
         language="c++",
         extra_compile_args=cflags,

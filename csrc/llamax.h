@@ -133,7 +133,7 @@ int64_t gbnf_max_nesting(const std::string & text);
 
 
 
-enum class Finish : int { Eog = 0, Length = 1, StopSequence = 2, Callback = 3, ContextFull = 4 };
+enum class Finish : int { Eog = 0, Length = 1, StopSequence = 2, Callback = 3, ContextFull = 4, Cancelled = 5 };
 
 struct GenResult {
     std::vector<llama_token> tokens;
@@ -238,6 +238,7 @@ public:
     bool has_memory() const { return has_memory_; }
 
 private:
+    friend class Batcher;  // drives raw_decode/sample_chain from its thread, holding mutex()
     void check_seq(llama_seq_id seq) const;
     void check_tokens(const llama_token * tokens, int32_t n) const;
     void raw_decode(llama_batch & batch, int32_t n_outputs);

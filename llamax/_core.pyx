@@ -1110,7 +1110,7 @@ cdef dict _POOLING = {
     "mean": LLAMA_POOLING_TYPE_MEAN, "cls": LLAMA_POOLING_TYPE_CLS,
     "last": LLAMA_POOLING_TYPE_LAST, "rank": LLAMA_POOLING_TYPE_RANK,
 }
-cdef tuple _FINISH = ("stop", "length", "stop_sequence", "callback", "length")
+cdef tuple _FINISH = ("stop", "length", "stop_sequence", "callback", "length", "cancelled")
 
 
 cdef struct _CbState:
@@ -1216,6 +1216,8 @@ cdef class Context:
         # KeyboardInterrupt by running Python's handler).
         if self._c == NULL or self._close_pending:
             raise ClosedError("the context is closed")
+        if self._driver is not None:
+            raise ContextBusyError("this context is driven by a Batcher; close the Batcher to use it directly")
         cdef unsigned long me = PyThread_get_thread_ident()
         if self._busy and self._owner == me:
             # a callback of a running call (generate's per-token callback,
@@ -1249,6 +1251,8 @@ cdef class Context:
         """
         if self._c == NULL or self._close_pending:
             return
+        if self._driver is not None:
+            raise ContextBusyError("a Batcher drives this context: close the Batcher first")
         if self._busy:
             raise ContextBusyError("the context is in use by another thread; close it when that call returns")
         if self._n_views or self._n_seq_views:
@@ -1717,3 +1721,6 @@ cdef class Context:
         if self._c == NULL:
             return "<llamax.Context closed>"
         return f"<llamax.Context n_ctx={self.n_ctx} n_seq_max={self.n_seq_max}>"
+
+
+include "_batcher.pxi"

@@ -62,6 +62,7 @@ cdef extern from "llamax.h" namespace "llamax" nogil:
         StopSequence
         Callback
         ContextFull
+        Cancelled
 
     cdef cppclass CGenResult "llamax::GenResult":
         vector[llama_token] tokens
@@ -128,3 +129,47 @@ cdef extern from "llamax.h" namespace "llamax" nogil:
                        cbool add_special, cbool parse_special, int32_t max_tokens, cbool truncate,
                        vector[llama_token] & flat, vector[int64_t] & offsets) except +translate_exception
 
+
+
+cdef extern from "batcher.h" namespace "llamax" nogil:
+    cdef cppclass CSeqParams "llamax::SeqParams":
+        vector[llama_token] prompt
+        int32_t max_tokens
+        cbool ignore_eos
+        int32_t n_logprobs
+        vector[vector[llama_token]] stop_sequences
+        vector[CAdapter *] adapters
+        vector[float] scales
+        CControlVectorPtr cvec
+
+    cdef cppclass CSeqEvent "llamax::SeqEvent":
+        llama_token token
+        float logprob
+        vector[pair[llama_token, float]] top
+
+    cdef cppclass CSeq "llamax::Seq":
+        cbool wait(int32_t timeout_ms, vector[CSeqEvent] & out)
+        void cancel()
+        CFinish finish()
+        int32_t n_prompt()
+        cbool failed()
+        void rethrow() except +translate_exception
+
+    ctypedef shared_ptr[CSeq] CSeqPtr "llamax::SeqPtr"
+
+    cdef cppclass CBatcherStats "llamax::BatcherStats":
+        int64_t n_decodes
+        int64_t n_tokens
+        int64_t n_mixed_decodes
+        int64_t n_switches
+        int64_t n_finished
+
+    cdef cppclass CBatcher "llamax::Batcher":
+        CBatcher(CContext * ctx, int32_t quantum) except +translate_exception
+        CSeqPtr submit(llama_sampler * chain, llama_sampler * grammar, cbool plain_greedy,
+                       CSeqParams params) except +translate_exception
+        void close()
+        CBatcherStats stats()
+        int32_t n_active()
+        int32_t n_slots()
+        int32_t n_ctx_seq()

@@ -1,0 +1,545 @@
+// Continuous batching (batcher.h).
+#include "batcher.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+
+namespace llamax {
+
+// ---------------------------------------------------------------------------
+// Seq: the consumer's side
+
+Seq::~Seq() {
+    if (chain_ != nullptr) {
+        llama_sampler_free(chain_);
+    }
+}
+
+bool Seq::wait(int32_t timeout_ms, std::vector<SeqEvent> & out) {
+    std::unique_lock<std::mutex> lk(mu_);
+    if (events_.empty() && !done_) {
+        cv_.wait_for(lk, std::chrono::milliseconds(std::max(0, timeout_ms)),
+                     [this] { return !events_.empty() || done_; });
+    }
+    while (!events_.empty()) {
+        out.push_back(std::move(events_.front()));
+        events_.pop_front();
+    }
+    return done_;
+}
+
+void Seq::cancel() {
+    // The batcher is never asleep while it has sequences: it sees this at
+    // its next step, queued or running.
+    cancelled_.store(true, std::memory_order_relaxed);
+}
+
+void Seq::rethrow() const {
+    if (failed_) {
+        throw Error(error_kind_, error_);
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Batcher
+
+bool Batcher::StateKey::operator==(const StateKey & o) const {
+    if (adapters != o.adapters || scales != o.scales) {
+        return false;
+    }
+    if (cvec == o.cvec) {
+        return true;
+    }
+    if (!cvec || !o.cvec) {
+        return false;
+    }
+    return cvec->layer_start == o.cvec->layer_start && cvec->layer_end == o.cvec->layer_end &&
+           cvec->data == o.cvec->data;
+}
+
+Batcher::StateKey Batcher::key_of(const Seq & s) {
+    return StateKey{s.p_.adapters, s.p_.scales, s.p_.cvec};
+}
+
+Batcher::Batcher(Context * ctx, int32_t quantum) : ctx_(ctx), n_slots_(ctx->n_seq_max()), quantum_(quantum) {
+    if (!ctx->has_memory()) {
+        throw Error(ErrorKind::InvalidArgument, "a Batcher needs a generating context (this model has no KV memory)");
+    }
+    if (ctx->kv_unified_ && n_slots_ > 1) {
+        throw Error(ErrorKind::InvalidArgument,
+                    "a Batcher needs a context with kv_unified=False (each sequence its own cells)");
+    }
+    if (quantum < 1) {
+        throw Error(ErrorKind::InvalidArgument, "quantum must be at least 1 step");
+    }
+    slots_.resize(n_slots_);
+    thread_ = std::thread([this] { run(); });
+}
+
+Batcher::~Batcher() { close(); }
+
+void Batcher::close() {
+    {
+        std::lock_guard<std::mutex> lk(mu_);
+        if (stop_ && !thread_.joinable()) {
+            return;
+        }
+        stop_ = true;
+    }
+    ctx_->cancel();  // a decode in progress stops within a graph node
+    cv_.notify_all();
+    if (thread_.joinable()) {
+        thread_.join();
+    }
+}
+
+BatcherStats Batcher::stats() {
+    std::lock_guard<std::mutex> lk(mu_);
+    return stats_;
+}
+
+int32_t Batcher::n_active() {
+    std::lock_guard<std::mutex> lk(mu_);
+    int32_t n = (int32_t) pending_.size();
+    for (const auto & s : slots_) {
+        n += s ? 1 : 0;
+    }
+    return n;
+}
+
+SeqPtr Batcher::submit(llama_sampler * chain, llama_sampler * grammar, bool plain_greedy, SeqParams params) {
+    const int32_t n_prompt = (int32_t) params.prompt.size();
+    if (n_prompt <= 0) {
+        throw Error(ErrorKind::InvalidArgument, "empty prompt: generation needs at least one token (a BOS token)");
+    }
+    ctx_->check_tokens(params.prompt.data(), n_prompt);
+    for (const auto & s : params.stop_sequences) {
+        if (s.empty()) {
+            throw Error(ErrorKind::InvalidArgument, "a stop token sequence is empty");
+        }
+        ctx_->check_tokens(s.data(), (int32_t) s.size());
+    }
+    if (n_prompt > ctx_->n_ctx_seq()) {
+        throw Error(ErrorKind::ContextOverflow, "prompt of " + std::to_string(n_prompt) +
+                                                    " tokens does not fit in a sequence's context of " +
+                                                    std::to_string(ctx_->n_ctx_seq()) +
+                                                    " tokens: shorten it or raise n_ctx");
+    }
+    if (params.adapters.size() != params.scales.size()) {
+        throw Error(ErrorKind::InvalidArgument, "adapters and scales differ in length");
+    }
+    if (params.n_logprobs > ctx_->n_vocab()) {
+        throw Error(ErrorKind::InvalidArgument, "n_logprobs is larger than the vocabulary");
+    }
+    auto s = std::make_shared<Seq>();
+    // The clone carries the chain's state (seed, penalties, grammar position);
+    // the batcher's thread uses it alone.
+    s->chain_ = llama_sampler_clone(chain);
+    if (s->chain_ == nullptr) {
+        throw Error(ErrorKind::InvalidArgument, "the sampler chain could not be cloned");
+    }
+    if (grammar != nullptr) {
+        const int n = llama_sampler_chain_n(chain);
+        for (int i = 0; i < n; ++i) {
+            if (llama_sampler_chain_get(chain, i) == grammar) {
+                s->grammar_ = llama_sampler_chain_get(s->chain_, i);
+            }
+        }
+        if (s->grammar_ == nullptr) {
+            throw Error(ErrorKind::InvalidArgument, "the grammar sampler is not in the chain");
+        }
+    }
+    s->plain_greedy_ = plain_greedy;
+    s->p_ = std::move(params);
+    s->n_prompt_ = n_prompt;
+    {
+        std::lock_guard<std::mutex> lk(mu_);
+        if (stop_) {
+            throw Error(ErrorKind::Aborted, "the batcher is closed");
+        }
+        pending_.push_back(s);
+    }
+    cv_.notify_all();
+    return s;
+}
+
+// Under mu_: pending sequences into free slots, first come first served;
+// queued ones already cancelled go to `gone`.
+void Batcher::admit(std::vector<SeqPtr> & gone) {
+    for (auto it = pending_.begin(); it != pending_.end();) {
+        if ((*it)->cancelled_.load(std::memory_order_relaxed)) {
+            gone.push_back(*it);
+            it = pending_.erase(it);
+        } else {
+            ++it;
+        }
+    }
+    for (int32_t i = 0; i < n_slots_ && !pending_.empty(); ++i) {
+        if (slots_[i]) {
+            continue;
+        }
+        SeqPtr s = pending_.front();
+        pending_.pop_front();
+        s->seq_ = i;
+        s->pos_ = 0;
+        slots_[i] = s;
+        llama_memory_seq_rm(llama_get_memory(ctx_->raw()), i, -1, -1);
+    }
+}
+
+void Batcher::release_slot(const SeqPtr & s) {
+    if (s->seq_ >= 0) {
+        llama_memory_seq_rm(llama_get_memory(ctx_->raw()), s->seq_, -1, -1);
+        std::lock_guard<std::mutex> lk(mu_);
+        slots_[s->seq_].reset();
+        s->seq_ = -1;
+        ++stats_.n_finished;
+    }
+}
+
+void Batcher::end(const SeqPtr & s, Finish f) {
+    release_slot(s);
+    {
+        std::lock_guard<std::mutex> lk(s->mu_);
+        s->finish_ = f;
+        s->done_ = true;
+    }
+    s->cv_.notify_all();
+}
+
+void Batcher::fail(const SeqPtr & s, ErrorKind k, const std::string & msg) {
+    release_slot(s);
+    {
+        std::lock_guard<std::mutex> lk(s->mu_);
+        s->failed_ = true;
+        s->error_kind_ = k;
+        s->error_ = msg;
+        s->done_ = true;
+    }
+    s->cv_.notify_all();
+}
+
+// Hand one sampled token to its consumer; true when the sequence is over.
+bool Batcher::push_token(const SeqPtr & s, llama_token tok, const float * logits) {
+    const SeqParams & p = s->p_;
+    if (!p.ignore_eos && llama_vocab_is_eog(ctx_->vocab_, tok)) {
+        end(s, Finish::Eog);
+        return true;
+    }
+    SeqEvent ev;
+    ev.token = tok;
+    if (p.n_logprobs >= 0) {
+        const int32_t nv = ctx_->n_vocab();
+        float mx = logits[0];
+        for (int32_t i = 1; i < nv; ++i) {
+            mx = std::max(mx, logits[i]);
+        }
+        double sum = 0.0;
+        for (int32_t i = 0; i < nv; ++i) {
+            sum += std::exp((double) logits[i] - mx);
+        }
+        const float lse = mx + (float) std::log(sum);
+        ev.logprob = logits[tok] - lse;
+        if (p.n_logprobs > 0) {
+            lp_buf_.resize(nv);
+            for (int32_t i = 0; i < nv; ++i) {
+                lp_buf_[i] = {logits[i], i};
+            }
+            const int32_t k = p.n_logprobs;
+            std::partial_sort(lp_buf_.begin(), lp_buf_.begin() + k, lp_buf_.end(),
+                              [](const auto & a, const auto & b) { return a.first > b.first || (a.first == b.first && a.second < b.second); });
+            ev.top.reserve(k);
+            for (int32_t i = 0; i < k; ++i) {
+                ev.top.emplace_back(lp_buf_[i].second, lp_buf_[i].first - lse);
+            }
+        }
+    }
+    {
+        std::lock_guard<std::mutex> lk(s->mu_);
+        s->events_.push_back(std::move(ev));
+    }
+    s->cv_.notify_all();
+    ++s->n_generated_;
+    size_t longest = 0;
+    for (const auto & st : p.stop_sequences) {
+        longest = std::max(longest, st.size());
+    }
+    if (longest > 0) {
+        s->tail_.push_back(tok);
+        if (s->tail_.size() > longest) {
+            s->tail_.erase(s->tail_.begin());
+        }
+        for (const auto & st : p.stop_sequences) {
+            if (s->tail_.size() >= st.size() &&
+                std::equal(st.begin(), st.end(), s->tail_.end() - (ptrdiff_t) st.size())) {
+                end(s, Finish::StopSequence);
+                return true;
+            }
+        }
+    }
+    if (p.max_tokens >= 0 && s->n_generated_ >= p.max_tokens) {
+        end(s, Finish::Length);
+        return true;
+    }
+    if (s->pos_ >= ctx_->n_ctx_seq()) {
+        end(s, Finish::ContextFull);
+        return true;
+    }
+    s->next_ = tok;
+    return false;
+}
+
+void Batcher::run() {
+    std::vector<SeqPtr> running;
+    for (;;) {
+        {
+            std::unique_lock<std::mutex> lk(mu_);
+            cv_.wait(lk, [this] {
+                if (stop_ || !pending_.empty()) {
+                    return true;
+                }
+                for (const auto & s : slots_) {
+                    if (s) {
+                        return true;
+                    }
+                }
+                return false;
+            });
+            if (stop_) {
+                break;
+            }
+        }
+        std::lock_guard<std::mutex> ctx_lock(ctx_->mutex());
+        std::vector<SeqPtr> gone;
+        {
+            std::lock_guard<std::mutex> lk(mu_);
+            admit(gone);
+            running.clear();
+            for (const auto & s : slots_) {
+                if (s) {
+                    running.push_back(s);
+                }
+            }
+        }
+        // cancelled sequences leave first
+        for (const auto & s : gone) {
+            end(s, Finish::Cancelled);
+        }
+        for (auto & s : running) {
+            if (s->cancelled_.load(std::memory_order_relaxed)) {
+                end(s, Finish::Cancelled);
+                s.reset();
+            }
+        }
+        running.erase(std::remove(running.begin(), running.end(), nullptr), running.end());
+        if (running.empty()) {
+            continue;
+        }
+        step(running);
+    }
+    // closing: every sequence, queued or running, ends with an error
+    std::vector<SeqPtr> all;
+    {
+        std::lock_guard<std::mutex> lk(mu_);
+        all.assign(pending_.begin(), pending_.end());
+        pending_.clear();
+        for (const auto & s : slots_) {
+            if (s) {
+                all.push_back(s);
+            }
+        }
+    }
+    std::lock_guard<std::mutex> ctx_lock(ctx_->mutex());
+    for (const auto & s : all) {
+        fail(s, ErrorKind::Aborted, "the batcher was closed while this request ran");
+    }
+}
+
+void Batcher::step(std::vector<SeqPtr> & running) {
+    // Which state group runs: the current one while its quantum lasts and it
+    // has sequences; otherwise the next group in slot order after the last
+    // one served (round robin), so every group gets the context in turn.
+    bool cur_alive = false;
+    if (have_cur_) {
+        for (const auto & s : running) {
+            if (key_of(*s) == cur_) {
+                cur_alive = true;
+                break;
+            }
+        }
+    }
+    bool other_waits = false;
+    if (cur_alive) {
+        for (const auto & s : running) {
+            if (!(key_of(*s) == cur_)) {
+                other_waits = true;
+                break;
+            }
+        }
+    }
+    if (!cur_alive || (other_waits && quantum_left_ <= 0)) {
+        // the first sequence at or after rr_ (cyclically) of another group
+        const SeqPtr * pick = nullptr;
+        for (int32_t k = 0; k < n_slots_ && pick == nullptr; ++k) {
+            const int32_t slot = (int32_t) ((rr_ + k) % n_slots_);
+            for (const auto & s : running) {
+                if (s->seq_ == slot && (!cur_alive || !(key_of(*s) == cur_))) {
+                    pick = &s;
+                    break;
+                }
+            }
+        }
+        if (pick == nullptr) {
+            pick = &running.front();
+        }
+        StateKey next = key_of(**pick);
+        if (have_cur_ && !(next == cur_)) {
+            std::lock_guard<std::mutex> lk(mu_);
+            ++stats_.n_switches;
+        }
+        cur_ = std::move(next);
+        have_cur_ = true;
+        rr_ = (size_t) ((*pick)->seq_ + 1) % (size_t) n_slots_;
+        quantum_left_ = quantum_;
+    }
+    --quantum_left_;
+
+    std::vector<SeqPtr> group;
+    for (const auto & s : running) {
+        if (key_of(*s) == cur_) {
+            group.push_back(s);
+        }
+    }
+    try {
+        ctx_->set_adapters(cur_.adapters, cur_.scales);
+        ctx_->set_control_vector(cur_.cvec);
+    } catch (const Error & e) {
+        for (const auto & s : group) {
+            fail(s, e.kind, e.what());
+        }
+        return;
+    }
+
+    // The batch: generating sequences first (one token each), then prompt
+    // chunks, up to n_batch tokens.
+    const int32_t budget = ctx_->n_batch();
+    tok_buf_.clear();
+    pos_buf_.clear();
+    seq_buf_.clear();
+    out_buf_.clear();
+    std::vector<SeqPtr> in_batch;
+    for (const auto & s : group) {
+        s->batch_row_ = -1;
+        if (s->n_fed_ == s->n_prompt_ && (int32_t) tok_buf_.size() < budget) {
+            s->batch_row_ = (int32_t) tok_buf_.size();
+            tok_buf_.push_back(s->next_);
+            pos_buf_.push_back(s->pos_);
+            seq_buf_.push_back(s->seq_);
+            out_buf_.push_back(1);
+            in_batch.push_back(s);
+        }
+    }
+    for (const auto & s : group) {
+        if (s->n_fed_ < s->n_prompt_) {
+            const int32_t room = budget - (int32_t) tok_buf_.size();
+            if (room <= 0) {
+                break;
+            }
+            const int32_t n = std::min(room, s->n_prompt_ - s->n_fed_);
+            s->chunk_ = n;
+            for (int32_t i = 0; i < n; ++i) {
+                tok_buf_.push_back(s->p_.prompt[s->n_fed_ + i]);
+                pos_buf_.push_back(s->pos_ + i);
+                seq_buf_.push_back(s->seq_);
+                out_buf_.push_back(0);
+            }
+            if (s->n_fed_ + n == s->n_prompt_) {
+                out_buf_.back() = 1;
+                s->batch_row_ = (int32_t) tok_buf_.size() - 1;
+            }
+            in_batch.push_back(s);
+        }
+    }
+    const int32_t n_tok = (int32_t) tok_buf_.size();
+    if (n_tok == 0) {
+        return;
+    }
+    nseq_buf_.assign(n_tok, 1);
+    seqp_buf_.resize(n_tok);
+    for (int32_t i = 0; i < n_tok; ++i) {
+        seqp_buf_[i] = &seq_buf_[i];
+    }
+    int32_t n_out = 0;
+    for (int8_t o : out_buf_) {
+        n_out += o;
+    }
+    llama_batch b = {n_tok, tok_buf_.data(), nullptr, pos_buf_.data(), nseq_buf_.data(), seqp_buf_.data(),
+                     out_buf_.data()};
+    ctx_->abort_.store(false, std::memory_order_relaxed);
+    try {
+        ctx_->raw_decode(b, n_out);
+    } catch (const Error & e) {
+        for (const auto & s : in_batch) {
+            fail(s, e.kind, std::string(e.what()));
+        }
+        return;
+    }
+    {
+        std::lock_guard<std::mutex> lk(mu_);
+        ++stats_.n_decodes;
+        stats_.n_tokens += n_tok;
+        for (const auto & s : in_batch) {
+            if (!(key_of(*s) == cur_)) {
+                ++stats_.n_mixed_decodes;
+                break;
+            }
+        }
+    }
+    // advance positions, sample each sequence that has an output row
+    for (const auto & s : in_batch) {
+        if (s->n_fed_ < s->n_prompt_) {
+            s->n_fed_ += s->chunk_;
+            s->pos_ += s->chunk_;
+        } else {
+            s->pos_ += 1;
+        }
+        if (s->batch_row_ < 0) {
+            continue;
+        }
+        if (s->p_.max_tokens == 0) {
+            end(s, Finish::Length);
+            continue;
+        }
+        const float * lg = llama_get_logits_ith(ctx_->raw(), s->batch_row_);
+        if (lg == nullptr) {
+            fail(s, ErrorKind::Decode, "no logits after decode: " + take_last_log_error());
+            continue;
+        }
+        llama_token tok;
+        try {
+            if (s->plain_greedy_) {
+                int32_t best = 0;
+                const int32_t nv = ctx_->n_vocab();
+                for (int32_t i = 1; i < nv; ++i) {
+                    if (lg[i] > lg[best]) {
+                        best = i;
+                    }
+                }
+                tok = best;
+                llama_sampler_accept(s->chain_, tok);
+            } else {
+                tok = ctx_->sample_chain(s->chain_, s->grammar_, lg);
+            }
+        } catch (const Error & e) {
+            fail(s, e.kind, e.what());
+            continue;
+        } catch (const std::exception & e) {
+            fail(s, ErrorKind::Decode, e.what());
+            continue;
+        }
+        push_token(s, tok, lg);
+    }
+}
+
+}  // namespace llamax

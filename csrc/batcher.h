@@ -1,0 +1,162 @@
+// Continuous batching: many sequences of one llama_context decoded together.
+//
+// A Batcher owns a Context (n_seq_max = S, kv_unified = false, so every
+// sequence has its own n_ctx_seq cells and running out of room never touches
+// another's) and a thread that runs it without the GIL.  Sequences are
+// submitted with their prompt, their own sampler chain (cloned: the caller's
+// Sampler is never touched by the batcher's thread), stops and state (adapter
+// set + control vector).  Every step builds one batch -- one token for each
+// generating sequence of the running state group, plus prompt chunks of that
+// group's newly admitted sequences, up to n_batch -- decodes it once, samples
+// each sequence and hands its token to the sequence's consumer (woken by a
+// condition variable, never polled).
+//
+// One decode never mixes states: llama.cpp applies adapters and control
+// vectors per context.  Groups take turns, `quantum` steps each, so a
+// minority state is never starved (llama-server serves the lowest slot's
+// adapter set until it finishes).  n_mixed_decodes() counts decodes whose
+// sequences had different states: it stays 0, and tests assert it.
+#pragma once
+
+#include "llamax.h"
+
+#include <condition_variable>
+#include <deque>
+#include <thread>
+
+namespace llamax {
+
+struct SeqParams {
+    std::vector<llama_token> prompt;
+    int32_t max_tokens = 16;  // < 0: until the sequence's context is full
+    bool ignore_eos = false;
+    int32_t n_logprobs = -1;  // < 0: none; k >= 0: the token's logprob and the k most likely
+    std::vector<std::vector<llama_token>> stop_sequences;
+    std::vector<Adapter *> adapters;  // the caller keeps them alive until the sequence is done
+    std::vector<float> scales;
+    ControlVectorPtr cvec;
+};
+
+struct SeqEvent {
+    llama_token token = -1;
+    float logprob = 0.0f;
+    std::vector<std::pair<llama_token, float>> top;  // most likely first
+};
+
+class Batcher;
+
+class Seq {
+public:
+    ~Seq();
+    // Consumer side, any thread.  Waits up to timeout_ms for tokens, moves
+    // them to `out`; returns true once the sequence is over and `out` holds
+    // its last tokens (then finish()/rethrow() tell how it ended).
+    bool wait(int32_t timeout_ms, std::vector<SeqEvent> & out);
+    // Ends the sequence at the batcher's next step (its slot and KV cells
+    // are freed there); finish() is then Finish::Cancelled.
+    void cancel();
+    Finish finish() const { return finish_; }
+    int32_t n_prompt() const { return n_prompt_; }
+    bool failed() const { return failed_; }
+    void rethrow() const;  // the error that ended the sequence, if any
+
+private:
+    friend class Batcher;
+    SeqParams p_;
+    llama_sampler * chain_ = nullptr;    // owned clone
+    llama_sampler * grammar_ = nullptr;  // inside chain_, or null
+    bool plain_greedy_ = false;
+    // batcher thread only
+    llama_seq_id seq_ = -1;
+    llama_pos pos_ = 0;
+    int32_t n_fed_ = 0;        // prompt tokens decoded
+    int32_t chunk_ = 0;        // prompt tokens in this step's batch
+    llama_token next_ = -1;    // sampled, not yet decoded
+    int32_t n_generated_ = 0;
+    std::vector<llama_token> tail_;  // last tokens, for stop sequences
+    int32_t batch_row_ = -1;   // this step's output row in the batch
+    // shared with the consumer (mu_)
+    std::mutex mu_;
+    std::condition_variable cv_;
+    std::deque<SeqEvent> events_;
+    bool done_ = false;
+    std::atomic<bool> cancelled_{false};
+    Finish finish_ = Finish::Length;
+    bool failed_ = false;
+    ErrorKind error_kind_ = ErrorKind::Decode;
+    std::string error_;
+    int32_t n_prompt_ = 0;
+};
+using SeqPtr = std::shared_ptr<Seq>;
+
+struct BatcherStats {
+    int64_t n_decodes = 0;        // llama_decode calls
+    int64_t n_tokens = 0;         // tokens decoded, prompt and generated
+    int64_t n_mixed_decodes = 0;  // decodes mixing states (must stay 0)
+    int64_t n_switches = 0;       // state changes between decodes
+    int64_t n_finished = 0;       // sequences ended (any way)
+};
+
+class Batcher {
+public:
+    // Takes over `ctx` (the caller must not use it until the Batcher is
+    // gone); starts the thread.  quantum: steps a state group keeps the
+    // context while another group waits.
+    Batcher(Context * ctx, int32_t quantum);
+    ~Batcher();  // close()
+    Batcher(const Batcher &) = delete;
+    Batcher & operator=(const Batcher &) = delete;
+
+    // Validates (tokens, prompt size, stops), clones the chain and queues
+    // the sequence; `grammar` is the chain's grammar sampler or null.
+    SeqPtr submit(llama_sampler * chain, llama_sampler * grammar, bool plain_greedy, SeqParams params);
+    // Ends every sequence (ErrorKind::Aborted, "closed") and joins the
+    // thread.  Idempotent.
+    void close();
+
+    BatcherStats stats();
+    int32_t n_active();   // admitted + queued, not yet finished
+    int32_t n_slots() const { return n_slots_; }
+    int32_t n_ctx_seq() const { return ctx_->n_ctx_seq(); }
+
+private:
+    struct StateKey {
+        std::vector<Adapter *> adapters;
+        std::vector<float> scales;
+        ControlVectorPtr cvec;
+        bool operator==(const StateKey & o) const;
+    };
+    static StateKey key_of(const Seq & s);
+    void run();
+    void step(std::vector<SeqPtr> & running);
+    void admit(std::vector<SeqPtr> & gone);
+    void end(const SeqPtr & s, Finish f);
+    void fail(const SeqPtr & s, ErrorKind k, const std::string & msg);
+    void release_slot(const SeqPtr & s);
+    bool push_token(const SeqPtr & s, llama_token tok, const float * logits);
+
+    Context * ctx_;
+    int32_t n_slots_;
+    int32_t quantum_;
+    std::thread thread_;
+    std::mutex mu_;  // pending_, slots_, stop_, stats_
+    std::condition_variable cv_;
+    bool stop_ = false;
+    std::deque<SeqPtr> pending_;
+    std::vector<SeqPtr> slots_;
+    BatcherStats stats_;
+    // batcher thread only
+    StateKey cur_;
+    bool have_cur_ = false;
+    int32_t quantum_left_ = 0;
+    size_t rr_ = 0;  // round-robin position over slots for the next group
+    std::vector<llama_token> tok_buf_;
+    std::vector<llama_pos> pos_buf_;
+    std::vector<int32_t> nseq_buf_;
+    std::vector<llama_seq_id> seq_buf_;
+    std::vector<llama_seq_id *> seqp_buf_;
+    std::vector<int8_t> out_buf_;
+    std::vector<std::pair<float, llama_token>> lp_buf_;
+};
+
+}  // namespace llamax

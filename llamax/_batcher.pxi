@@ -1,0 +1,325 @@
+# Continuous batching: Batcher and BatchSequence (csrc/batcher.h).
+# Included by _core.pyx.
+
+_LIVE_BATCHERS = weakref.WeakSet()
+
+cdef str _ADAPTER_PAIR_HELP = "adapters must be a sequence of (LoraAdapter, scale) pairs"
+
+
+cdef class Batcher:
+    """Continuous batching on one context: concurrent sequences share decodes.
+
+    ``Batcher(context, quantum=16)`` takes over ``context`` (created with
+    ``n_seq_max=S`` and ``kv_unified=False``: S sequences at once, each with
+    ``n_ctx / S`` cells of its own) and runs it on a native thread without
+    the GIL.  ``submit()`` queues a sequence and returns a
+    :class:`BatchSequence` to read its tokens from, from any thread.
+
+    Every step decodes one batch: a token for each generating sequence of one
+    state group (same adapters and control vector) plus prompt chunks of
+    that group's new sequences, up to ``n_batch`` tokens.  A decode never
+    mixes states; groups take turns, ``quantum`` steps each, so none starves.
+    The context can't be used directly until :meth:`close`.
+    """
+
+    cdef CBatcher * _b
+    cdef readonly Context context
+    cdef set _keep   # adapters / control vectors the context may still have applied
+    cdef object __weakref__
+
+    def __cinit__(self):
+        self._b = NULL
+
+    def __init__(self, context, *, quantum=16):
+        cdef Context ctx = _typed(context, Context, "context")
+        _check_int(quantum, "quantum", 1, 1 << 20)
+        cdef CContext * c = ctx._get()
+        if ctx._driver is not None:
+            raise ContextBusyError("this context already has a Batcher")
+        if ctx._busy:
+            raise ContextBusyError("the context is in use by another thread")
+        if ctx._n_views or ctx._n_seq_views:
+            raise ViewsExportedError("views of this context's outputs are alive; delete them first")
+        if ctx.embeddings:
+            raise InvalidArgumentError("a Batcher generates: create the context with embeddings=False")
+        if _shutting_down:
+            raise ClosedError("the interpreter is exiting")
+        cdef int32_t q = quantum
+        self._b = new CBatcher(c, q)
+        ctx._driver = self
+        self.context = ctx
+        self._keep = set()
+        _LIVE_BATCHERS.add(self)
+
+    def __dealloc__(self):
+        if self._b != NULL:
+            with nogil:
+                self._b.close()
+            del self._b
+            self._b = NULL
+
+    cdef CBatcher * _ptr(self) except NULL:
+        if self._b == NULL:
+            raise ClosedError("the batcher is closed")
+        return self._b
+
+    def close(self):
+        """End every sequence (they raise CancelledError), stop the thread and
+        hand the context back, with no adapters or control vector applied.
+        Idempotent."""
+        if self._b == NULL:
+            return
+        cdef CBatcher * b = self._b
+        with nogil:
+            b.close()
+        del self._b
+        self._b = NULL
+        ctx = self.context
+        ctx._driver = None
+        if not ctx.closed:
+            ctx.set_adapters(())
+            ctx.set_control_vector(None)
+        self._keep = set()
+
+    @property
+    def closed(self):
+        return self._b == NULL
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    @property
+    def n_slots(self):
+        """Sequences decoded at once (the context's n_seq_max)."""
+        return self._ptr().n_slots()
+
+    @property
+    def n_ctx_seq(self):
+        """Cells of one sequence: its prompt plus its tokens."""
+        return self._ptr().n_ctx_seq()
+
+    @property
+    def n_active(self):
+        """Sequences queued or running."""
+        return self._ptr().n_active()
+
+    def stats(self):
+        """Counters: decodes, tokens decoded, decodes that mixed states (0),
+        state switches, sequences finished."""
+        cdef CBatcherStats st = self._ptr().stats()
+        return {"n_decodes": st.n_decodes, "n_tokens": st.n_tokens, "n_mixed_decodes": st.n_mixed_decodes,
+                "n_switches": st.n_switches, "n_finished": st.n_finished}
+
+    def submit(self, tokens, sampler, *, max_tokens=16, stop_sequences=(), ignore_eos=False, logprobs=None,
+               adapters=(), control_vector=None):
+        """Queue a sequence: ``tokens`` is its prompt; ``sampler`` is cloned
+        (its seed, penalties and grammar state are copied, and it is not
+        used again); ``max_tokens < 0`` runs until the sequence's context is
+        full; ``stop_sequences`` are token sequences that end it (included);
+        ``logprobs=k`` reports each token's log-probability and the ``k``
+        most likely tokens; ``adapters`` ``[(LoraAdapter, scale), ...]`` and
+        ``control_vector`` are its state.  Returns a :class:`BatchSequence`."""
+        cdef CBatcher * b = self._ptr()
+        cdef Sampler smp = _typed(sampler, Sampler, "sampler")
+        model = self.context.model
+        if smp.model is not model:
+            raise InvalidArgumentError("this sampler was made for another model")
+        _check_int(max_tokens, "max_tokens", -1, INT32_MAX)
+        cdef CSeqParams p
+        p.max_tokens = max_tokens
+        p.ignore_eos = bool(ignore_eos)
+        p.n_logprobs = -1
+        if logprobs is not None:
+            _check_int(logprobs, "logprobs", 0, INT32_MAX)
+            p.n_logprobs = logprobs
+        cdef const int32_t[::1] tv = _as_tokens(tokens)
+        cdef Py_ssize_t i
+        for i in range(tv.shape[0]):
+            p.prompt.push_back(tv[i])
+        cdef vector[llama_token] sv
+        cdef const int32_t[::1] s
+        if isinstance(stop_sequences, (str, bytes)):
+            raise ArgumentTypeError("stop_sequences must be a sequence of token sequences")
+        for seq in stop_sequences:
+            s = _as_tokens(seq)
+            sv.clear()
+            for i in range(s.shape[0]):
+                sv.push_back(s[i])
+            p.stop_sequences.push_back(sv)
+        keep = []
+        cdef LoraAdapter a
+        if isinstance(adapters, (str, bytes)) or not hasattr(adapters, "__iter__"):
+            raise ArgumentTypeError(_ADAPTER_PAIR_HELP)
+        for item in adapters:
+            try:
+                ad, scale = item
+            except (TypeError, ValueError):
+                raise ArgumentTypeError(_ADAPTER_PAIR_HELP) from None
+            a = _typed(ad, LoraAdapter, "adapter")
+            _check_float(scale, "scale")
+            if a.model is not model:
+                raise InvalidArgumentError(f"adapter {a.path!r} was loaded for another model")
+            p.adapters.push_back(a._ptr())
+            p.scales.push_back(scale)
+            keep.append(a)
+        cdef ControlVector cv
+        if control_vector is not None:
+            cv = _typed(control_vector, ControlVector, "control_vector")
+            if cv.model is not model:
+                raise InvalidArgumentError("this control vector was made for another model")
+            p.cvec = cv._cv
+            keep.append(cv)
+        cdef llama_sampler * chain = smp._ptr()
+        cdef CSeqPtr sp
+        smp._in_use = True
+        try:
+            sp = b.submit(chain, smp._grammar, smp._plain_greedy, p)  # clones the chain
+        finally:
+            smp._in_use = False
+        # The context may keep a state applied after its sequences end: its
+        # adapters and control vectors live as long as the batcher.
+        self._keep.update(keep)
+        seq = BatchSequence.__new__(BatchSequence)
+        (<BatchSequence> seq)._s = sp
+        (<BatchSequence> seq).batcher = self
+        (<BatchSequence> seq).n_prompt = <int> tv.shape[0]
+        (<BatchSequence> seq)._want_lp = logprobs is not None
+        return seq
+
+
+cdef class BatchSequence:
+    """One sequence of a :class:`Batcher`: read its tokens as they come.
+
+    ``next(timeout=None)`` returns the tokens generated since the last call
+    (waiting for at least one), or ``None`` when the sequence is over;
+    iterate to get them one by one.  ``result()`` waits for the end.
+    ``cancel()`` ends it at the batcher's next step.  A sequence that is
+    dropped unread is cancelled.
+    """
+
+    cdef CSeqPtr _s
+    cdef readonly Batcher batcher
+    cdef readonly int n_prompt
+    cdef list _tokens
+    cdef list _logprobs
+    cdef bint _finished
+    cdef bint _want_lp
+
+    def __cinit__(self):
+        self._tokens = []
+        self._logprobs = []
+        self._finished = False
+
+    def __dealloc__(self):
+        if self._s.get() != NULL:
+            self._s.get().cancel()
+
+    def cancel(self):
+        """End this sequence at the batcher's next step (finish_reason "cancelled")."""
+        self._s.get().cancel()
+
+    cdef list _pull(self, double timeout):
+        # Wait (without the GIL, in short slices so Ctrl-C is seen) until
+        # tokens arrive or the sequence ends; timeout < 0: no limit.
+        cdef vector[CSeqEvent] evs
+        cdef cbool done = False
+        cdef CSeq * s = self._s.get()
+        cdef double waited = 0.0
+        cdef int32_t slice_ms
+        while True:
+            slice_ms = 100
+            if timeout >= 0:
+                slice_ms = <int32_t> max(0.0, min(100.0, (timeout - waited) * 1000.0))
+            with nogil:
+                done = s.wait(slice_ms, evs)
+            if evs.size() or done:
+                break
+            waited += slice_ms / 1000.0
+            if timeout >= 0 and waited >= timeout:
+                break
+            PyErr_CheckSignals()
+        out = []
+        cdef size_t i, j
+        for i in range(evs.size()):
+            out.append(evs[i].token)
+            if self._want_lp:
+                top = [(evs[i].top[j].first, evs[i].top[j].second) for j in range(evs[i].top.size())]
+                self._logprobs.append((evs[i].logprob, top))
+        self._tokens.extend(out)
+        if done:
+            self._finished = True
+        return out
+
+    def next(self, timeout=None):
+        """Tokens generated since the last call; waits for at least one.
+        ``None`` once the sequence is over (then ``finish_reason`` is set);
+        ``[]`` if ``timeout`` seconds passed first.  Raises the error that
+        ended the sequence, if one did."""
+        if self._finished:
+            self._raise_if_failed()
+            return None
+        out = self._pull(-1.0 if timeout is None else float(timeout))
+        if out:
+            return out
+        if self._finished:
+            self._raise_if_failed()
+            return None
+        return []
+
+    cdef _raise_if_failed(self):
+        cdef CSeq * s = self._s.get()
+        if s.failed():
+            s.rethrow()
+
+    def __iter__(self):
+        while True:
+            toks = self.next()
+            if toks is None:
+                return
+            yield from toks
+
+    def result(self):
+        """Wait for the end: ``(tokens: np.ndarray[int32], finish_reason)``."""
+        while self.next() is not None:
+            pass
+        return np.asarray(self._tokens, dtype=np.int32), self.finish_reason
+
+    @property
+    def done(self):
+        return self._finished
+
+    @property
+    def tokens(self):
+        """Every token read so far."""
+        return list(self._tokens)
+
+    @property
+    def logprobs(self):
+        """Per token read so far (with ``logprobs=k``): ``(logprob, [(token, logprob), ...])``."""
+        return list(self._logprobs)
+
+    @property
+    def finish_reason(self):
+        """None while running; then "stop" (end-of-generation token),
+        "length" (max_tokens, or the sequence's context is full),
+        "stop_sequence", "cancelled"; "error" if it failed."""
+        if not self._finished:
+            return None
+        cdef CSeq * s = self._s.get()
+        if s.failed():
+            return "error"
+        return _FINISH[<int> s.finish()]
+
+
+def _close_batchers_at_exit():
+    for b in list(_LIVE_BATCHERS):
+        try:
+            b.close()
+        except Exception:
+            pass
+
+
+atexit.register(_close_batchers_at_exit)
