@@ -94,6 +94,13 @@ void Batcher::close() {
     }
 }
 
+void Batcher::reset_state() {
+    std::lock_guard<std::mutex> ctx_lock(ctx_->mutex());  // steps hold it: this runs between two
+    ctx_->set_adapters({}, {});
+    ctx_->set_control_vector(nullptr);
+    have_cur_ = false;
+}
+
 BatcherStats Batcher::stats() {
     std::lock_guard<std::mutex> lk(mu_);
     return stats_;

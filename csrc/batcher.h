@@ -114,6 +114,11 @@ public:
     // thread.  Idempotent.
     void close();
 
+    // Between steps: apply the base state (no adapters, no control vector),
+    // so that an adapter no running sequence uses can be freed.  The next
+    // step applies whatever its group needs.
+    void reset_state();
+
     BatcherStats stats();
     int32_t n_active();   // admitted + queued, not yet finished
     int32_t n_slots() const { return n_slots_; }

@@ -85,6 +85,16 @@ cdef class Batcher:
     def closed(self):
         return self._b == NULL
 
+    def reset_state(self):
+        """Apply the base model between two steps (no adapters, no control
+        vector) and let go of every adapter and control vector no queued or
+        running sequence uses: they can then be closed.  The next step
+        applies what its sequences need."""
+        cdef CBatcher * b = self._ptr()
+        with nogil:
+            b.reset_state()
+        self._keep = set()
+
     def __enter__(self):
         return self
 
@@ -187,6 +197,7 @@ cdef class Batcher:
         (<BatchSequence> seq).batcher = self
         (<BatchSequence> seq).n_prompt = <int> tv.shape[0]
         (<BatchSequence> seq)._want_lp = logprobs is not None
+        (<BatchSequence> seq)._state = keep
         return seq
 
 
@@ -207,6 +218,7 @@ cdef class BatchSequence:
     cdef list _logprobs
     cdef bint _finished
     cdef bint _want_lp
+    cdef list _state  # its adapters and control vector: alive while it may run
 
     def __cinit__(self):
         self._tokens = []
@@ -214,8 +226,12 @@ cdef class BatchSequence:
         self._finished = False
 
     def __dealloc__(self):
-        if self._s.get() != NULL:
+        if self._s.get() != NULL and not self._finished:
             self._s.get().cancel()
+            # until the batcher has seen the cancel, its state may still be
+            # applied: the batcher keeps it alive (to its next reset_state)
+            if self.batcher is not None and self._state and self.batcher._b != NULL:
+                self.batcher._keep.update(self._state)
 
     def cancel(self):
         """End this sequence at the batcher's next step (finish_reason "cancelled")."""

@@ -169,6 +169,7 @@ cdef extern from "batcher.h" namespace "llamax" nogil:
         CSeqPtr submit(llama_sampler * chain, llama_sampler * grammar, cbool plain_greedy,
                        CSeqParams params) except +translate_exception
         void close()
+        void reset_state() except +translate_exception
         CBatcherStats stats()
         int32_t n_active()
         int32_t n_slots()

@@ -23,9 +23,9 @@ from typing import Iterator
 
 import numpy as np
 
-from llamax._core import Context, ControlVector, Model, Sampler
+from llamax._core import Batcher, Context, ControlVector, Model, Sampler
 from llamax._errors import (
-    ArgumentTypeError, CancelledError, ContextBusyError, ControlVectorError, InvalidArgumentError, TokenError, UnknownAdapterError,
+    ArgumentTypeError, CancelledError, ContextBusyError, LlamaxError, ControlVectorError, InvalidArgumentError, TokenError, UnknownAdapterError,
 )
 from llamax.adapters import AdapterRegistry
 from llamax.chat import ChatTemplate, ChatTemplateError, prepare_prefill
@@ -185,6 +185,56 @@ class _Pool:
                 s.ctx.close()
 
 
+class _BatchSlot:
+    """One context of a batched pool, driven by its Batcher."""
+
+    __slots__ = ("ctx", "batcher", "n_requests")
+
+    def __init__(self, ctx: Context, batcher: Batcher):
+        self.ctx = ctx
+        self.batcher = batcher
+        self.n_requests = 0  # requests submitted and not yet finished
+
+    @property
+    def busy(self) -> bool:
+        return self.n_requests > 0
+
+
+class _BatchPool:
+    """K contexts, each with a Batcher of S sequences (``n_parallel=S``):
+    concurrent requests share decodes.  A request goes to the context with
+    the fewest requests."""
+
+    def __init__(self, slots):
+        self.slots = slots
+        self.lock = threading.Lock()
+
+    def acquire(self) -> _BatchSlot:
+        with self.lock:
+            best = min(self.slots, key=lambda s: s.n_requests)
+            best.n_requests += 1
+            return best
+
+    def release(self, slot: _BatchSlot) -> None:
+        with self.lock:
+            slot.n_requests -= 1
+
+    def forget(self) -> None:
+        """Nothing to forget: a batched sequence's KV lives as long as it runs."""
+
+    def detach(self, adapter) -> None:
+        """Let ``adapter`` be freed: no pinned request uses it, so resetting
+        each batcher's applied state is enough."""
+        for s in self.slots:
+            if not s.batcher.closed:
+                s.batcher.reset_state()
+
+    def close(self):
+        for s in self.slots:
+            s.batcher.close()
+            s.ctx.close()
+
+
 class Llama:
     """One base model serving many requests, each with its own adapters and control vector.
 
@@ -193,7 +243,9 @@ class Llama:
     tenants with different adapters run side by side; 0 with
     ``embedding=True`` for an embedding-only instance) and
     ``max_loaded_adapters`` (adapters registered with :meth:`register_lora`
-    are loaded on demand, least recently used unloaded) and ``prefix_cache``
+    are loaded on demand, least recently used unloaded), ``n_parallel``
+    (S > 1: each context runs S requests at once in shared decodes, see
+    :class:`llamax.Batcher`; each request still gets ``n_ctx`` tokens) and ``prefix_cache``
     (default True: a prompt reuses the KV of the longest prefix it shares
     with the context's last one; False: only an exact repeat is reused.
     llama.cpp's numbers depend on batch shape, so a partially reused prompt
@@ -207,13 +259,18 @@ class Llama:
                  n_threads_batch: int | None = None, embedding: bool = False, pooling: str | None = None,
                  flash_attn: bool | None = None, chat_format: str | None = None,
                  chat_template: str | None = None, verbose: bool = False, n_contexts: int = 1,
-                 max_loaded_adapters: int | None = None, prefix_cache: bool = True,
+                 max_loaded_adapters: int | None = None, prefix_cache: bool = True, n_parallel: int = 1,
                  lora_path=None, lora_scale=None, lora_base=None):
         for name, value in (("lora_path", lora_path), ("lora_scale", lora_scale), ("lora_base", lora_base)):
             if value is not None:
                 raise ArgumentTypeError(f"Llama() no longer takes {name}: {_REMOVED[name]}")
         if isinstance(n_contexts, bool) or not isinstance(n_contexts, int) or not 0 <= n_contexts <= 64:
             raise InvalidArgumentError(f"n_contexts must be an int in [0, 64], got {n_contexts!r}")
+        if isinstance(n_parallel, bool) or not isinstance(n_parallel, int) or not 1 <= n_parallel <= 256:
+            raise InvalidArgumentError(f"n_parallel must be an int in [1, 256], got {n_parallel!r}")
+        if n_parallel > n_batch:
+            raise InvalidArgumentError(f"n_parallel={n_parallel} is more than n_batch={n_batch}: every step "
+                                       "decodes one token of each sequence in one batch; raise n_batch")
         if n_contexts == 0 and not embedding:
             raise InvalidArgumentError("n_contexts=0 (no generation contexts) is only for embedding=True")
         if isinstance(seed, bool) or not isinstance(seed, int):
@@ -239,17 +296,30 @@ class Llama:
         if not isinstance(prefix_cache, bool):
             raise ArgumentTypeError("prefix_cache must be a bool")
         self._prefix_cache = prefix_cache
+        self.n_parallel = n_parallel
         slots = []
         try:
             if not vocab_only:
                 for _ in range(n_contexts):
-                    slots.append(_Slot(Context(self._model, **self._ctx_kwargs)))
+                    if n_parallel == 1:
+                        slots.append(_Slot(Context(self._model, **self._ctx_kwargs)))
+                        continue
+                    # each sequence gets n_ctx cells of its own (kv_unified=False)
+                    kw = dict(self._ctx_kwargs, n_ctx=n_ctx * n_parallel)
+                    ctx = Context(self._model, n_seq_max=n_parallel, kv_unified=False, **kw)
+                    try:
+                        slots.append(_BatchSlot(ctx, Batcher(ctx)))
+                    except BaseException:
+                        ctx.close()
+                        raise
         except BaseException:
             for s in slots:
+                if isinstance(s, _BatchSlot):
+                    s.batcher.close()
                 s.ctx.close()
             self._model.close()
             raise
-        self._pool = _Pool(slots)
+        self._pool = _BatchPool(slots) if n_parallel > 1 else _Pool(slots)
         # (a weak method: a bound one would make a cycle, and the Llama must be
         # freed when its last reference goes, without waiting for the GC)
         self._adapters = AdapterRegistry(self._model, max_loaded_adapters,
@@ -851,11 +921,20 @@ class _Request:
             pass
 
     def run(self) -> _Result:
+        if isinstance(self.llm._pool, _BatchPool):
+            for item in self._batched(False):
+                if isinstance(item, _Result):
+                    return item
         return self._execute(None)
 
     def stream(self) -> Iterator:
         """Yield text pieces, then the _Result.  Generation runs in a worker
-        thread (GIL released in C++); the consumer stopping early cancels it."""
+        thread (GIL released in C++); the consumer stopping early cancels it.
+        With ``n_parallel`` the batcher's thread generates, and the
+        consumer reads its tokens directly."""
+        if isinstance(self.llm._pool, _BatchPool):
+            yield from self._batched(True)
+            return
         q: queue.Queue = queue.Queue()
         done = object()
 
@@ -883,6 +962,71 @@ class _Request:
             if t.is_alive():        # still in a prompt decode: abort it
                 self.own_token.cancel()
                 t.join()
+
+    def _batched(self, streaming: bool) -> Iterator:
+        """The request as one sequence of a Batcher: yields text pieces
+        (when streaming), then the _Result.  Closing the generator early
+        cancels the sequence."""
+        llm = self.llm
+        model = llm._model
+        res = _Result(model)
+        res.n_prompt = len(self.tokens)
+        pieces: list[str] = []
+        text = _TextAssembler(model, self.stops, pieces.append if streaming else None)
+        slot = llm._pool.acquire()
+        seq = None
+        attached = []
+        try:
+            seq = slot.batcher.submit(self.tokens, self.sampler, max_tokens=self.max_tokens,
+                                      logprobs=self.logprobs, adapters=self.adapters, control_vector=self.cv)
+            for t in (self.own_token, self.user_token):
+                if t is not None:
+                    t._attach(seq)
+                    attached.append(t)
+            stopped = False
+            while not stopped:
+                toks = seq.next()
+                if toks is None:
+                    break
+                for tok in toks:
+                    res.tokens.append(tok)
+                    if text.add(tok):
+                        stopped = True
+                        seq.cancel()
+                        break
+                if pieces:
+                    yield from pieces
+                    pieces.clear()
+            if self.user_token is not None and self.user_token.cancelled:
+                raise CancelledError("the request was cancelled")
+            if self.logprobs is not None:
+                res.logprobs = seq.logprobs[: len(res.tokens)]
+            finish = seq.finish_reason if not stopped else "stop"
+            if finish is None:  # (stopped before the batcher saw the cancel)
+                finish = "stop"
+            res.finish_reason = {"stop_sequence": "stop", "cancelled": "stop" if stopped else "length"}.get(
+                finish, finish)
+            res.text = text.finish()
+            if pieces:
+                yield from pieces
+            if text.stopped:
+                res.tokens = res.tokens[: text.n_tokens_used]
+                res.logprobs = res.logprobs[: text.n_tokens_used]
+            yield res
+        finally:
+            for t in attached:
+                t._detach(seq)
+            if seq is not None and not seq.done:
+                # wait until the batcher has let it go: its adapters stay
+                # pinned until then
+                seq.cancel()
+                try:
+                    while seq.next() is not None:
+                        pass
+                except LlamaxError:
+                    pass
+            llm._pool.release(slot)
+            self._release()
 
     def _execute(self, emit) -> _Result:
         llm = self.llm
