@@ -5,6 +5,8 @@
 #include <chrono>
 #include <cmath>
 
+#include <unistd.h>
+
 namespace llamax {
 
 // ---------------------------------------------------------------------------
@@ -205,6 +207,17 @@ void Batcher::release_slot(const SeqPtr & s) {
     }
 }
 
+void Batcher::notify(const SeqPtr & s) {
+    s->cv_.notify_all();
+    const int fd = notify_fd_.load(std::memory_order_relaxed);
+    if (fd >= 0 && s->notify_.load(std::memory_order_relaxed)) {
+        const char byte = 1;
+        // non-blocking: a full pipe already holds a wake-up for the reader
+        ssize_t rc = ::write(fd, &byte, 1);
+        (void) rc;
+    }
+}
+
 void Batcher::end(const SeqPtr & s, Finish f) {
     release_slot(s);
     {
@@ -212,7 +225,7 @@ void Batcher::end(const SeqPtr & s, Finish f) {
         s->finish_ = f;
         s->done_ = true;
     }
-    s->cv_.notify_all();
+    notify(s);
 }
 
 void Batcher::fail(const SeqPtr & s, ErrorKind k, const std::string & msg) {
@@ -224,7 +237,7 @@ void Batcher::fail(const SeqPtr & s, ErrorKind k, const std::string & msg) {
         s->error_ = msg;
         s->done_ = true;
     }
-    s->cv_.notify_all();
+    notify(s);
 }
 
 // Hand one sampled token to its consumer; true when the sequence is over.
@@ -266,7 +279,7 @@ bool Batcher::push_token(const SeqPtr & s, llama_token tok, const float * logits
         std::lock_guard<std::mutex> lk(s->mu_);
         s->events_.push_back(std::move(ev));
     }
-    s->cv_.notify_all();
+    notify(s);
     ++s->n_generated_;
     size_t longest = 0;
     for (const auto & st : p.stop_sequences) {

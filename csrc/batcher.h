@@ -59,6 +59,9 @@ public:
     int32_t n_prompt() const { return n_prompt_; }
     bool failed() const { return failed_; }
     void rethrow() const;  // the error that ended the sequence, if any
+    // Also write a byte to the batcher's notify fd whenever this sequence
+    // has news (asyncio waits on that fd instead of a thread per sequence).
+    void set_notify(bool on) { notify_.store(on, std::memory_order_relaxed); }
 
 private:
     friend class Batcher;
@@ -81,6 +84,7 @@ private:
     std::deque<SeqEvent> events_;
     bool done_ = false;
     std::atomic<bool> cancelled_{false};
+    std::atomic<bool> notify_{false};
     Finish finish_ = Finish::Length;
     bool failed_ = false;
     ErrorKind error_kind_ = ErrorKind::Decode;
@@ -123,6 +127,10 @@ public:
     int32_t n_active();   // admitted + queued, not yet finished
     int32_t n_slots() const { return n_slots_; }
     int32_t n_ctx_seq() const { return ctx_->n_ctx_seq(); }
+    // The write end of a non-blocking pipe (the caller owns both ends and
+    // closes them after close()): a byte is written when a sequence with
+    // set_notify(true) has news.  -1: none.
+    void set_notify_fd(int fd) { notify_fd_.store(fd, std::memory_order_relaxed); }
 
 private:
     struct StateKey {
@@ -138,12 +146,14 @@ private:
     void end(const SeqPtr & s, Finish f);
     void fail(const SeqPtr & s, ErrorKind k, const std::string & msg);
     void release_slot(const SeqPtr & s);
+    void notify(const SeqPtr & s);
     bool push_token(const SeqPtr & s, llama_token tok, const float * logits);
 
     Context * ctx_;
     int32_t n_slots_;
     int32_t quantum_;
     std::thread thread_;
+    std::atomic<int> notify_fd_{-1};
     std::mutex mu_;  // pending_, slots_, stop_, stats_
     std::condition_variable cv_;
     bool stop_ = false;

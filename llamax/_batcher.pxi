@@ -3,6 +3,131 @@
 
 _LIVE_BATCHERS = weakref.WeakSet()
 
+
+def _drained(seq):
+    """Read what a finished-or-cancelled sequence still holds without
+    waiting; True once it is over."""
+    try:
+        while True:
+            toks = seq.next(timeout=0)
+            if toks is None:
+                return True
+            if not toks:
+                return False
+    except LlamaxError:
+        return True
+
+
+class _AsyncHub:
+    """Wakes asyncio tasks waiting on one Batcher's sequences.
+
+    The batcher's native thread writes a byte to a non-blocking pipe when a
+    sequence marked for notification has news; the event loop watches the
+    pipe (``add_reader``) and polls only the waiting sequences, without
+    blocking.  No thread waits per request.  A second event loop using the
+    same batcher while the first is alive waits in a worker thread instead.
+    """
+
+    def __init__(self, batcher):
+        self.rfd, self.wfd = os.pipe()
+        os.set_blocking(self.rfd, False)
+        os.set_blocking(self.wfd, False)
+        self.loop = None
+        self.waiters = {}   # BatchSequence -> Future
+        self.on_done = {}   # BatchSequence -> callable, run once it is over
+        (<Batcher> batcher)._b.set_notify_fd(self.wfd)
+
+    def _attach(self, loop):
+        if self.loop is loop:
+            return True
+        if self.loop is not None and not self.loop.is_closed():
+            return False
+        self.loop = loop
+        loop.add_reader(self.rfd, self._readable)
+        return True
+
+    def _readable(self):
+        try:
+            while os.read(self.rfd, 4096):
+                pass
+        except (BlockingIOError, OSError):
+            pass
+        for seq in list(self.waiters):
+            self._poll(seq)
+        for seq in list(self.on_done):
+            if _drained(seq):
+                self.on_done.pop(seq)()
+
+    def _poll(self, seq):
+        fut = self.waiters.get(seq)
+        if fut is None or fut.done():
+            self.waiters.pop(seq, None)
+            return
+        try:
+            toks = seq.next(timeout=0)
+        except BaseException as e:  # the sequence's error, for its awaiting task
+            del self.waiters[seq]
+            fut.set_exception(e)
+            return
+        if toks == []:
+            return
+        del self.waiters[seq]
+        fut.set_result(toks)
+
+    async def next(self, seq):
+        """``await``-able ``seq.next()``."""
+        import asyncio
+        loop = asyncio.get_running_loop()
+        if not self._attach(loop):
+            return await loop.run_in_executor(None, seq.next)
+        seq._notify()
+        fut = loop.create_future()
+        self.waiters[seq] = fut
+        self._poll(seq)  # news that came before the wait
+        try:
+            return await fut
+        finally:
+            self.waiters.pop(seq, None)
+
+    def when_done(self, seq, fn):
+        """Run ``fn()`` on the loop once ``seq`` is over (now, if it is)."""
+        seq._notify()
+        if _drained(seq) or self.loop is None or self.loop.is_closed():
+            fn()
+        else:
+            self.on_done[seq] = fn
+
+    def close(self):
+        """After the batcher's thread has stopped: stop watching, close the pipe."""
+        loop = self.loop
+        self.loop = None
+
+        def finish():
+            try:
+                self._readable()  # last news: every sequence has just ended
+                loop.remove_reader(self.rfd)
+            finally:
+                os.close(self.rfd)
+                os.close(self.wfd)
+
+        if loop is None or loop.is_closed():
+            os.close(self.rfd)
+            os.close(self.wfd)
+            return
+        import asyncio
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is loop:
+            finish()
+        else:
+            try:
+                loop.call_soon_threadsafe(finish)
+            except RuntimeError:  # closed meanwhile
+                os.close(self.rfd)
+                os.close(self.wfd)
+
 cdef str _ADAPTER_PAIR_HELP = "adapters must be a sequence of (LoraAdapter, scale) pairs"
 
 
@@ -25,6 +150,7 @@ cdef class Batcher:
     cdef CBatcher * _b
     cdef readonly Context context
     cdef set _keep   # adapters / control vectors the context may still have applied
+    cdef object _hub  # _AsyncHub, made on first await
     cdef object __weakref__
 
     def __cinit__(self):
@@ -74,6 +200,9 @@ cdef class Batcher:
             b.close()
         del self._b
         self._b = NULL
+        if self._hub is not None:
+            self._hub.close()
+            self._hub = None
         ctx = self.context
         ctx._driver = None
         if not ctx.closed:
@@ -115,6 +244,13 @@ cdef class Batcher:
     def n_active(self):
         """Sequences queued or running."""
         return self._ptr().n_active()
+
+    def _async(self):
+        """The asyncio bridge of this batcher (internal: llamax.Llama's async calls)."""
+        self._ptr()
+        if self._hub is None:
+            self._hub = _AsyncHub(self)
+        return self._hub
 
     def stats(self):
         """Counters: decodes, tokens decoded, decodes that mixed states (0),
@@ -236,6 +372,24 @@ cdef class BatchSequence:
     def cancel(self):
         """End this sequence at the batcher's next step (finish_reason "cancelled")."""
         self._s.get().cancel()
+
+    def _notify(self):
+        self._s.get().set_notify(True)
+
+    async def anext(self):
+        """``await seq.anext()``: :meth:`next` for asyncio, without a thread."""
+        return await self.batcher._async().next(self)
+
+    def __aiter__(self):
+        return self._aiter()
+
+    async def _aiter(self):
+        while True:
+            toks = await self.anext()
+            if toks is None:
+                return
+            for t in toks:
+                yield t
 
     cdef list _pull(self, double timeout):
         # Wait (without the GIL, in short slices so Ctrl-C is seen) until

@@ -36,7 +36,7 @@ from llamax._shim cimport *
 
 from llamax._errors import (
     AdapterInUseError, ArgumentTypeError, ClosedError, ContextBusyError, ContextOverflowError, ControlVectorError,
-    GrammarError, InvalidArgumentError, InvalidGGUFError, InvalidUtf8Error, LoadError, TokenError,
+    GrammarError, InvalidArgumentError, InvalidGGUFError, InvalidUtf8Error, LlamaxError, LoadError, TokenError,
     ViewsExportedError, _SHIM_KINDS,
 )
 

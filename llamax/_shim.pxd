@@ -154,6 +154,7 @@ cdef extern from "batcher.h" namespace "llamax" nogil:
         int32_t n_prompt()
         cbool failed()
         void rethrow() except +translate_exception
+        void set_notify(cbool on)
 
     ctypedef shared_ptr[CSeq] CSeqPtr "llamax::SeqPtr"
 
@@ -174,3 +175,4 @@ cdef extern from "batcher.h" namespace "llamax" nogil:
         int32_t n_active()
         int32_t n_slots()
         int32_t n_ctx_seq()
+        void set_notify_fd(int fd)

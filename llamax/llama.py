@@ -597,28 +597,20 @@ class Llama:
         created = int(time.time())
         name = model or self.model_path
         prompt_text = self._model.detokenize_text(tokens, errors="replace") if echo else ""
-        if stream:
-            return self._stream_completion(req, cid, created, name, prompt_text)
-        res = req.run()
-        choice = {"text": prompt_text + res.text, "index": 0,
-                  "logprobs": res.completion_logprobs(prompt_text) if logprobs is not None else None,
-                  "finish_reason": res.finish_reason}
-        return {"id": cid, "object": "text_completion", "created": created, "model": name,
-                "choices": [choice], "usage": res.usage()}
 
-    def _stream_completion(self, req, cid, created, name, prompt_text):
-        def chunk(text, finish=None, lp=None):
+        def result(res):
+            choice = {"text": prompt_text + res.text, "index": 0,
+                      "logprobs": res.completion_logprobs(prompt_text) if logprobs is not None else None,
+                      "finish_reason": res.finish_reason}
             return {"id": cid, "object": "text_completion", "created": created, "model": name,
-                    "choices": [{"text": text, "index": 0, "logprobs": lp, "finish_reason": finish}]}
-        if prompt_text:
-            yield chunk(prompt_text)
-        res = None
-        for piece in req.stream():
-            if isinstance(piece, _Result):
-                res = piece
-            elif piece:
-                yield chunk(piece)
-        yield chunk("", res.finish_reason) | {"usage": res.usage()}
+                    "choices": [choice], "usage": res.usage()}
+
+        def chunk(text, finish=None):
+            return {"id": cid, "object": "text_completion", "created": created, "model": name,
+                    "choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": finish}]}
+
+        head = [chunk(prompt_text)] if prompt_text else []
+        return _deliver(req, stream, result, _Chunks(head, chunk, lambda res: chunk("", res.finish_reason)))
 
     # -- chat -----------------------------------------------------------------
 
@@ -663,26 +655,41 @@ class Llama:
         cid = f"chatcmpl-{uuid.uuid4()}"
         created = int(time.time())
         name = model or self.model_path
-        if stream:
-            return self._stream_chat(req, cid, created, name)
-        res = req.run()
-        choice = {"index": 0, "message": {"role": "assistant", "content": res.text},
-                  "logprobs": res.chat_logprobs() if logprobs else None, "finish_reason": res.finish_reason}
-        return {"id": cid, "object": "chat.completion", "created": created, "model": name,
-                "choices": [choice], "usage": res.usage()}
 
-    def _stream_chat(self, req, cid, created, name):
+        def result(res):
+            choice = {"index": 0, "message": {"role": "assistant", "content": res.text},
+                      "logprobs": res.chat_logprobs() if logprobs else None, "finish_reason": res.finish_reason}
+            return {"id": cid, "object": "chat.completion", "created": created, "model": name,
+                    "choices": [choice], "usage": res.usage()}
+
         def chunk(delta, finish=None):
             return {"id": cid, "object": "chat.completion.chunk", "created": created, "model": name,
                     "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
-        yield chunk({"role": "assistant"})
-        res = None
-        for piece in req.stream():
-            if isinstance(piece, _Result):
-                res = piece
-            elif piece:
-                yield chunk({"content": piece})
-        yield chunk({}, res.finish_reason) | {"usage": res.usage()}
+
+        return _deliver(req, stream, result, _Chunks([chunk({"role": "assistant"})],
+                                                     lambda piece: chunk({"content": piece}),
+                                                     lambda res: chunk({}, res.finish_reason)))
+
+    # -- async twins ------------------------------------------------------------
+
+    async def acreate_completion(self, prompt, **kwargs):
+        """``await``-able :meth:`create_completion` (same arguments); with
+        ``stream=True`` an async iterator of chunks.  With ``n_parallel > 1``
+        the event loop is woken by the batcher: no thread waits per request."""
+        return await _adeliver(self.create_completion, prompt, **kwargs)
+
+    async def acreate_chat_completion(self, messages, **kwargs):
+        """``await``-able :meth:`create_chat_completion` (same arguments)."""
+        return await _adeliver(self.create_chat_completion, messages, **kwargs)
+
+    async def aembed(self, input, **kwargs):
+        """:meth:`embed` in a worker thread (embedding runs without the GIL)."""
+        import asyncio
+        return await asyncio.to_thread(self.embed, input, **kwargs)
+
+    async def acreate_embedding(self, input, **kwargs):
+        import asyncio
+        return await asyncio.to_thread(self.create_embedding, input, **kwargs)
 
     # -- embeddings --------------------------------------------------------------
 
@@ -836,6 +843,70 @@ class Llama:
         return _Request(self, tokens, sampler, max_tokens, stops, logprobs, adapters, names, cv, key, cancel)
 
 
+class _Chunks:
+    """How a stream's chunks are made: the first ones, one per text piece,
+    the last (given the _Result; the usage is added)."""
+
+    __slots__ = ("head", "piece", "tail")
+
+    def __init__(self, head, piece, tail):
+        self.head, self.piece, self.tail = head, piece, tail
+
+    def sync(self, pieces):
+        yield from self.head
+        res = None
+        for p in pieces:
+            if isinstance(p, _Result):
+                res = p
+            elif p:
+                yield self.piece(p)
+        yield self.tail(res) | {"usage": res.usage()}
+
+    async def aio(self, pieces):
+        for c in self.head:
+            yield c
+        res = None
+        async for p in pieces:
+            if isinstance(p, _Result):
+                res = p
+            elif p:
+                yield self.piece(p)
+        yield self.tail(res) | {"usage": res.usage()}
+
+
+class _Plan:
+    """A request made ready by a sync endpoint, to be run by an async one."""
+
+    __slots__ = ("req", "stream", "result", "chunks")
+
+    def __init__(self, req, stream, result, chunks):
+        self.req, self.stream, self.result, self.chunks = req, stream, result, chunks
+
+
+_PLANNING = threading.local()  # set while an async twin calls its sync endpoint
+
+
+def _deliver(req, stream, result, chunks):
+    if getattr(_PLANNING, "on", False):
+        return _Plan(req, stream, result, chunks)
+    if stream:
+        return chunks.sync(req.stream())
+    return result(req.run())
+
+
+async def _adeliver(endpoint, *args, **kwargs):
+    """Run the sync endpoint only to validate and build its request (cheap,
+    on the loop's thread), then run the request the async way."""
+    _PLANNING.on = True
+    try:
+        plan = endpoint(*args, **kwargs)
+    finally:
+        _PLANNING.on = False
+    if plan.stream:
+        return plan.chunks.aio(plan.req.astream(True))
+    return plan.result(await plan.req.arun())
+
+
 # What every generating endpoint hands to Llama._request, taken by name from
 # the endpoint's own arguments: one list, so no path can forget one (a fork
 # whose chat path dropped active_loras is the failure this prevents).
@@ -846,6 +917,9 @@ _REQUEST_ARGS = ("max_tokens", "temperature", "top_p", "min_p", "typical_p", "st
 
 def _request_args(args: dict) -> dict:
     return {k: args[k] for k in _REQUEST_ARGS}
+
+
+_WAIT = object()  # _batched_steps: "send me the sequence's next tokens"
 
 
 class _Result:
@@ -907,6 +981,8 @@ class _Request:
         self.key = key
         self.cancel = threading.Event()
         self._released = False
+        self._slot = None  # batched requests: the context's slot and the sequence
+        self._seq = None
 
     def _release(self):
         if not self._released:
@@ -963,29 +1039,30 @@ class _Request:
                 self.own_token.cancel()
                 t.join()
 
-    def _batched(self, streaming: bool) -> Iterator:
-        """The request as one sequence of a Batcher: yields text pieces
-        (when streaming), then the _Result.  Closing the generator early
-        cancels the sequence."""
+    def _batched_steps(self, streaming: bool) -> Iterator:
+        """The request as one sequence of a Batcher, written once for both
+        drivers (_batched, _abatched): yields _WAIT when it needs the
+        sequence's next tokens (the driver sends them, or throws the
+        sequence's error), text pieces when streaming, then the _Result.
+        The driver ends the sequence (_end_batched)."""
         llm = self.llm
         model = llm._model
         res = _Result(model)
         res.n_prompt = len(self.tokens)
         pieces: list[str] = []
         text = _TextAssembler(model, self.stops, pieces.append if streaming else None)
-        slot = llm._pool.acquire()
-        seq = None
+        self._slot = llm._pool.acquire()
+        self._seq = seq = self._slot.batcher.submit(
+            self.tokens, self.sampler, max_tokens=self.max_tokens, logprobs=self.logprobs,
+            adapters=self.adapters, control_vector=self.cv)
         attached = []
         try:
-            seq = slot.batcher.submit(self.tokens, self.sampler, max_tokens=self.max_tokens,
-                                      logprobs=self.logprobs, adapters=self.adapters, control_vector=self.cv)
-            for t in (self.own_token, self.user_token):
-                if t is not None:
-                    t._attach(seq)
-                    attached.append(t)
+            if self.user_token is not None:
+                self.user_token._attach(seq)
+                attached.append(self.user_token)
             stopped = False
             while not stopped:
-                toks = seq.next()
+                toks = yield _WAIT
                 if toks is None:
                     break
                 for tok in toks:
@@ -1001,11 +1078,8 @@ class _Request:
                 raise CancelledError("the request was cancelled")
             if self.logprobs is not None:
                 res.logprobs = seq.logprobs[: len(res.tokens)]
-            finish = seq.finish_reason if not stopped else "stop"
-            if finish is None:  # (stopped before the batcher saw the cancel)
-                finish = "stop"
-            res.finish_reason = {"stop_sequence": "stop", "cancelled": "stop" if stopped else "length"}.get(
-                finish, finish)
+            finish = "stop" if stopped else seq.finish_reason
+            res.finish_reason = "stop" if finish == "stop_sequence" else finish
             res.text = text.finish()
             if pieces:
                 yield from pieces
@@ -1016,17 +1090,111 @@ class _Request:
         finally:
             for t in attached:
                 t._detach(seq)
-            if seq is not None and not seq.done:
-                # wait until the batcher has let it go: its adapters stay
-                # pinned until then
-                seq.cancel()
-                try:
-                    while seq.next() is not None:
-                        pass
-                except LlamaxError:
-                    pass
-            llm._pool.release(slot)
+
+    def _batched(self, streaming: bool) -> Iterator:
+        """Drive _batched_steps, waiting on this thread (without the GIL).
+        Closing the generator early cancels the sequence."""
+        steps = self._batched_steps(streaming)
+        try:
+            item = next(steps)
+            while True:
+                if item is _WAIT:
+                    try:
+                        toks = self._seq.next()
+                    except BaseException as e:
+                        item = steps.throw(e)
+                        continue
+                    item = steps.send(toks)
+                    continue
+                yield item
+                if isinstance(item, _Result):
+                    return
+                item = next(steps)
+        finally:
+            steps.close()
+            self._end_batched(None)
+
+    async def _abatched(self, streaming: bool):
+        """Drive _batched_steps from asyncio: the event loop is woken by the
+        batcher (no thread waits for this request)."""
+        steps = self._batched_steps(streaming)
+        try:
+            item = next(steps)
+            while True:
+                if item is _WAIT:
+                    try:
+                        toks = await self._seq.anext()
+                    except BaseException as e:
+                        item = steps.throw(e)
+                        continue
+                    item = steps.send(toks)
+                    continue
+                yield item
+                if isinstance(item, _Result):
+                    return
+                item = next(steps)
+        finally:
+            steps.close()
+            hub = None
+            if self._seq is not None and not self._slot.batcher.closed:
+                hub = self._slot.batcher._async()
+            self._end_batched(hub)
+
+    def _end_batched(self, hub) -> None:
+        """Cancel the sequence if it still runs; release the context's slot
+        and the adapter pins once the batcher has let the sequence go (here,
+        waiting; with ``hub``, when the event loop hears it is over)."""
+        seq = self._seq
+        slot = self._slot
+
+        def release():
+            if slot is not None:
+                self.llm._pool.release(slot)
             self._release()
+
+        if seq is None or seq.done:
+            release()
+            return
+        seq.cancel()
+        if hub is not None:
+            hub.when_done(seq, release)
+            return
+        try:
+            while seq.next() is not None:
+                pass
+        except LlamaxError:
+            pass
+        release()
+
+    async def arun(self) -> _Result:
+        async for item in self.astream(False):
+            if isinstance(item, _Result):
+                return item
+        raise AssertionError("unreachable")
+
+    async def astream(self, streaming: bool = True):
+        """Async twin of stream(): text pieces (when streaming), then the _Result."""
+        if isinstance(self.llm._pool, _BatchPool):
+            agen = self._abatched(streaming)
+            try:
+                async for item in agen:
+                    yield item
+            finally:
+                await agen.aclose()
+            return
+        # one request per context (n_parallel=1): the sync path in a worker
+        # thread, one piece at a time
+        import asyncio
+        it = self.stream() if streaming else iter([self.run()])
+        done = object()
+        try:
+            while True:
+                item = await asyncio.to_thread(next, it, done)
+                if item is done:
+                    return
+                yield item
+        finally:
+            await asyncio.to_thread(it.close) if hasattr(it, "close") else None
 
     def _execute(self, emit) -> _Result:
         llm = self.llm

@@ -169,3 +169,78 @@ def test_close_refused_while_running_and_lru_eviction(smollm2_path, api_loras):
     s.close()
     m.close()
     assert m.closed
+
+
+# -- async twins ------------------------------------------------------------------------------
+
+async def _settle(llm, seconds=30.0):
+    import asyncio
+    import time
+    deadline = time.monotonic() + seconds
+    while llm.busy and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+    return not llm.busy
+
+
+def test_async_requests_share_decodes_without_threads(par, serial):
+    import asyncio
+    want = [serial.create_chat_completion(chat(q), max_tokens=16, **G)["choices"][0]["message"]["content"]
+            for q in QUESTIONS[:4]]
+
+    async def main():
+        n_threads = threading.active_count()
+        rs = await asyncio.gather(*[par.acreate_chat_completion(chat(q), max_tokens=16, **G)
+                                    for q in QUESTIONS[:4]])
+        # the event loop was woken by the batcher: no worker thread per request
+        assert threading.active_count() == n_threads
+        texts = [r["choices"][0]["message"]["content"] for r in rs]
+        assert sum(a == b for a, b in zip(texts, want)) >= len(want) - 1
+        stream = await par.acreate_chat_completion(chat(QUESTIONS[0]), max_tokens=16, stream=True, **G)
+        chunks = [c async for c in stream]
+        assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == texts[0]
+        assert chunks[-1]["usage"]["completion_tokens"] == rs[0]["usage"]["completion_tokens"]
+        c = await par.acreate_completion("The sky is", max_tokens=5, **G)
+        assert c["usage"]["completion_tokens"] == 5
+
+    asyncio.run(main())
+    asyncio.run(main())  # a second event loop takes over the batcher's wake-ups
+
+
+def test_async_abandon_and_cancel_free_the_request(par):
+    import asyncio
+
+    async def main():
+        stream = await par.acreate_completion("Once upon a time", max_tokens=300, stream=True, **G)
+        async for _ in stream:
+            break
+        await stream.aclose()
+        assert await _settle(par)
+        task = asyncio.create_task(par.acreate_completion("Count:", max_tokens=300, **G))
+        await asyncio.sleep(0.2)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert await _settle(par)
+        with pytest.raises(llamax.GrammarError):
+            await par.acreate_completion("Say:", max_tokens=4, grammar=r"root ::= [\x00]", **G)
+        assert await _settle(par)
+
+    asyncio.run(main())
+
+
+def test_async_on_one_sequence_contexts(smollm2_path, serial):
+    """Without n_parallel the async twins run the request in a worker thread."""
+    import asyncio
+    m = make_llama(smollm2_path)
+    want = serial.create_completion("The sky is", max_tokens=6, **G)["choices"][0]["text"]
+
+    async def main():
+        r = await m.acreate_completion("The sky is", max_tokens=6, **G)
+        assert r["choices"][0]["text"] == want
+        stream = await m.acreate_completion("The sky is", max_tokens=6, stream=True, **G)
+        assert "".join([c["choices"][0]["text"] async for c in stream]) == want
+
+    try:
+        asyncio.run(main())
+    finally:
+        m.close()
