@@ -97,6 +97,35 @@ def tenants(req):
     return {"latencies": lat, "total": total}
 
 
+def concurrent(req):
+    """N threads, each one create_completion of max_tokens (EOS banned), on
+    one Llama behind one lock: how a llama-cpp-python service serves
+    concurrent requests (its server serializes them the same way).  Returns
+    the total seconds and, per request, its token timestamps."""
+    import threading
+    llm = _llm(req["model"], req["threads"], req["n_ctx"])
+    lock = threading.Lock()
+    eos = llm.token_eos()
+    stamps = [None] * len(req["prompts"])
+    t_all = time.perf_counter()
+
+    def run(i):
+        ts = []
+        with lock:
+            llm.reset()
+            for _ in llm.create_completion(req["prompts"][i], max_tokens=req["max_tokens"], temperature=0.0,
+                                           top_k=1, logit_bias={eos: -1e9}, stream=True):
+                ts.append(time.perf_counter() - t_all)
+        stamps[i] = ts
+
+    ths = [threading.Thread(target=run, args=(i,)) for i in range(len(req["prompts"]))]
+    for t in ths:
+        t.start()
+    for t in ths:
+        t.join()
+    return {"total": time.perf_counter() - t_all, "stamps": stamps}
+
+
 def gil(req):
     """A pure-Python counter thread's count during a 128-token generate."""
     llm = _llm(req["model"], req["threads"], 256)
@@ -142,7 +171,7 @@ def embed(req):
 
 
 def serve():
-    ops = {"tg": tg, "pp": pp, "completion": completion, "tenants": tenants, "gil": gil, "ttft": ttft,
+    ops = {"tg": tg, "pp": pp, "completion": completion, "tenants": tenants, "gil": gil, "concurrent": concurrent, "ttft": ttft,
            "embed": embed}
     print(json.dumps({"ready": True, "version": llama_cpp.__version__}), flush=True)
     for line in sys.stdin:

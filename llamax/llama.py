@@ -8,27 +8,27 @@ prompt cache keyed by the adapter set and control vector as well as tokens.
 """
 from __future__ import annotations
 
-import codecs
 import hashlib
 import itertools
 import logging
 import os
-import queue
 import random
 import threading
 import time
 import uuid
 import weakref
-from typing import Iterator
 
 import numpy as np
 
 from llamax._core import Batcher, Context, ControlVector, Model, Sampler
 from llamax._errors import (
-    ArgumentTypeError, CancelledError, ContextBusyError, LlamaxError, ControlVectorError, InvalidArgumentError, TokenError, UnknownAdapterError,
+    ArgumentTypeError, ContextBusyError, ControlVectorError, InvalidArgumentError, TokenError, UnknownAdapterError,
 )
 from llamax.adapters import AdapterRegistry
+from llamax.cancel import CancelToken
 from llamax.chat import ChatTemplate, ChatTemplateError, prepare_prefill
+from llamax.pool import _BatchPool, _BatchSlot, _Pool, _Slot
+from llamax.request import RequestParams, _adeliver, _Chunks, _deliver, _Request
 
 __all__ = ["Llama"]
 
@@ -40,36 +40,6 @@ _REMOVED = {
     "lora_base": "adapters apply to the loaded base model; load them with llm.load_lora(name, path)",
 }
 _DEFAULT_SEED = 0xFFFFFFFF
-
-
-class _Slot:
-    """One context of the pool, with what its KV holds and under which state."""
-
-    __slots__ = ("ctx", "busy", "key", "tokens", "logits_n", "last_used", "stale")
-
-    def __init__(self, ctx: Context):
-        self.ctx = ctx
-        self.busy = False
-        self.key = None            # state key the KV was computed under
-        self.tokens = np.empty(0, np.int32)  # tokens held in sequence 0's KV
-        self.logits_n = -1         # the context saved the logits after tokens[:logits_n]
-        self.last_used = 0.0
-        self.stale = False         # forget the cache when the running request ends
-
-    def forget(self) -> None:
-        """Nothing in this context's KV or saved logits will be reused: no
-        request's state key is None, so no prefix matches."""
-        self.key = None
-        self.logits_n = -1
-        self.stale = False
-
-
-def _lcp(a: np.ndarray, b: np.ndarray) -> int:
-    n = min(len(a), len(b))
-    if n == 0:
-        return 0
-    neq = np.flatnonzero(a[:n] != b[:n])
-    return int(neq[0]) if len(neq) else n
 
 
 EMBED_SEQS = 64  # inputs per embedding decode (llama.cpp's n_seq_max)
@@ -87,152 +57,6 @@ def _weak_call(wm):
         if f is not None:
             f(*args)
     return call
-
-
-class CancelToken:
-    """Cancels the requests it is given to (``cancel=token``), from any thread.
-
-    ``token.cancel()`` makes a running request stop within one token (or
-    one graph node of a prompt decode) and raise ``CancelledError``; a
-    request that has not started yet raises it when it starts.  Other
-    requests, on the same ``Llama`` or context, are not touched, and the
-    context serves the next request normally.
-    """
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self._cancelled = False
-        self._ctxs: list[Context] = []
-
-    @property
-    def cancelled(self) -> bool:
-        return self._cancelled
-
-    def cancel(self) -> None:
-        # Under the lock: once _detach has returned, this token can no longer
-        # touch that context (whose next request must not be aborted).
-        with self._lock:
-            self._cancelled = True
-            for c in self._ctxs:
-                c.cancel()
-
-    def _attach(self, ctx: Context) -> None:
-        with self._lock:
-            if self._cancelled:
-                raise CancelledError("the request was cancelled before it started")
-            self._ctxs.append(ctx)
-
-    def _detach(self, ctx: Context) -> None:
-        with self._lock:
-            self._ctxs.remove(ctx)
-
-    def __repr__(self):
-        return f"<CancelToken cancelled={self._cancelled}>"
-
-
-class _Pool:
-    """K contexts over one model.  A request takes the free context whose
-    state and cached prefix match it best (adapter affinity), else the least
-    recently used one; it waits when all are busy."""
-
-    def __init__(self, slots):
-        self.slots = slots
-        self.cond = threading.Condition()
-
-    def acquire(self, key, tokens: np.ndarray) -> _Slot:
-        with self.cond:
-            while True:
-                free = [s for s in self.slots if not s.busy]
-                if free:
-                    def score(s):
-                        same = s.key == key
-                        return (same, _lcp(s.tokens, tokens) if same else 0, -s.last_used)
-                    best = max(free, key=score)
-                    best.busy = True
-                    return best
-                self.cond.wait()
-
-    def release(self, slot: _Slot) -> None:
-        with self.cond:
-            if slot.stale:
-                slot.forget()
-            slot.busy = False
-            slot.last_used = time.monotonic()
-            self.cond.notify()
-
-    def forget(self) -> None:
-        """Forget every cached prefix; a busy context forgets when its request ends."""
-        with self.cond:
-            for s in self.slots:
-                if s.busy:
-                    s.stale = True
-                else:
-                    s.forget()
-
-    def detach(self, adapter) -> None:
-        """Make idle contexts drop ``adapter`` (before it is freed)."""
-        with self.cond:
-            for s in self.slots:
-                if not s.busy and s.ctx is not None and not s.ctx.closed \
-                        and any(a is adapter for a, _ in s.ctx.adapters):
-                    s.ctx.set_adapters([])
-                    s.forget()
-                    s.tokens = np.empty(0, np.int32)
-
-    def close(self):
-        with self.cond:
-            for s in self.slots:
-                s.ctx.close()
-
-
-class _BatchSlot:
-    """One context of a batched pool, driven by its Batcher."""
-
-    __slots__ = ("ctx", "batcher", "n_requests")
-
-    def __init__(self, ctx: Context, batcher: Batcher):
-        self.ctx = ctx
-        self.batcher = batcher
-        self.n_requests = 0  # requests submitted and not yet finished
-
-    @property
-    def busy(self) -> bool:
-        return self.n_requests > 0
-
-
-class _BatchPool:
-    """K contexts, each with a Batcher of S sequences (``n_parallel=S``):
-    concurrent requests share decodes.  A request goes to the context with
-    the fewest requests."""
-
-    def __init__(self, slots):
-        self.slots = slots
-        self.lock = threading.Lock()
-
-    def acquire(self) -> _BatchSlot:
-        with self.lock:
-            best = min(self.slots, key=lambda s: s.n_requests)
-            best.n_requests += 1
-            return best
-
-    def release(self, slot: _BatchSlot) -> None:
-        with self.lock:
-            slot.n_requests -= 1
-
-    def forget(self) -> None:
-        """Nothing to forget: a batched sequence's KV lives as long as it runs."""
-
-    def detach(self, adapter) -> None:
-        """Let ``adapter`` be freed: no pinned request uses it, so resetting
-        each batcher's applied state is enough."""
-        for s in self.slots:
-            if not s.batcher.closed:
-                s.batcher.reset_state()
-
-    def close(self):
-        for s in self.slots:
-            s.batcher.close()
-            s.ctx.close()
 
 
 class Llama:
@@ -592,7 +416,12 @@ class Llama:
             raise InvalidArgumentError(f"logprobs must be an int in [0, n_vocab={self.n_vocab()}] (top alternatives "
                                        "per token)")
         tokens = self._prompt_tokens(prompt)
-        req = self._request(tokens, logprobs=logprobs, **_request_args(locals()))
+        req = self._request(tokens, logprobs, RequestParams(
+            max_tokens=max_tokens, temperature=temperature, top_p=top_p, min_p=min_p, typical_p=typical_p,
+            top_k=top_k, repeat_penalty=repeat_penalty, frequency_penalty=frequency_penalty,
+            presence_penalty=presence_penalty, stop=stop, seed=seed, logit_bias=logit_bias, grammar=grammar,
+            active_loras=active_loras, control_vector=control_vector, control_vectors=control_vectors,
+            cancel=cancel))
         cid = f"cmpl-{uuid.uuid4()}"
         created = int(time.time())
         name = model or self.model_path
@@ -651,7 +480,12 @@ class Llama:
                 raise InvalidArgumentError("top_logprobs must be an int in [0, 20]")
         # The template wrote the BOS (if any) and the special tokens as text.
         tokens = self._model.tokenize(text, add_special=False, parse_special=True)
-        req = self._request(tokens, logprobs=n_top, **_request_args(locals()))
+        req = self._request(tokens, n_top, RequestParams(
+            max_tokens=max_tokens, temperature=temperature, top_p=top_p, min_p=min_p, typical_p=typical_p,
+            top_k=top_k, repeat_penalty=repeat_penalty, frequency_penalty=frequency_penalty,
+            presence_penalty=presence_penalty, stop=stop, seed=seed, logit_bias=logit_bias, grammar=grammar,
+            active_loras=active_loras, control_vector=control_vector, control_vectors=control_vectors,
+            cancel=cancel))
         cid = f"chatcmpl-{uuid.uuid4()}"
         created = int(time.time())
         name = model or self.model_path
@@ -808,17 +642,19 @@ class Llama:
             tokens = np.array([bos], np.int32)
         return tokens
 
-    def _request(self, tokens, *, max_tokens, stop, logprobs, active_loras, control_vector, control_vectors,
-                 seed, cancel, **sampling):
+    def _request(self, tokens, logprobs, p: RequestParams):
+        cancel = p.cancel
         if cancel is not None and not isinstance(cancel, CancelToken):
             raise ArgumentTypeError(f"cancel must be a llamax.CancelToken, not {type(cancel).__name__}")
         if not self._pool.slots:
             # vocab_only=True or n_contexts=0: no context to run on (the pool would wait forever)
             raise InvalidArgumentError("this Llama has no generation context (vocab_only=True or n_contexts=0)")
+        max_tokens = p.max_tokens
         if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)):
             raise ArgumentTypeError("max_tokens must be an int or None")
         if max_tokens is None or max_tokens <= 0:
             max_tokens = -1  # until the context is full
+        stop = p.stop
         if stop is None:
             stops = []
         elif isinstance(stop, str):
@@ -827,529 +663,15 @@ class Llama:
             stops = [s for s in stop if s]
         else:
             raise ArgumentTypeError("stop must be a str or a list of str")
-        grammar = sampling.pop("grammar")
+        grammar = p.grammar
         if grammar is not None and not isinstance(grammar, str):
             grammar = getattr(grammar, "_grammar", None) or getattr(grammar, "grammar", None)
             if not isinstance(grammar, str):
                 raise ArgumentTypeError("grammar must be a GBNF string")
-        sampler = Sampler(self._model, temperature=sampling["temperature"], top_k=sampling["top_k"],
-                          top_p=sampling["top_p"], min_p=sampling["min_p"], typical_p=sampling["typical_p"],
-                          repeat_penalty=sampling["repeat_penalty"],
-                          frequency_penalty=sampling["frequency_penalty"],
-                          presence_penalty=sampling["presence_penalty"], seed=self._next_seed(seed),
-                          grammar=grammar, logit_bias=sampling["logit_bias"])
+        sampler = Sampler(self._model, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
+                          typical_p=p.typical_p, repeat_penalty=p.repeat_penalty,
+                          frequency_penalty=p.frequency_penalty, presence_penalty=p.presence_penalty,
+                          seed=self._next_seed(p.seed), grammar=grammar, logit_bias=p.logit_bias)
         # Resolved last: it pins adapters, which the request must release.
-        adapters, names, cv, key = self._state(active_loras, control_vector, control_vectors)
+        adapters, names, cv, key = self._state(p.active_loras, p.control_vector, p.control_vectors)
         return _Request(self, tokens, sampler, max_tokens, stops, logprobs, adapters, names, cv, key, cancel)
-
-
-class _Chunks:
-    """How a stream's chunks are made: the first ones, one per text piece,
-    the last (given the _Result; the usage is added)."""
-
-    __slots__ = ("head", "piece", "tail")
-
-    def __init__(self, head, piece, tail):
-        self.head, self.piece, self.tail = head, piece, tail
-
-    def sync(self, pieces):
-        yield from self.head
-        res = None
-        for p in pieces:
-            if isinstance(p, _Result):
-                res = p
-            elif p:
-                yield self.piece(p)
-        yield self.tail(res) | {"usage": res.usage()}
-
-    async def aio(self, pieces):
-        for c in self.head:
-            yield c
-        res = None
-        async for p in pieces:
-            if isinstance(p, _Result):
-                res = p
-            elif p:
-                yield self.piece(p)
-        yield self.tail(res) | {"usage": res.usage()}
-
-
-class _Plan:
-    """A request made ready by a sync endpoint, to be run by an async one."""
-
-    __slots__ = ("req", "stream", "result", "chunks")
-
-    def __init__(self, req, stream, result, chunks):
-        self.req, self.stream, self.result, self.chunks = req, stream, result, chunks
-
-
-_PLANNING = threading.local()  # set while an async twin calls its sync endpoint
-
-
-def _deliver(req, stream, result, chunks):
-    if getattr(_PLANNING, "on", False):
-        return _Plan(req, stream, result, chunks)
-    if stream:
-        return chunks.sync(req.stream())
-    return result(req.run())
-
-
-async def _adeliver(endpoint, *args, **kwargs):
-    """Run the sync endpoint only to validate and build its request (cheap,
-    on the loop's thread), then run the request the async way."""
-    _PLANNING.on = True
-    try:
-        plan = endpoint(*args, **kwargs)
-    finally:
-        _PLANNING.on = False
-    if plan.stream:
-        return plan.chunks.aio(plan.req.astream(True))
-    return plan.result(await plan.req.arun())
-
-
-# What every generating endpoint hands to Llama._request, taken by name from
-# the endpoint's own arguments: one list, so no path can forget one (a fork
-# whose chat path dropped active_loras is the failure this prevents).
-_REQUEST_ARGS = ("max_tokens", "temperature", "top_p", "min_p", "typical_p", "stop", "frequency_penalty",
-                 "presence_penalty", "repeat_penalty", "top_k", "seed", "logit_bias", "grammar",
-                 "active_loras", "control_vector", "control_vectors", "cancel")
-
-
-def _request_args(args: dict) -> dict:
-    return {k: args[k] for k in _REQUEST_ARGS}
-
-
-_WAIT = object()  # _batched_steps: "send me the sequence's next tokens"
-
-
-class _Result:
-    __slots__ = ("text", "tokens", "n_prompt", "finish_reason", "logprobs", "model")
-
-    def __init__(self, model):
-        self.model = model
-        self.text = ""
-        self.tokens = []
-        self.n_prompt = 0
-        self.finish_reason = "length"
-        self.logprobs = []  # per token: (logprob, [(token, logprob), ...])
-
-    def usage(self):
-        return {"prompt_tokens": self.n_prompt, "completion_tokens": len(self.tokens),
-                "total_tokens": self.n_prompt + len(self.tokens)}
-
-    def completion_logprobs(self, prefix=""):
-        m = self.model
-        toks, offs, lps, tops = [], [], [], []
-        off = len(prefix)
-        for t, (lp, top) in zip(self.tokens, self.logprobs):
-            piece = m.token_to_piece(t).decode("utf-8", "replace")
-            toks.append(piece)
-            offs.append(off)
-            off += len(piece)
-            lps.append(lp)
-            tops.append({m.token_to_piece(a).decode("utf-8", "replace"): b for a, b in top})
-        return {"tokens": toks, "text_offset": offs, "token_logprobs": lps, "top_logprobs": tops}
-
-    def chat_logprobs(self):
-        m = self.model
-        content = []
-        for t, (lp, top) in zip(self.tokens, self.logprobs):
-            b = m.token_to_piece(t)
-            content.append({"token": b.decode("utf-8", "replace"), "logprob": lp, "bytes": list(b),
-                            "top_logprobs": [{"token": m.token_to_piece(a).decode("utf-8", "replace"),
-                                              "logprob": c, "bytes": list(m.token_to_piece(a))} for a, c in top]})
-        return {"content": content}
-
-
-class _Request:
-    """One generation: pick a context, apply state, reuse the cached prefix
-    (only under the same state), run the C++ loop, assemble text."""
-
-    def __init__(self, llm: Llama, tokens, sampler, max_tokens, stops, logprobs, adapters, names, cv, key,
-                 token: CancelToken | None = None):
-        self.llm = llm
-        self.user_token = token
-        self.own_token = CancelToken()  # the stream's consumer going away aborts a long prompt decode
-        self.tokens = tokens
-        self.sampler = sampler
-        self.max_tokens = max_tokens
-        self.stops = stops
-        self.logprobs = logprobs
-        self.adapters = adapters
-        self.names = names
-        self.cv = cv
-        self.key = key
-        self.cancel = threading.Event()
-        self._released = False
-        self._slot = None  # batched requests: the context's slot and the sequence
-        self._seq = None
-
-    def _release(self):
-        if not self._released:
-            self._released = True
-            self.llm._adapters.release(self.names)
-
-    def __del__(self):
-        # a stream that was never iterated still holds its adapter pins
-        try:
-            self._release()
-        except Exception:
-            pass
-
-    def run(self) -> _Result:
-        if isinstance(self.llm._pool, _BatchPool):
-            for item in self._batched(False):
-                if isinstance(item, _Result):
-                    return item
-        return self._execute(None)
-
-    def stream(self) -> Iterator:
-        """Yield text pieces, then the _Result.  Generation runs in a worker
-        thread (GIL released in C++); the consumer stopping early cancels it.
-        With ``n_parallel`` the batcher's thread generates, and the
-        consumer reads its tokens directly."""
-        if isinstance(self.llm._pool, _BatchPool):
-            yield from self._batched(True)
-            return
-        q: queue.Queue = queue.Queue()
-        done = object()
-
-        def work():
-            try:
-                q.put(self._execute(q.put))
-            except BaseException as e:  # handed to the consumer, never lost
-                q.put(e)
-            finally:
-                q.put(done)
-
-        t = threading.Thread(target=work, daemon=True, name="llamax-stream")
-        t.start()
-        try:
-            while True:
-                item = q.get()
-                if item is done:
-                    break
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-        finally:
-            self.cancel.set()       # the token loop stops at its next token
-            t.join(0.05)
-            if t.is_alive():        # still in a prompt decode: abort it
-                self.own_token.cancel()
-                t.join()
-
-    def _batched_steps(self, streaming: bool) -> Iterator:
-        """The request as one sequence of a Batcher, written once for both
-        drivers (_batched, _abatched): yields _WAIT when it needs the
-        sequence's next tokens (the driver sends them, or throws the
-        sequence's error), text pieces when streaming, then the _Result.
-        The driver ends the sequence (_end_batched)."""
-        llm = self.llm
-        model = llm._model
-        res = _Result(model)
-        res.n_prompt = len(self.tokens)
-        pieces: list[str] = []
-        text = _TextAssembler(model, self.stops, pieces.append if streaming else None)
-        self._slot = llm._pool.acquire()
-        self._seq = seq = self._slot.batcher.submit(
-            self.tokens, self.sampler, max_tokens=self.max_tokens, logprobs=self.logprobs,
-            adapters=self.adapters, control_vector=self.cv)
-        attached = []
-        try:
-            if self.user_token is not None:
-                self.user_token._attach(seq)
-                attached.append(self.user_token)
-            stopped = False
-            while not stopped:
-                toks = yield _WAIT
-                if toks is None:
-                    break
-                for tok in toks:
-                    res.tokens.append(tok)
-                    if text.add(tok):
-                        stopped = True
-                        seq.cancel()
-                        break
-                if pieces:
-                    yield from pieces
-                    pieces.clear()
-            if self.user_token is not None and self.user_token.cancelled:
-                raise CancelledError("the request was cancelled")
-            if self.logprobs is not None:
-                res.logprobs = seq.logprobs[: len(res.tokens)]
-            finish = "stop" if stopped else seq.finish_reason
-            res.finish_reason = "stop" if finish == "stop_sequence" else finish
-            res.text = text.finish()
-            if pieces:
-                yield from pieces
-            if text.stopped:
-                res.tokens = res.tokens[: text.n_tokens_used]
-                res.logprobs = res.logprobs[: text.n_tokens_used]
-            yield res
-        finally:
-            for t in attached:
-                t._detach(seq)
-
-    def _batched(self, streaming: bool) -> Iterator:
-        """Drive _batched_steps, waiting on this thread (without the GIL).
-        Closing the generator early cancels the sequence."""
-        steps = self._batched_steps(streaming)
-        try:
-            item = next(steps)
-            while True:
-                if item is _WAIT:
-                    try:
-                        toks = self._seq.next()
-                    except BaseException as e:
-                        item = steps.throw(e)
-                        continue
-                    item = steps.send(toks)
-                    continue
-                yield item
-                if isinstance(item, _Result):
-                    return
-                item = next(steps)
-        finally:
-            steps.close()
-            self._end_batched(None)
-
-    async def _abatched(self, streaming: bool):
-        """Drive _batched_steps from asyncio: the event loop is woken by the
-        batcher (no thread waits for this request)."""
-        steps = self._batched_steps(streaming)
-        try:
-            item = next(steps)
-            while True:
-                if item is _WAIT:
-                    try:
-                        toks = await self._seq.anext()
-                    except BaseException as e:
-                        item = steps.throw(e)
-                        continue
-                    item = steps.send(toks)
-                    continue
-                yield item
-                if isinstance(item, _Result):
-                    return
-                item = next(steps)
-        finally:
-            steps.close()
-            hub = None
-            if self._seq is not None and not self._slot.batcher.closed:
-                hub = self._slot.batcher._async()
-            self._end_batched(hub)
-
-    def _end_batched(self, hub) -> None:
-        """Cancel the sequence if it still runs; release the context's slot
-        and the adapter pins once the batcher has let the sequence go (here,
-        waiting; with ``hub``, when the event loop hears it is over)."""
-        seq = self._seq
-        slot = self._slot
-
-        def release():
-            if slot is not None:
-                self.llm._pool.release(slot)
-            self._release()
-
-        if seq is None or seq.done:
-            release()
-            return
-        seq.cancel()
-        if hub is not None:
-            hub.when_done(seq, release)
-            return
-        try:
-            while seq.next() is not None:
-                pass
-        except LlamaxError:
-            pass
-        release()
-
-    async def arun(self) -> _Result:
-        async for item in self.astream(False):
-            if isinstance(item, _Result):
-                return item
-        raise AssertionError("unreachable")
-
-    async def astream(self, streaming: bool = True):
-        """Async twin of stream(): text pieces (when streaming), then the _Result."""
-        if isinstance(self.llm._pool, _BatchPool):
-            agen = self._abatched(streaming)
-            try:
-                async for item in agen:
-                    yield item
-            finally:
-                await agen.aclose()
-            return
-        # one request per context (n_parallel=1): the sync path in a worker
-        # thread, one piece at a time
-        import asyncio
-        it = self.stream() if streaming else iter([self.run()])
-        done = object()
-        try:
-            while True:
-                item = await asyncio.to_thread(next, it, done)
-                if item is done:
-                    return
-                yield item
-        finally:
-            await asyncio.to_thread(it.close) if hasattr(it, "close") else None
-
-    def _execute(self, emit) -> _Result:
-        llm = self.llm
-        model = llm._model
-        res = _Result(model)
-        res.n_prompt = len(self.tokens)
-        slot = None
-        tokens = [t for t in (self.own_token, self.user_token) if t is not None]
-        attached = []
-        try:
-            slot = llm._pool.acquire(self.key, self.tokens)
-            ctx = slot.ctx
-            for t in tokens:
-                t._attach(ctx)
-                attached.append(t)
-            ctx.set_adapters(self.adapters)     # no-op when already applied
-            ctx.set_control_vector(self.cv)     # no-op when identical
-            # Reuse KV only if it was computed under this very state.
-            n_keep = _lcp(slot.tokens, self.tokens) if slot.key == self.key else 0
-            saved = False
-            if n_keep == len(self.tokens):
-                # A repeat: the KV holds the whole prompt.  Sample from the
-                # logits saved after it (the same numbers as the first time,
-                # so the same answer) unless logprobs need the live buffer;
-                # else decode the last prompt token again for its logits.
-                if slot.logits_n == n_keep and self.logprobs is None:
-                    saved = True
-                else:
-                    n_keep -= 1
-            if not saved and not llm._prefix_cache:
-                n_keep = 0  # only an exact repeat reuses the KV (see Llama's prefix_cache)
-            if n_keep > 0:
-                ctx.kv_remove(0, n_keep, -1)
-            else:
-                ctx.kv_clear()
-            slot.key = self.key
-            slot.tokens = self.tokens[:n_keep]
-            slot.logits_n = -1
-            text = _TextAssembler(model, self.stops, emit)
-            want_cb = emit is not None or self.stops or self.logprobs is not None
-            lps = res.logprobs
-
-            def on_token(tok):
-                if self.cancel.is_set():
-                    return True
-                if self.logprobs is not None:
-                    lps.append(_logprobs(ctx, tok, self.logprobs))
-                return text.add(tok)
-
-            try:
-                out, finish = ctx.generate(self.tokens[n_keep:], self.sampler, max_tokens=self.max_tokens,
-                                           callback=on_token if want_cb else None, from_saved_logits=saved)
-            except BaseException:
-                slot.key = None
-                slot.tokens = np.empty(0, np.int32)
-                raise
-            slot.logits_n = len(self.tokens)
-            n_kv = ctx.seq_pos_max(0) + 1
-            full = np.concatenate([self.tokens, out])
-            slot.tokens = full[:n_kv]
-            res.tokens = out.tolist()
-            if finish == "callback":
-                finish = "stop" if text.stopped else "length"
-            elif finish == "stop_sequence":
-                finish = "stop"
-            res.finish_reason = finish
-            if not want_cb:
-                text.add_all(out)
-            res.text = text.finish()
-            if text.stopped:
-                # tokens past the stop string are not part of the answer
-                res.tokens = res.tokens[: text.n_tokens_used]
-                res.logprobs = res.logprobs[: text.n_tokens_used]
-            return res
-        finally:
-            for t in attached:
-                t._detach(slot.ctx)
-            if slot is not None:
-                llm._pool.release(slot)
-            self._release()
-
-
-def _logprobs(ctx: Context, tok: int, n_top: int):
-    row = ctx.get_logits()[-1]
-    m = float(row.max())
-    lse = m + float(np.log(np.exp(row - m).sum()))
-    lp = float(row[tok]) - lse
-    top = []
-    if n_top:
-        idx = np.argpartition(row, -n_top)[-n_top:]
-        idx = idx[np.argsort(row[idx])[::-1]]
-        top = [(int(i), float(row[i]) - lse) for i in idx]
-    del row
-    return lp, top
-
-
-class _TextAssembler:
-    """Token bytes → text.  Streams only what is final: an incomplete UTF-8
-    sequence waits for its next bytes, and a tail that could be the start of
-    a stop string waits until it can't.  Cuts at the first stop string."""
-
-    def __init__(self, model: Model, stops, emit):
-        self.model = model
-        self.stops = stops
-        self.emit = emit
-        self.decoder = codecs.getincrementaldecoder("utf-8")("replace")
-        self.text = ""
-        self.n_emitted = 0
-        self.stopped = False
-        self.n_tokens_used = 0
-        self.hold = max((len(s) for s in stops), default=0)
-
-    def add(self, tok) -> bool:
-        self.n_tokens_used += 1
-        self.text += self.decoder.decode(self.model.token_to_piece(int(tok)))
-        if not self.stops:
-            self._flush(len(self.text))
-            return False
-        start = max(0, self.n_emitted - self.hold)
-        cut = -1
-        for s in self.stops:
-            i = self.text.find(s, start)
-            if i >= 0 and (cut < 0 or i < cut):
-                cut = i
-        if cut >= 0:
-            self.text = self.text[:cut]
-            self.decoder.reset()
-            self.stopped = True
-            self._flush(len(self.text))
-            return True
-        self._flush(len(self.text) - self._partial_stop_len())
-        return False
-
-    def _partial_stop_len(self) -> int:
-        # the longest tail of the text that is a proper prefix of a stop string
-        best = 0
-        for s in self.stops:
-            for k in range(min(len(s) - 1, len(self.text)), best, -1):
-                if self.text.endswith(s[:k]):
-                    best = k
-                    break
-        return best
-
-    def _flush(self, upto):
-        if self.emit is not None and upto > self.n_emitted:
-            self.emit(self.text[self.n_emitted:upto])
-            self.n_emitted = upto
-
-    def add_all(self, tokens):
-        piece = self.model.token_to_piece
-        self.text += self.decoder.decode(b"".join(piece(int(t)) for t in tokens))
-        self.n_tokens_used = len(tokens)
-
-    def finish(self) -> str:
-        if not self.stopped:
-            self.text += self.decoder.decode(b"", final=True)
-        self._flush(len(self.text))
-        return self.text

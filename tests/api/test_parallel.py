@@ -244,3 +244,84 @@ def test_async_on_one_sequence_contexts(smollm2_path, serial):
         asyncio.run(main())
     finally:
         m.close()
+
+
+# -- interpreter exit and thread stress on the batched path ----------------------------------
+
+EXIT_CASES = {
+    "daemon thread generating": """
+        import threading, time
+        t = threading.Thread(target=lambda: llm.create_completion("Once", max_tokens=-1, temperature=0,
+                                                                  logit_bias={llm.token_eos(): -1e9}),
+                             daemon=True)
+        t.start()
+        time.sleep(0.5)
+    """,
+    "stream half read": """
+        s = llm.create_completion("Once", max_tokens=200, stream=True, temperature=0)
+        next(s); next(s)
+    """,
+    "queued sequences": """
+        import llamax
+        ctx = llamax.Context(llm.model, n_ctx=512, n_seq_max=1, kv_unified=False, n_threads=1)
+        b = llamax.Batcher(ctx)
+        seqs = [b.submit([1, 2, 3], llamax.Sampler(llm.model), max_tokens=-1, ignore_eos=True) for _ in range(4)]
+        seqs[0].next()
+    """,
+    "async task pending": """
+        import asyncio
+        async def main():
+            asyncio.get_running_loop().create_task(llm.acreate_completion("Once", max_tokens=300))
+            await asyncio.sleep(0.3)
+        asyncio.run(main())
+    """,
+}
+
+
+@pytest.mark.parametrize("case", list(EXIT_CASES))
+def test_exit_mid_batched_call(case, smollm2_path):
+    from conftest import run_py
+    import textwrap
+    code = f"""
+import llamax
+llm = llamax.Llama({str(smollm2_path)!r}, n_ctx=256, n_threads=1, n_parallel=2)
+{textwrap.dedent(EXIT_CASES[case])}
+print("exiting", flush=True)
+"""
+    r = run_py(code, timeout=120)
+    assert r.returncode == 0, f"exit {r.returncode}: {r.stderr[-2000:]}"
+    assert "exiting" in r.stdout
+
+
+def test_thread_stress_on_batched_path(par):
+    """24 requests from 8 threads, mixing streams, stops, adapters, cancels
+    and bad requests: every one ends as it should, and the Llama is idle after."""
+    import random
+
+    def run(i):
+        rng = random.Random(i)
+        for _ in range(3):
+            kind = rng.choice(["plain", "stream", "stop", "adapter", "cancel", "bad"])
+            if kind == "plain":
+                assert par.create_completion("Hi", max_tokens=4, **G)["usage"]["completion_tokens"] <= 4
+            elif kind == "stream":
+                assert list(par.create_completion("Hi", max_tokens=4, stream=True, **G))
+            elif kind == "stop":
+                par.create_completion("1, 2, 3,", max_tokens=16, stop=[","], **G)
+            elif kind == "adapter":
+                par.create_completion("Hi", max_tokens=4, active_loras=CODER, **G)
+            elif kind == "cancel":
+                tok = llamax.CancelToken()
+                s = par.create_completion("Hi", max_tokens=200, stream=True, cancel=tok, **G)
+                next(s)
+                tok.cancel()
+                with pytest.raises(llamax.CancelledError):
+                    list(s)
+            else:
+                with pytest.raises(llamax.GrammarError):
+                    par.create_completion("Hi", max_tokens=4, grammar=r"root ::= [\x00]", **G)
+        return True
+
+    assert all(in_threads(run, 8))
+    assert not par.busy
+    assert all(s.batcher.stats()["n_mixed_decodes"] == 0 for s in par._pool.slots)

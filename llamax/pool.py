@@ -1,0 +1,146 @@
+"""Where ``Llama``'s requests run: a pool of contexts (one request each,
+with adapter affinity and a prefix cache keyed by state), or a pool of
+batchers (``n_parallel``: many requests per context in shared decodes)."""
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+
+from llamax._core import Batcher, Context
+
+
+class _Slot:
+    """One context of the pool, with what its KV holds and under which state."""
+
+    __slots__ = ("ctx", "busy", "key", "tokens", "logits_n", "last_used", "stale")
+
+    def __init__(self, ctx: Context):
+        self.ctx = ctx
+        self.busy = False
+        self.key = None            # state key the KV was computed under
+        self.tokens = np.empty(0, np.int32)  # tokens held in sequence 0's KV
+        self.logits_n = -1         # the context saved the logits after tokens[:logits_n]
+        self.last_used = 0.0
+        self.stale = False         # forget the cache when the running request ends
+
+    def forget(self) -> None:
+        """Nothing in this context's KV or saved logits will be reused: no
+        request's state key is None, so no prefix matches."""
+        self.key = None
+        self.logits_n = -1
+        self.stale = False
+
+
+def _lcp(a: np.ndarray, b: np.ndarray) -> int:
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    neq = np.flatnonzero(a[:n] != b[:n])
+    return int(neq[0]) if len(neq) else n
+
+
+class _Pool:
+    """K contexts over one model.  A request takes the free context whose
+    state and cached prefix match it best (adapter affinity), else the least
+    recently used one; it waits when all are busy."""
+
+    def __init__(self, slots):
+        self.slots = slots
+        self.cond = threading.Condition()
+
+    def acquire(self, key, tokens: np.ndarray) -> _Slot:
+        with self.cond:
+            while True:
+                free = [s for s in self.slots if not s.busy]
+                if free:
+                    def score(s):
+                        same = s.key == key
+                        return (same, _lcp(s.tokens, tokens) if same else 0, -s.last_used)
+                    best = max(free, key=score)
+                    best.busy = True
+                    return best
+                self.cond.wait()
+
+    def release(self, slot: _Slot) -> None:
+        with self.cond:
+            if slot.stale:
+                slot.forget()
+            slot.busy = False
+            slot.last_used = time.monotonic()
+            self.cond.notify()
+
+    def forget(self) -> None:
+        """Forget every cached prefix; a busy context forgets when its request ends."""
+        with self.cond:
+            for s in self.slots:
+                if s.busy:
+                    s.stale = True
+                else:
+                    s.forget()
+
+    def detach(self, adapter) -> None:
+        """Make idle contexts drop ``adapter`` (before it is freed)."""
+        with self.cond:
+            for s in self.slots:
+                if not s.busy and s.ctx is not None and not s.ctx.closed \
+                        and any(a is adapter for a, _ in s.ctx.adapters):
+                    s.ctx.set_adapters([])
+                    s.forget()
+                    s.tokens = np.empty(0, np.int32)
+
+    def close(self):
+        with self.cond:
+            for s in self.slots:
+                s.ctx.close()
+
+
+class _BatchSlot:
+    """One context of a batched pool, driven by its Batcher."""
+
+    __slots__ = ("ctx", "batcher", "n_requests")
+
+    def __init__(self, ctx: Context, batcher: Batcher):
+        self.ctx = ctx
+        self.batcher = batcher
+        self.n_requests = 0  # requests submitted and not yet finished
+
+    @property
+    def busy(self) -> bool:
+        return self.n_requests > 0
+
+
+class _BatchPool:
+    """K contexts, each with a Batcher of S sequences (``n_parallel=S``):
+    concurrent requests share decodes.  A request goes to the context with
+    the fewest requests."""
+
+    def __init__(self, slots):
+        self.slots = slots
+        self.lock = threading.Lock()
+
+    def acquire(self) -> _BatchSlot:
+        with self.lock:
+            best = min(self.slots, key=lambda s: s.n_requests)
+            best.n_requests += 1
+            return best
+
+    def release(self, slot: _BatchSlot) -> None:
+        with self.lock:
+            slot.n_requests -= 1
+
+    def forget(self) -> None:
+        """Nothing to forget: a batched sequence's KV lives as long as it runs."""
+
+    def detach(self, adapter) -> None:
+        """Let ``adapter`` be freed: no pinned request uses it, so resetting
+        each batcher's applied state is enough."""
+        for s in self.slots:
+            if not s.batcher.closed:
+                s.batcher.reset_state()
+
+    def close(self):
+        for s in self.slots:
+            s.batcher.close()
+            s.ctx.close()

@@ -1,0 +1,547 @@
+"""One generation request of ``Llama``, from its parameters to its result:
+the state it runs under, the native token loop (one context, or one
+sequence of a batcher), text assembly with stop strings, logprobs, streams,
+and the async drivers."""
+from __future__ import annotations
+
+import codecs
+import dataclasses
+import queue
+import threading
+from typing import TYPE_CHECKING, Any, Iterator
+
+import numpy as np
+
+from llamax._core import Context, Model
+from llamax._errors import CancelledError, LlamaxError
+from llamax.cancel import CancelToken
+from llamax.pool import _BatchPool, _lcp
+
+if TYPE_CHECKING:
+    from llamax.llama import Llama
+
+
+class _Chunks:
+    """How a stream's chunks are made: the first ones, one per text piece,
+    the last (given the _Result; the usage is added)."""
+
+    __slots__ = ("head", "piece", "tail")
+
+    def __init__(self, head, piece, tail):
+        self.head, self.piece, self.tail = head, piece, tail
+
+    def sync(self, pieces):
+        yield from self.head
+        res = None
+        for p in pieces:
+            if isinstance(p, _Result):
+                res = p
+            elif p:
+                yield self.piece(p)
+        yield self.tail(res) | {"usage": res.usage()}
+
+    async def aio(self, pieces):
+        for c in self.head:
+            yield c
+        res = None
+        async for p in pieces:
+            if isinstance(p, _Result):
+                res = p
+            elif p:
+                yield self.piece(p)
+        yield self.tail(res) | {"usage": res.usage()}
+
+
+class _Plan:
+    """A request made ready by a sync endpoint, to be run by an async one."""
+
+    __slots__ = ("req", "stream", "result", "chunks")
+
+    def __init__(self, req, stream, result, chunks):
+        self.req, self.stream, self.result, self.chunks = req, stream, result, chunks
+
+
+_PLANNING = threading.local()  # set while an async twin calls its sync endpoint
+
+
+def _deliver(req, stream, result, chunks):
+    if getattr(_PLANNING, "on", False):
+        return _Plan(req, stream, result, chunks)
+    if stream:
+        return chunks.sync(req.stream())
+    return result(req.run())
+
+
+async def _adeliver(endpoint, *args, **kwargs):
+    """Run the sync endpoint only to validate and build its request (cheap,
+    on the loop's thread), then run the request the async way."""
+    _PLANNING.on = True
+    try:
+        plan = endpoint(*args, **kwargs)
+    finally:
+        _PLANNING.on = False
+    if plan.stream:
+        return plan.chunks.aio(plan.req.astream(True))
+    return plan.result(await plan.req.arun())
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestParams:
+    """What every generating endpoint hands to ``Llama._request``.  Every
+    field is required, so an endpoint that forgets one (a fork whose chat
+    path dropped ``active_loras`` is the failure this prevents) fails when
+    it is called, not silently."""
+
+    max_tokens: int | None
+    temperature: float
+    top_p: float
+    min_p: float
+    typical_p: float
+    top_k: int
+    repeat_penalty: float
+    frequency_penalty: float
+    presence_penalty: float
+    stop: Any
+    seed: int | None
+    logit_bias: Any
+    grammar: Any
+    active_loras: Any
+    control_vector: Any
+    control_vectors: Any
+    cancel: CancelToken | None
+
+
+_WAIT = object()  # _batched_steps: "send me the sequence's next tokens"
+
+
+class _Result:
+    __slots__ = ("text", "tokens", "n_prompt", "finish_reason", "logprobs", "model")
+
+    def __init__(self, model):
+        self.model = model
+        self.text = ""
+        self.tokens = []
+        self.n_prompt = 0
+        self.finish_reason = "length"
+        self.logprobs = []  # per token: (logprob, [(token, logprob), ...])
+
+    def usage(self):
+        return {"prompt_tokens": self.n_prompt, "completion_tokens": len(self.tokens),
+                "total_tokens": self.n_prompt + len(self.tokens)}
+
+    def completion_logprobs(self, prefix=""):
+        m = self.model
+        toks, offs, lps, tops = [], [], [], []
+        off = len(prefix)
+        for t, (lp, top) in zip(self.tokens, self.logprobs):
+            piece = m.token_to_piece(t).decode("utf-8", "replace")
+            toks.append(piece)
+            offs.append(off)
+            off += len(piece)
+            lps.append(lp)
+            tops.append({m.token_to_piece(a).decode("utf-8", "replace"): b for a, b in top})
+        return {"tokens": toks, "text_offset": offs, "token_logprobs": lps, "top_logprobs": tops}
+
+    def chat_logprobs(self):
+        m = self.model
+        content = []
+        for t, (lp, top) in zip(self.tokens, self.logprobs):
+            b = m.token_to_piece(t)
+            content.append({"token": b.decode("utf-8", "replace"), "logprob": lp, "bytes": list(b),
+                            "top_logprobs": [{"token": m.token_to_piece(a).decode("utf-8", "replace"),
+                                              "logprob": c, "bytes": list(m.token_to_piece(a))} for a, c in top]})
+        return {"content": content}
+
+
+class _Request:
+    """One generation: pick a context, apply state, reuse the cached prefix
+    (only under the same state), run the C++ loop, assemble text."""
+
+    def __init__(self, llm: Llama, tokens, sampler, max_tokens, stops, logprobs, adapters, names, cv, key,
+                 token: CancelToken | None = None):
+        self.llm = llm
+        self.user_token = token
+        self.own_token = CancelToken()  # the stream's consumer going away aborts a long prompt decode
+        self.tokens = tokens
+        self.sampler = sampler
+        self.max_tokens = max_tokens
+        self.stops = stops
+        self.logprobs = logprobs
+        self.adapters = adapters
+        self.names = names
+        self.cv = cv
+        self.key = key
+        self.cancel = threading.Event()
+        self._released = False
+        self._slot = None  # batched requests: the context's slot and the sequence
+        self._seq = None
+
+    def _release(self):
+        if not self._released:
+            self._released = True
+            self.llm._adapters.release(self.names)
+
+    def __del__(self):
+        # a stream that was never iterated still holds its adapter pins
+        try:
+            self._release()
+        except Exception:
+            pass
+
+    def run(self) -> _Result:
+        if isinstance(self.llm._pool, _BatchPool):
+            for item in self._batched(False):
+                if isinstance(item, _Result):
+                    return item
+        return self._execute(None)
+
+    def stream(self) -> Iterator:
+        """Yield text pieces, then the _Result.  Generation runs in a worker
+        thread (GIL released in C++); the consumer stopping early cancels it.
+        With ``n_parallel`` the batcher's thread generates, and the
+        consumer reads its tokens directly."""
+        if isinstance(self.llm._pool, _BatchPool):
+            yield from self._batched(True)
+            return
+        q: queue.Queue = queue.Queue()
+        done = object()
+
+        def work():
+            try:
+                q.put(self._execute(q.put))
+            except BaseException as e:  # handed to the consumer, never lost
+                q.put(e)
+            finally:
+                q.put(done)
+
+        t = threading.Thread(target=work, daemon=True, name="llamax-stream")
+        t.start()
+        try:
+            while True:
+                item = q.get()
+                if item is done:
+                    break
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            self.cancel.set()       # the token loop stops at its next token
+            t.join(0.05)
+            if t.is_alive():        # still in a prompt decode: abort it
+                self.own_token.cancel()
+                t.join()
+
+    def _batched_steps(self, streaming: bool) -> Iterator:
+        """The request as one sequence of a Batcher, written once for both
+        drivers (_batched, _abatched): yields _WAIT when it needs the
+        sequence's next tokens (the driver sends them, or throws the
+        sequence's error), text pieces when streaming, then the _Result.
+        The driver ends the sequence (_end_batched)."""
+        llm = self.llm
+        model = llm._model
+        res = _Result(model)
+        res.n_prompt = len(self.tokens)
+        pieces: list[str] = []
+        text = _TextAssembler(model, self.stops, pieces.append if streaming else None)
+        self._slot = llm._pool.acquire()
+        self._seq = seq = self._slot.batcher.submit(
+            self.tokens, self.sampler, max_tokens=self.max_tokens, logprobs=self.logprobs,
+            adapters=self.adapters, control_vector=self.cv)
+        attached = []
+        try:
+            if self.user_token is not None:
+                self.user_token._attach(seq)
+                attached.append(self.user_token)
+            stopped = False
+            while not stopped:
+                toks = yield _WAIT
+                if toks is None:
+                    break
+                for tok in toks:
+                    res.tokens.append(tok)
+                    if text.add(tok):
+                        stopped = True
+                        seq.cancel()
+                        break
+                if pieces:
+                    yield from pieces
+                    pieces.clear()
+            if self.user_token is not None and self.user_token.cancelled:
+                raise CancelledError("the request was cancelled")
+            if self.logprobs is not None:
+                res.logprobs = seq.logprobs[: len(res.tokens)]
+            finish = "stop" if stopped else seq.finish_reason
+            res.finish_reason = "stop" if finish == "stop_sequence" else finish
+            res.text = text.finish()
+            if pieces:
+                yield from pieces
+            if text.stopped:
+                res.tokens = res.tokens[: text.n_tokens_used]
+                res.logprobs = res.logprobs[: text.n_tokens_used]
+            yield res
+        finally:
+            for t in attached:
+                t._detach(seq)
+
+    def _batched(self, streaming: bool) -> Iterator:
+        """Drive _batched_steps, waiting on this thread (without the GIL).
+        Closing the generator early cancels the sequence."""
+        steps = self._batched_steps(streaming)
+        try:
+            item = next(steps)
+            while True:
+                if item is _WAIT:
+                    try:
+                        toks = self._seq.next()
+                    except BaseException as e:
+                        item = steps.throw(e)
+                        continue
+                    item = steps.send(toks)
+                    continue
+                yield item
+                if isinstance(item, _Result):
+                    return
+                item = next(steps)
+        finally:
+            steps.close()
+            self._end_batched(None)
+
+    async def _abatched(self, streaming: bool):
+        """Drive _batched_steps from asyncio: the event loop is woken by the
+        batcher (no thread waits for this request)."""
+        steps = self._batched_steps(streaming)
+        try:
+            item = next(steps)
+            while True:
+                if item is _WAIT:
+                    try:
+                        toks = await self._seq.anext()
+                    except BaseException as e:
+                        item = steps.throw(e)
+                        continue
+                    item = steps.send(toks)
+                    continue
+                yield item
+                if isinstance(item, _Result):
+                    return
+                item = next(steps)
+        finally:
+            steps.close()
+            hub = None
+            if self._seq is not None and not self._slot.batcher.closed:
+                hub = self._slot.batcher._async()
+            self._end_batched(hub)
+
+    def _end_batched(self, hub) -> None:
+        """Cancel the sequence if it still runs; release the context's slot
+        and the adapter pins once the batcher has let the sequence go (here,
+        waiting; with ``hub``, when the event loop hears it is over)."""
+        seq = self._seq
+        slot = self._slot
+
+        def release():
+            if slot is not None:
+                self.llm._pool.release(slot)
+            self._release()
+
+        if seq is None or seq.done:
+            release()
+            return
+        seq.cancel()
+        if hub is not None:
+            hub.when_done(seq, release)
+            return
+        try:
+            while seq.next() is not None:
+                pass
+        except LlamaxError:
+            pass
+        release()
+
+    async def arun(self) -> _Result:
+        async for item in self.astream(False):
+            if isinstance(item, _Result):
+                return item
+        raise AssertionError("unreachable")
+
+    async def astream(self, streaming: bool = True):
+        """Async twin of stream(): text pieces (when streaming), then the _Result."""
+        if isinstance(self.llm._pool, _BatchPool):
+            agen = self._abatched(streaming)
+            try:
+                async for item in agen:
+                    yield item
+            finally:
+                await agen.aclose()
+            return
+        # one request per context (n_parallel=1): the sync path in a worker
+        # thread, one piece at a time
+        import asyncio
+        it = self.stream() if streaming else iter([self.run()])
+        done = object()
+        try:
+            while True:
+                item = await asyncio.to_thread(next, it, done)
+                if item is done:
+                    return
+                yield item
+        finally:
+            await asyncio.to_thread(it.close) if hasattr(it, "close") else None
+
+    def _execute(self, emit) -> _Result:
+        llm = self.llm
+        model = llm._model
+        res = _Result(model)
+        res.n_prompt = len(self.tokens)
+        slot = None
+        tokens = [t for t in (self.own_token, self.user_token) if t is not None]
+        attached = []
+        try:
+            slot = llm._pool.acquire(self.key, self.tokens)
+            ctx = slot.ctx
+            for t in tokens:
+                t._attach(ctx)
+                attached.append(t)
+            ctx.set_adapters(self.adapters)     # no-op when already applied
+            ctx.set_control_vector(self.cv)     # no-op when identical
+            # Reuse KV only if it was computed under this very state.
+            n_keep = _lcp(slot.tokens, self.tokens) if slot.key == self.key else 0
+            saved = False
+            if n_keep == len(self.tokens):
+                # A repeat: the KV holds the whole prompt.  Sample from the
+                # logits saved after it (the same numbers as the first time,
+                # so the same answer) unless logprobs need the live buffer;
+                # else decode the last prompt token again for its logits.
+                if slot.logits_n == n_keep and self.logprobs is None:
+                    saved = True
+                else:
+                    n_keep -= 1
+            if not saved and not llm._prefix_cache:
+                n_keep = 0  # only an exact repeat reuses the KV (see Llama's prefix_cache)
+            if n_keep > 0:
+                ctx.kv_remove(0, n_keep, -1)
+            else:
+                ctx.kv_clear()
+            slot.key = self.key
+            slot.tokens = self.tokens[:n_keep]
+            slot.logits_n = -1
+            text = _TextAssembler(model, self.stops, emit)
+            want_cb = emit is not None or self.stops or self.logprobs is not None
+            lps = res.logprobs
+
+            def on_token(tok):
+                if self.cancel.is_set():
+                    return True
+                if self.logprobs is not None:
+                    lps.append(_logprobs(ctx, tok, self.logprobs))
+                return text.add(tok)
+
+            try:
+                out, finish = ctx.generate(self.tokens[n_keep:], self.sampler, max_tokens=self.max_tokens,
+                                           callback=on_token if want_cb else None, from_saved_logits=saved)
+            except BaseException:
+                slot.key = None
+                slot.tokens = np.empty(0, np.int32)
+                raise
+            slot.logits_n = len(self.tokens)
+            n_kv = ctx.seq_pos_max(0) + 1
+            full = np.concatenate([self.tokens, out])
+            slot.tokens = full[:n_kv]
+            res.tokens = out.tolist()
+            if finish == "callback":
+                finish = "stop" if text.stopped else "length"
+            elif finish == "stop_sequence":
+                finish = "stop"
+            res.finish_reason = finish
+            if not want_cb:
+                text.add_all(out)
+            res.text = text.finish()
+            if text.stopped:
+                # tokens past the stop string are not part of the answer
+                res.tokens = res.tokens[: text.n_tokens_used]
+                res.logprobs = res.logprobs[: text.n_tokens_used]
+            return res
+        finally:
+            for t in attached:
+                t._detach(slot.ctx)
+            if slot is not None:
+                llm._pool.release(slot)
+            self._release()
+
+
+def _logprobs(ctx: Context, tok: int, n_top: int):
+    row = ctx.get_logits()[-1]
+    m = float(row.max())
+    lse = m + float(np.log(np.exp(row - m).sum()))
+    lp = float(row[tok]) - lse
+    top = []
+    if n_top:
+        idx = np.argpartition(row, -n_top)[-n_top:]
+        idx = idx[np.argsort(row[idx])[::-1]]
+        top = [(int(i), float(row[i]) - lse) for i in idx]
+    del row
+    return lp, top
+
+
+class _TextAssembler:
+    """Token bytes → text.  Streams only what is final: an incomplete UTF-8
+    sequence waits for its next bytes, and a tail that could be the start of
+    a stop string waits until it can't.  Cuts at the first stop string."""
+
+    def __init__(self, model: Model, stops, emit):
+        self.model = model
+        self.stops = stops
+        self.emit = emit
+        self.decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        self.text = ""
+        self.n_emitted = 0
+        self.stopped = False
+        self.n_tokens_used = 0
+        self.hold = max((len(s) for s in stops), default=0)
+
+    def add(self, tok) -> bool:
+        self.n_tokens_used += 1
+        self.text += self.decoder.decode(self.model.token_to_piece(int(tok)))
+        if not self.stops:
+            self._flush(len(self.text))
+            return False
+        start = max(0, self.n_emitted - self.hold)
+        cut = -1
+        for s in self.stops:
+            i = self.text.find(s, start)
+            if i >= 0 and (cut < 0 or i < cut):
+                cut = i
+        if cut >= 0:
+            self.text = self.text[:cut]
+            self.decoder.reset()
+            self.stopped = True
+            self._flush(len(self.text))
+            return True
+        self._flush(len(self.text) - self._partial_stop_len())
+        return False
+
+    def _partial_stop_len(self) -> int:
+        # the longest tail of the text that is a proper prefix of a stop string
+        best = 0
+        for s in self.stops:
+            for k in range(min(len(s) - 1, len(self.text)), best, -1):
+                if self.text.endswith(s[:k]):
+                    best = k
+                    break
+        return best
+
+    def _flush(self, upto):
+        if self.emit is not None and upto > self.n_emitted:
+            self.emit(self.text[self.n_emitted:upto])
+            self.n_emitted = upto
+
+    def add_all(self, tokens):
+        piece = self.model.token_to_piece
+        self.text += self.decoder.decode(b"".join(piece(int(t)) for t in tokens))
+        self.n_tokens_used = len(tokens)
+
+    def finish(self) -> str:
+        if not self.stopped:
+            self.text += self.decoder.decode(b"", final=True)
+        self._flush(len(self.text))
+        return self.text
