@@ -74,6 +74,15 @@ std::string with_reason(const std::string & msg) {
 
 }  // namespace
 
+ErrorKind classify_log(const std::string & why, ErrorKind fallback) {
+    for (const auto & p : kLogPhrases) {
+        if (why.find(p.text) != std::string::npos) {
+            return p.kind;
+        }
+    }
+    return fallback;
+}
+
 std::string take_last_log_error() {
     std::string s;
     s.swap(t_last_error);
@@ -221,17 +230,7 @@ Adapter * adapter_load(llama_model * model, const std::string & path) {
     llama_adapter_lora * p = llama_adapter_lora_init(model, path.c_str());
     if (p == nullptr) {
         std::string why = trim(take_last_log_error());
-        ErrorKind kind = ErrorKind::InvalidGGUF;
-        if (why.find("mismatch") != std::string::npos || why.find("wrong base model") != std::string::npos ||
-            why.find("missing one component") != std::string::npos ||
-            why.find("expect general.type") != std::string::npos ||
-            why.find("expect adapter.type") != std::string::npos ||
-            why.find("not transposed") != std::string::npos ||
-            why.find("unexpected suffix") != std::string::npos) {
-            kind = ErrorKind::AdapterMismatch;
-        } else if (why.find("failed to allocate") != std::string::npos) {
-            kind = ErrorKind::OutOfMemory;
-        }
+        const ErrorKind kind = classify_log(why, ErrorKind::InvalidGGUF);
         throw Error(kind, path + ": cannot load LoRA adapter for this model" +
                               (why.empty() ? std::string() : ": " + why));
     }
@@ -541,12 +540,14 @@ ControlVectorPtr cvec_from_gguf(const llama_model * model, const std::string & p
     } guard{g, gctx};
     struct stat st;
     if (stat(path.c_str(), &st) != 0) {
-        throw Error(ErrorKind::Load, path + ": " + std::strerror(errno));
+        const int e = errno;
+        throw Error(ErrorKind::Load, path + ": " + std::strerror(e), e);
     }
     const uint64_t file_size = static_cast<uint64_t>(st.st_size);
     guard.f = std::fopen(path.c_str(), "rb");
     if (guard.f == nullptr) {
-        throw Error(ErrorKind::Load, path + ": " + std::strerror(errno));
+        const int e = errno;
+        throw Error(ErrorKind::Load, path + ": " + std::strerror(e), e);
     }
     const uint64_t data_offset = gguf_get_data_offset(g);
 
@@ -809,7 +810,7 @@ Context::Context(llama_model * model, llama_context_params params, int32_t max_p
     ctx_ = llama_init_from_model(model, params);
     if (ctx_ == nullptr) {
         std::string why = trim(take_last_log_error());
-        ErrorKind kind = why.find("alloc") != std::string::npos ? ErrorKind::OutOfMemory : ErrorKind::InvalidArgument;
+        const ErrorKind kind = classify_log(why, ErrorKind::InvalidArgument);
         throw Error(kind, "cannot create context" + (why.empty() ? std::string() : ": " + why));
     }
     model_ = model;

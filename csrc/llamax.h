@@ -25,24 +25,49 @@
 
 namespace llamax {
 
-// One kind per Python exception class (llamax/_errors.py).
+// The one table of error kinds: each shim error kind and the name of the
+// llamax/_errors.py class it raises.  csrc/pyerrors.h looks the classes up
+// by these names at import (a missing one fails the import), so the enum,
+// the classes and the translation can't drift apart by position.
+// Interrupted has no class: Python's SIGINT handler runs (KeyboardInterrupt).
+#define LLAMAX_ERROR_KINDS(X)                     \
+    X(InvalidArgument, "InvalidArgumentError")    \
+    X(Token, "TokenError")                        \
+    X(ContextOverflow, "ContextOverflowError")    \
+    X(InvalidGGUF, "InvalidGGUFError")            \
+    X(AdapterMismatch, "AdapterMismatchError")    \
+    X(ControlVector, "ControlVectorError")        \
+    X(AdapterInUse, "AdapterInUseError")          \
+    X(KVCacheFull, "KVCacheFullError")            \
+    X(Aborted, "CancelledError")                  \
+    X(Decode, "DecodeError")                      \
+    X(OutOfMemory, "OutOfMemoryError")            \
+    X(Load, "LoadError")                          \
+    X(Grammar, "GrammarError")                    \
+    X(Busy, "ContextBusyError")                   \
+    X(Interrupted, nullptr)
+
 enum class ErrorKind : int {
-    InvalidArgument = 0,  // InvalidArgumentError(ValueError)
-    Token,                // TokenError(ValueError)
-    ContextOverflow,      // ContextOverflowError(ValueError)
-    InvalidGGUF,          // InvalidGGUFError(ValueError)
-    AdapterMismatch,      // AdapterMismatchError(ValueError)
-    ControlVector,        // ControlVectorError(ValueError)
-    AdapterInUse,         // AdapterInUseError(RuntimeError)
-    KVCacheFull,          // KVCacheFullError(DecodeError)
-    Aborted,              // CancelledError(DecodeError)
-    Decode,               // DecodeError(RuntimeError)
-    OutOfMemory,          // OutOfMemoryError(MemoryError)
-    Load,                 // LoadError(OSError)
-    Grammar,              // GrammarError(ValueError)
-    Busy,                 // ContextBusyError(RuntimeError)
-    Interrupted,          // SIGINT while watching: Python's handler runs (KeyboardInterrupt)
+#define LLAMAX_KIND_ENUM(kind, cls) kind,
+    LLAMAX_ERROR_KINDS(LLAMAX_KIND_ENUM)
+#undef LLAMAX_KIND_ENUM
 };
+
+#define LLAMAX_KIND_COUNT(kind, cls) +1
+constexpr int kErrorKinds = 0 LLAMAX_ERROR_KINDS(LLAMAX_KIND_COUNT);
+#undef LLAMAX_KIND_COUNT
+static_assert(kErrorKinds == 15, "an error kind was added or removed: update llamax/_errors.py and tests");
+static_assert(static_cast<int>(ErrorKind::Interrupted) == kErrorKinds - 1, "Interrupted is the last kind");
+
+// The Python class name of `kind` (nullptr for Interrupted / out of range).
+inline const char * error_class_name(int kind) {
+    static const char * const names[] = {
+#define LLAMAX_KIND_NAME(kind, cls) cls,
+        LLAMAX_ERROR_KINDS(LLAMAX_KIND_NAME)
+#undef LLAMAX_KIND_NAME
+    };
+    return kind >= 0 && kind < kErrorKinds ? names[kind] : nullptr;
+}
 
 struct Error : std::runtime_error {
     ErrorKind kind;
@@ -53,6 +78,27 @@ struct Error : std::runtime_error {
 // The last error llama.cpp logged on this thread (its loaders log the reason
 // and return NULL); empty if none since the last take.
 std::string take_last_log_error();
+
+// llama.cpp reports some failures only in its log (its loaders log the
+// reason and return NULL).  The phrases llamax relies on and the kind each
+// means, in one table (tests/core/test_errors.py checks every phrase still
+// occurs in the pinned llama.cpp source and maps as listed here).
+struct LogPhrase {
+    const char * text;
+    ErrorKind kind;
+};
+inline constexpr LogPhrase kLogPhrases[] = {
+    {"wrong base model", ErrorKind::AdapterMismatch},
+    {"arch mismatch", ErrorKind::AdapterMismatch},
+    {"missing one component", ErrorKind::AdapterMismatch},
+    {"expect general.type", ErrorKind::AdapterMismatch},
+    {"expect adapter.type", ErrorKind::AdapterMismatch},
+    {"not transposed", ErrorKind::AdapterMismatch},
+    {"unexpected suffix", ErrorKind::AdapterMismatch},
+    {"failed to allocate", ErrorKind::OutOfMemory},
+};
+// The kind of the first phrase `why` contains, else `fallback`.
+ErrorKind classify_log(const std::string & why, ErrorKind fallback);
 
 // Log routing.  llama.cpp logs from any thread; the sink is called only for
 // records at or above `min_level` (a ggml_log_level), so a quiet logger costs

@@ -12,14 +12,42 @@
 
 namespace llamax {
 
-// Filled once at import by _core (llamax_register_error), indexed by ErrorKind.
-inline PyObject * g_error_classes[16] = {nullptr};
+// Filled once at import by _core (register_errors), indexed by ErrorKind.
+inline PyObject * g_error_classes[kErrorKinds] = {nullptr};
 
-inline void register_error(int kind, PyObject * cls) {
-    if (kind >= 0 && kind < 16) {
-        Py_XINCREF(cls);
-        g_error_classes[kind] = cls;
+// Look every kind's class up by its name (LLAMAX_ERROR_KINDS) in the
+// namespace of llamax._errors.  Returns 0, or -1 with ImportError set when
+// a class is missing or not an exception class.
+inline int register_errors(PyObject * ns) {
+    for (int k = 0; k < kErrorKinds; ++k) {
+        const char * name = error_class_name(k);
+        if (name == nullptr) {
+            continue;
+        }
+        PyObject * cls = PyDict_GetItemString(ns, name);  // borrowed
+        if (cls == nullptr || !PyExceptionClass_Check(cls)) {
+            PyErr_Format(PyExc_ImportError, "llamax._errors has no exception class %s (csrc/llamax.h)", name);
+            return -1;
+        }
+        Py_INCREF(cls);
+        g_error_classes[k] = cls;
     }
+    return 0;
+}
+
+// LoadError is an OSError: raised as cls(errno, message) when the shim knows
+// the errno, so `e.errno` is set like the OSError Python itself would raise.
+inline void set_os_error(PyObject * cls, int code, const char * msg) {
+    PyObject * text = PyUnicode_DecodeUTF8(msg, (Py_ssize_t) std::strlen(msg), "replace");
+    if (text == nullptr) {
+        return;
+    }
+    PyObject * args = Py_BuildValue("(iN)", code, text);
+    if (args == nullptr) {
+        return;
+    }
+    PyErr_SetObject(cls, args);
+    Py_DECREF(args);
 }
 
 // Messages can quote bytes from a hostile file (a tensor name, a log line):
@@ -49,7 +77,12 @@ inline void translate_exception() {
             }
             return;
         }
-        PyObject * cls = g_error_classes[(int) e.kind];
+        const int k = (int) e.kind;
+        PyObject * cls = k >= 0 && k < kErrorKinds ? g_error_classes[k] : nullptr;
+        if (e.kind == ErrorKind::Load && e.code > 0 && cls != nullptr) {
+            set_os_error(cls, e.code, e.what());
+            return;
+        }
         set_error(cls ? cls : PyExc_RuntimeError, e.what());
     } catch (const std::bad_alloc &) {
         PyObject * cls = g_error_classes[(int) ErrorKind::OutOfMemory];

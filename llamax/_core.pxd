@@ -4,7 +4,7 @@ from libc.stdint cimport int32_t
 from libcpp.memory cimport shared_ptr
 
 from llamax.includes.llama cimport llama_model, llama_sampler, llama_vocab
-from llamax._shim cimport CAdapter, CContext, CControlVectorPtr
+from llamax.includes.shim cimport CAdapter, CContext, CControlVectorPtr
 
 
 cdef class Model:

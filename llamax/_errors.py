@@ -94,12 +94,3 @@ class ViewsExportedError(LlamaxError, BufferError):
 class UnknownAdapterError(LlamaxError, KeyError):
     """No adapter is loaded or registered under that name."""
 
-
-# Index = llamax::ErrorKind in csrc/llamax.h.  (Interrupted, after these, has
-# no class: csrc/pyerrors.h runs Python's SIGINT handler -> KeyboardInterrupt.)
-_SHIM_KINDS = (
-    InvalidArgumentError, TokenError, ContextOverflowError, InvalidGGUFError,
-    AdapterMismatchError, ControlVectorError, AdapterInUseError, KVCacheFullError,
-    CancelledError, DecodeError, OutOfMemoryError, LoadError, GrammarError,
-    ContextBusyError,
-)

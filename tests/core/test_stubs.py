@@ -131,7 +131,8 @@ def _default(node):
 
 
 def _pyx_inits():
-    src = PYX.read_text()
+    # _core.pyx and the per-class .pxi files it includes
+    src = "\n".join(p.read_text() for p in [PYX, *sorted(PKG_DIR.glob("_*.pxi"))])
     starts = [m.start() for m in re.finditer(r"^cdef class ", src, re.M)] + [len(src)]
     inits = {}
     for a, b in zip(starts, starts[1:]):

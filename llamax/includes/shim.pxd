@@ -17,7 +17,7 @@ from llamax.includes.llama cimport (
 cdef extern from "pyerrors.h" namespace "llamax":
     # the `except +` handler for every shim call below (C++ -> LlamaxError)
     void translate_exception()
-    void register_error(int kind, object cls)
+    int register_errors(dict ns) except -1
 
 
 cdef extern from "llamax.h" namespace "llamax" nogil:
@@ -30,6 +30,13 @@ cdef extern from "llamax.h" namespace "llamax" nogil:
         cbool try_lock()
 
     string take_last_log_error()
+    cdef enum class CErrorKind "llamax::ErrorKind":
+        pass
+    cdef cppclass CLogPhrase "llamax::LogPhrase":
+        const char * text
+        CErrorKind kind
+    CLogPhrase kLogPhrases[]
+    const char * error_class_name(int kind)
     void log_install(log_sink_fn sink)
     void log_set_min_level(int level)
 

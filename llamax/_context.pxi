@@ -1,0 +1,621 @@
+# Included by _core.pyx (one file per native class, as pyarrow's lib.pyx does).
+
+# ---------------------------------------------------------------------------
+# Context
+
+cdef dict _POOLING = {
+    None: LLAMA_POOLING_TYPE_UNSPECIFIED, "none": LLAMA_POOLING_TYPE_NONE,
+    "mean": LLAMA_POOLING_TYPE_MEAN, "cls": LLAMA_POOLING_TYPE_CLS,
+    "last": LLAMA_POOLING_TYPE_LAST, "rank": LLAMA_POOLING_TYPE_RANK,
+}
+cdef tuple _FINISH = ("stop", "length", "stop_sequence", "callback", "length", "cancelled")
+
+
+cdef struct _CbState:
+    PyObject * fn
+    PyObject * error   # the exception the callback raised (owned), or NULL
+
+
+cdef int _token_trampoline(void * user, llama_token token) noexcept with gil:
+    cdef _CbState * st = <_CbState *> user
+    try:
+        # Signals (Ctrl-C) are seen here at the latest after each token.
+        PyErr_CheckSignals()
+        r = (<object> st.fn)(token)
+        return 1 if r else 0
+    except BaseException as e:
+        # Kept and re-raised after the C++ loop returns: never swallowed.
+        st.error = <PyObject *> e
+        Py_INCREF(e)
+        return -1
+
+
+
+cdef bint _watch_sigint():
+    """Whether a long native call should stop on Ctrl-C: only on the main
+    thread (where Python runs signal handlers) and only while SIGINT has
+    Python's default handler (which raises KeyboardInterrupt)."""
+    return (threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGINT) is signal.default_int_handler)
+
+
+cdef class Context:
+    """An inference context on a model: KV cache, adapter set, control vector.
+
+    ``Context(model, n_ctx=512, n_batch=512, n_ubatch=512, n_seq_max=1,
+    n_threads=None, n_threads_batch=None, embeddings=False, pooling=None)``.
+    One thread drives a context at a time (others wait); different contexts
+    of one model run in parallel.
+    """
+
+    def __cinit__(self):
+        self._c = NULL
+        self._adapters = ()
+
+    def __init__(self, model, *, n_ctx=512, n_batch=512, n_ubatch=512, n_seq_max=1,
+                 n_threads=None, n_threads_batch=None, embeddings=False, pooling=None,
+                 flash_attn=None, kv_unified=True):
+        cdef Model _mo_t = _typed(model, Model, "model")
+        cdef llama_model * m = _mo_t._ptr()
+        if model.vocab_only:
+            raise InvalidArgumentError("the model was loaded with vocab_only=True: it has no weights to run")
+        ncpu = os.cpu_count() or 1
+        if n_threads is None:
+            n_threads = ncpu
+        if n_threads_batch is None:
+            n_threads_batch = n_threads
+        _check_int(n_ctx, "n_ctx", 0, 1 << 24)
+        _check_int(n_batch, "n_batch", 1, 1 << 20)
+        _check_int(n_ubatch, "n_ubatch", 1, 1 << 20)
+        _check_int(n_seq_max, "n_seq_max", 1, 256)
+        _check_int(n_threads, "n_threads", 1, MAX_THREADS)
+        _check_int(n_threads_batch, "n_threads_batch", 1, MAX_THREADS)
+        if pooling is not None and not isinstance(pooling, str):
+            raise ArgumentTypeError(f"pooling must be a str or None, not {type(pooling).__name__}")
+        if pooling not in _POOLING:
+            raise InvalidArgumentError(f"pooling={pooling!r}: expected one of none, mean, cls, last, rank")
+        cdef llama_context_params p = llama_context_default_params()
+        p.n_ctx = n_ctx
+        p.n_batch = n_batch
+        p.n_ubatch = min(n_ubatch, n_batch)
+        p.n_seq_max = n_seq_max
+        p.n_threads = n_threads
+        p.n_threads_batch = n_threads_batch
+        p.embeddings = bool(embeddings)
+        p.pooling_type = _POOLING[pooling]
+        p.no_perf = True
+        p.kv_unified = bool(kv_unified)
+        if flash_attn is not None:
+            p.flash_attn_type = LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else LLAMA_FLASH_ATTN_TYPE_DISABLED
+        cdef CContext * c = NULL
+        cdef int32_t max_pos = _mo_t._max_positions
+        if _shutting_down:
+            raise ClosedError("the interpreter is exiting")
+        with _ModelUse(_mo_t), nogil:  # allocates the KV cache and reserves compute graphs
+            c = new CContext(m, p, max_pos)
+        self._c = c
+        _LIVE_CONTEXTS.add(self)
+        self.model = model
+        self.embeddings = bool(embeddings)
+        _mo_t._children.add(self)
+
+    def __dealloc__(self):
+        # Views hold a reference to the context, so none is alive here.
+        if self._c != NULL:
+            del self._c
+            self._c = NULL
+
+    cdef CContext * _enter(self, bint watch_sigint=False) except NULL:
+        # Count Python-level users before the GIL is released, so that close()
+        # (which runs with the GIL) never frees the context under them; then
+        # take the per-context lock without the GIL.  watch_sigint: a long
+        # call (decode/generate/embed) that Ctrl-C should stop (see
+        # _watch_sigint; the shim raises Interrupted, translated to
+        # KeyboardInterrupt by running Python's handler).
+        if self._c == NULL or self._close_pending:
+            raise ClosedError("the context is closed")
+        if self._driver is not None:
+            raise ContextBusyError("this context is driven by a Batcher; close the Batcher to use it directly")
+        cdef unsigned long me = PyThread_get_thread_ident()
+        if self._busy and self._owner == me:
+            # a callback of a running call (generate's per-token callback,
+            # a log handler) calling back into it: the lock is ours, waiting
+            # for it would never end
+            raise ContextBusyError("re-entrant call: this context is running a call on this thread (a "
+                                   "callback inside generate/decode?); use it after that call returns")
+        if _shutting_down:
+            raise ClosedError("the interpreter is exiting")
+        self._busy += 1
+        cdef CContext * c = self._c
+        with nogil:
+            c.mutex().lock()
+        self._owner = me
+        if watch_sigint:
+            c.watch_sigint(_watch_sigint())
+        return c
+
+    cdef void _leave(self) noexcept:
+        self._c.watch_sigint(False)  # (no-op unless _enter started watching)
+        self._owner = 0
+        self._c.mutex().unlock()
+        self._busy -= 1
+
+    def close(self):
+        """Close the context.  Idempotent.
+
+        ContextBusyError while another thread uses it.  If numpy views of its
+        outputs are alive, the context is closed for use at once and its
+        native memory is freed when the last view goes.
+        """
+        if self._c == NULL or self._close_pending:
+            return
+        if self._driver is not None:
+            raise ContextBusyError("a Batcher drives this context: close the Batcher first")
+        if self._busy:
+            raise ContextBusyError("the context is in use by another thread; close it when that call returns")
+        if self._n_views or self._n_seq_views:
+            self._close_pending = True
+            return
+        self._free()
+
+    cdef void _free(self) noexcept:
+        if self._c != NULL:
+            del self._c  # detaches its adapters, then llama_free
+            self._c = NULL
+        self._close_pending = False
+        self._adapters = ()
+        self._cvec = None
+
+    @property
+    def closed(self):
+        return self._c == NULL or self._close_pending
+
+    @property
+    def busy(self):
+        """Whether a call is running on this context (close() would raise ContextBusyError)."""
+        return self._busy > 0
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    cdef CContext * _get(self) except NULL:
+        if self._c == NULL or self._close_pending:
+            raise ClosedError("the context is closed")
+        return self._c
+
+    @property
+    def n_ctx(self):
+        return self._get().n_ctx()
+
+    @property
+    def n_ctx_seq(self):
+        return self._get().n_ctx_seq()
+
+    @property
+    def n_batch(self):
+        return self._get().n_batch()
+
+    @property
+    def n_ubatch(self):
+        return llama_n_ubatch(self._get().raw())
+
+    @property
+    def n_seq_max(self):
+        return self._get().n_seq_max()
+
+    @property
+    def n_vocab(self):
+        return self._get().n_vocab()
+
+    @property
+    def n_threads(self):
+        return llama_n_threads(self._get().raw())
+
+    @property
+    def pooling(self):
+        cdef int t = llama_get_pooling_type(self._get().raw())
+        for k, v in _POOLING.items():
+            if v == t and k is not None:
+                return k
+        return None
+
+    def set_threads(self, n_threads, n_threads_batch=None):
+        if n_threads_batch is None:
+            n_threads_batch = n_threads
+        _check_int(n_threads, "n_threads", 1, MAX_THREADS)
+        _check_int(n_threads_batch, "n_threads_batch", 1, MAX_THREADS)
+        cdef CContext * c = self._enter()
+        try:
+            c.set_threads(n_threads, n_threads_batch)
+        finally:
+            self._leave()
+
+    # -- state: adapters and control vector ---------------------------------
+
+    def set_adapters(self, adapters=()):
+        """Apply an ordered set ``[(LoraAdapter, scale), ...]``; ``()`` is the pure base model.
+
+        Returns True if llama.cpp was called, False if this exact set was
+        already applied (a no-op).
+        """
+        cdef vector[CAdapter *] ptrs
+        cdef vector[float] scales
+        cdef LoraAdapter a
+        keep = []
+        if isinstance(adapters, (str, bytes)) or not hasattr(adapters, "__iter__"):
+            raise ArgumentTypeError(f"set_adapters() takes a sequence of (LoraAdapter, scale) pairs, "
+                                    f"not {type(adapters).__name__}")
+        for item in adapters:
+            try:
+                ad, scale = item
+            except (TypeError, ValueError):
+                raise ArgumentTypeError("set_adapters() takes (LoraAdapter, scale) pairs") from None
+            if not isinstance(ad, LoraAdapter):
+                raise ArgumentTypeError(f"set_adapters() takes LoraAdapter objects, not {type(ad).__name__}")
+            _check_float(scale, "scale")
+            a = ad
+            if a.model is not self.model:
+                raise InvalidArgumentError(f"adapter {a.path!r} was loaded for another model")
+            ptrs.push_back(a._ptr())
+            scales.push_back(scale)
+            keep.append((a, float(scale)))
+        cdef CContext * c = self._enter()
+        cdef cbool changed
+        try:
+            with nogil:  # a changed set re-reserves llama.cpp's compute graph
+                changed = c.set_adapters(ptrs, scales)
+        finally:
+            self._leave()
+        # Applied adapters are kept alive by this context on purpose: freeing
+        # one while applied is a use-after-free inside llama.cpp.
+        self._adapters = tuple(keep)
+        return changed
+
+    @property
+    def adapters(self):
+        """The applied set, as ``((LoraAdapter, scale), ...)``."""
+        return self._adapters
+
+    def set_control_vector(self, cv=None):
+        """Apply ``cv`` (``None`` clears).  Identical re-applies and clears of nothing are no-ops."""
+        cdef CControlVectorPtr p
+        cdef ControlVector typed_cv
+        if cv is not None:
+            typed_cv = _typed(cv, ControlVector, "cv")
+            if typed_cv.model is not self.model:
+                raise InvalidArgumentError("this control vector was made for another model")
+            p = typed_cv._cv
+        cdef CContext * c = self._enter()
+        cdef cbool changed
+        try:
+            with nogil:
+                changed = c.set_control_vector(p)
+        finally:
+            self._leave()
+        self._cvec = cv
+        return changed
+
+    @property
+    def control_vector(self):
+        return self._cvec
+
+    @property
+    def n_state_calls(self):
+        """How many adapter / control-vector calls reached llama.cpp (each re-reserves its graph)."""
+        return self._get().n_state_calls()
+
+    # -- decode -------------------------------------------------------------
+
+    def decode(self, tokens, *, pos=None, seq_ids=None, logits="last"):
+        """Decode one batch.
+
+        ``tokens``: int32 buffer or list.  ``pos``: positions (default: each
+        sequence continues where its KV ends).  ``seq_ids``: one id per token
+        (default 0).  ``logits``: "last", "all", or one flag per token.
+        Returns the number of output rows (see ``get_logits``).
+        """
+        cdef CContext * c = self._get()
+        cdef const int32_t[::1] tv = _as_tokens(tokens)
+        cdef Py_ssize_t n = tv.shape[0]
+        if n == 0:
+            raise InvalidArgumentError("cannot decode an empty batch")
+        cdef const int32_t[::1] pv
+        cdef const int32_t[::1] sv
+        cdef const int8_t * lp = NULL
+        cdef const int32_t * pp = NULL
+        cdef const int32_t * sp = NULL
+        cdef int8_t[::1] lv
+        cdef int32_t n_out
+        if pos is not None:
+            pv = _as_tokens(pos)
+            if pv.shape[0] != n:
+                raise InvalidArgumentError(f"pos has {pv.shape[0]} entries for {n} tokens")
+            pp = &pv[0]
+        if seq_ids is not None:
+            sv = _as_tokens(seq_ids)
+            if sv.shape[0] != n:
+                raise InvalidArgumentError(f"seq_ids has {sv.shape[0]} entries for {n} tokens")
+            sp = &sv[0]
+        if isinstance(logits, str):
+            if logits == "all":
+                larr = np.ones(n, dtype=np.int8)
+            elif logits == "last":
+                larr = np.zeros(n, dtype=np.int8)
+                if sp == NULL:
+                    larr[n - 1] = 1
+                else:
+                    # the last token of each sequence
+                    seen = set()
+                    for i in range(n - 1, -1, -1):
+                        if sv[i] not in seen:
+                            seen.add(sv[i])
+                            larr[i] = 1
+            else:
+                raise InvalidArgumentError(f"logits={logits!r}: expected 'last', 'all' or a flag per token")
+        else:
+            larr = np.ascontiguousarray(np.asarray(logits, dtype=bool), dtype=np.int8)
+            if larr.ndim != 1 or larr.shape[0] != n:
+                raise InvalidArgumentError(f"logits needs one flag per token ({n})")
+        lv = larr
+        lp = &lv[0]
+        n_out = 0
+        for i in range(n):
+            n_out += lv[i]
+        if self._n_seq_views:
+            raise ViewsExportedError(
+                "pooled-embedding views of this context are alive and the next decode frees them; "
+                "delete them (or copy) first")
+        if self._n_views and c.would_grow_outputs(<int32_t> n, n_out):
+            raise ViewsExportedError(
+                f"this decode asks for more output rows than ever before, so llama.cpp would move the "
+                f"buffer that {self._n_views} live logits/embeddings view(s) read; delete them (or copy) first")
+        c = self._enter(watch_sigint=True)
+        try:
+            with nogil:  # the forward pass
+                n_out = c.decode(&tv[0], <int32_t> n, pp, sp, lp)
+        finally:
+            self._leave()
+        return n_out
+
+    def embed(self, tokens, offsets, *, normalize=False, out=None):
+        """Pooled embeddings of many inputs, batched, in one call without the GIL.
+
+        ``tokens``/``offsets`` as ``Model.tokenize_batch`` returns them (input
+        i is ``tokens[offsets[i]:offsets[i+1]]``).  Whole inputs are packed
+        into decodes of up to ``n_batch`` tokens and ``n_seq_max`` inputs;
+        row i of the result is input i's vector (L2-normalized with
+        ``normalize=True``), written straight into one float32 array of
+        shape ``(n_inputs, n_embd)`` -- ``out`` if given (C-contiguous,
+        writable), else a new one.  Needs ``embeddings=True`` and pooling
+        mean, cls or last.  Clears the KV memory of the sequences it uses.
+        """
+        cdef CContext * c = self._get()
+        if not self.embeddings:
+            raise InvalidArgumentError("create the context with embeddings=True")
+        cdef const int32_t[::1] tv = _as_tokens(tokens)
+        try:
+            offs = np.asarray(offsets)
+        except Exception:
+            raise ArgumentTypeError("offsets must be a 1-D array of int") from None
+        if offs.ndim != 1 or (offs.size and offs.dtype.kind not in "iu"):
+            raise ArgumentTypeError("offsets must be a 1-D array of int")
+        if offs.shape[0] < 2:
+            raise InvalidArgumentError("offsets needs at least 2 entries (one input)")
+        offs = np.ascontiguousarray(offs, dtype=np.int64)
+        cdef const int64_t[::1] ov = offs
+        cdef Py_ssize_t n_in = ov.shape[0] - 1
+        if n_in > INT32_MAX:
+            raise InvalidArgumentError("too many inputs")
+        if ov[0] != 0 or ov[n_in] != tv.shape[0]:
+            raise InvalidArgumentError(
+                f"offsets must run from 0 to len(tokens)={tv.shape[0]}, not {ov[0]} to {ov[n_in]}")
+        if np.any(np.diff(offs) <= 0):
+            bad = int(np.argmax(np.diff(offs) <= 0))
+            raise InvalidArgumentError(f"input {bad} has no tokens (offsets must increase strictly)")
+        cdef int32_t n_embd = llama_model_n_embd(self.model._model)
+        if out is None:
+            out = np.empty((n_in, n_embd), dtype=np.float32)
+        elif not isinstance(out, np.ndarray) or out.dtype != np.float32 or out.shape != (n_in, n_embd) \
+                or not out.flags.c_contiguous or not out.flags.writeable:
+            raise InvalidArgumentError(
+                f"out must be a writable C-contiguous float32 array of shape ({n_in}, {n_embd})")
+        cdef float[:, ::1] dst = out
+        if self._n_seq_views:
+            raise ViewsExportedError(
+                "pooled-embedding views of this context are alive and embed() overwrites them; "
+                "delete them (or copy) first")
+        if self._n_views and c.would_grow_outputs(c.n_batch(), c.n_batch()):
+            raise ViewsExportedError("logits/embeddings views are alive and embed() would move their buffer")
+        cdef cbool norm = bool(normalize)
+        c = self._enter(watch_sigint=True)
+        try:
+            with nogil:
+                c.embed(&tv[0], &ov[0], <int32_t> n_in, &dst[0, 0], norm)
+        finally:
+            self._leave()
+        return out
+
+    @property
+    def n_outputs(self):
+        """Output rows of the last decode."""
+        return self._get().last_n_outputs()
+
+    def get_logits(self):
+        """Read-only (n_outputs, n_vocab) float32 view of the last decode's logits (no copy).
+
+        The view shows llama.cpp's buffer: the next decode overwrites it.
+        """
+        cdef CContext * c = self._get()
+        cdef int32_t n_out = c.last_n_outputs()
+        cdef float * p = llama_get_logits(c.raw()) if n_out else NULL
+        if p == NULL:
+            raise InvalidArgumentError("no logits: decode a batch with outputs first")
+        return _make_view(self, p, n_out, c.n_vocab(), 2, 1)
+
+    def get_embeddings(self):
+        """Read-only (n_outputs, n_embd) view of per-token embeddings (pooling 'none')."""
+        cdef CContext * c = self._get()
+        if not self.embeddings:
+            raise InvalidArgumentError("create the context with embeddings=True")
+        cdef int32_t n_out = c.last_n_outputs()
+        cdef float * p = llama_get_embeddings(c.raw()) if n_out else NULL
+        if p == NULL:
+            raise InvalidArgumentError("no token embeddings: decode with outputs first (and pooling='none')")
+        return _make_view(self, p, n_out, llama_model_n_embd(self.model._model), 2, 1)
+
+    def get_embeddings_seq(self, seq_id):
+        """Read-only view of sequence ``seq_id``'s pooled embedding (freed by the next decode)."""
+        _check_int(seq_id, "seq_id", INT32_MIN, INT32_MAX)
+        cdef CContext * c = self._get()
+        if not self.embeddings:
+            raise InvalidArgumentError("create the context with embeddings=True")
+        if seq_id < 0 or seq_id >= c.n_seq_max():
+            raise InvalidArgumentError(f"sequence id {seq_id} is out of range [0, {c.n_seq_max()})")
+        cdef float * p = llama_get_embeddings_seq(c.raw(), seq_id)
+        if p == NULL:
+            raise InvalidArgumentError(f"no pooled embedding for sequence {seq_id}: decode it with pooling on first")
+        return _make_view(self, p, 1, llama_model_n_embd(self.model._model), 1, 2)
+
+    # -- generation ---------------------------------------------------------
+
+    def generate(self, tokens, sampler, *, max_tokens=16, seq_id=0,
+                 stop_sequences=(), ignore_eos=False, callback=None, from_saved_logits=False):
+        """Decode ``tokens`` after what sequence ``seq_id`` holds, then sample up to ``max_tokens``.
+
+        The whole loop runs in C++ without the GIL.  ``callback(token)``, if
+        given, is called per token with the GIL; a truthy return stops.
+        ``stop_sequences``: token sequences that end generation (included in
+        the output).  Returns ``(tokens: np.ndarray[int32], finish_reason)``
+        with finish_reason one of "stop" (end-of-generation token),
+        "length" (max_tokens or the context is full), "stop_sequence",
+        "callback".
+        ``from_saved_logits=True`` with an empty ``tokens`` samples the first
+        token from the logits saved at the end of the last prompt this
+        context decoded: for a repeated prompt whose KV is still in place
+        (the caller keeps that bookkeeping; llamax.Llama does).
+        """
+        cdef Sampler _sa_t = _typed(sampler, Sampler, "sampler")
+        if sampler.model is not self.model:
+            raise InvalidArgumentError("this sampler was made for another model")
+        if callback is not None and not callable(callback):
+            raise ArgumentTypeError("callback must be callable")
+        _check_int(max_tokens, "max_tokens", -1, INT32_MAX)
+        _check_int(seq_id, "seq_id", 0, INT32_MAX)
+        cdef CContext * c = self._get()
+        cdef const int32_t[::1] tv = _as_tokens(tokens)
+        cdef CGenParams gp
+        gp.max_tokens = max_tokens
+        gp.seq_id = seq_id
+        gp.ignore_eos = bool(ignore_eos)
+        gp.plain_greedy = _sa_t._plain_greedy
+        gp.from_saved_logits = bool(from_saved_logits)
+        gp.grammar = _sa_t._grammar
+        cdef vector[llama_token] sv
+        cdef const int32_t[::1] s
+        for seq in stop_sequences:
+            s = _as_tokens(seq)
+            sv.clear()
+            for i in range(s.shape[0]):
+                sv.push_back(s[i])
+            gp.stop_sequences.push_back(sv)
+        if self._n_seq_views:
+            raise ViewsExportedError("pooled-embedding views are alive; delete them before generating")
+        # the prompt's chunks output every row when embeddings are on
+        if self._n_views and c.would_grow_outputs(min(<int32_t> tv.shape[0], c.n_call_max()) or 1, 1):
+            raise ViewsExportedError("logits views are alive and generation would move their buffer")
+        _sa_t._ptr()  # closed or in use: raises
+        cdef _CbState st
+        st.fn = <PyObject *> callback
+        st.error = NULL
+        cdef token_cb_fn cb = NULL
+        if callback is not None:
+            cb = _token_trampoline
+        cdef CGenResult res
+        cdef const int32_t * tp = &tv[0] if tv.shape[0] else NULL
+        cdef int32_t n_tok = <int32_t> tv.shape[0]
+        cdef llama_sampler * smpl = _sa_t._smpl
+        c = self._enter(watch_sigint=True)
+        _sa_t._in_use = True
+        try:
+            with nogil:  # prompt + token loop; the callback re-takes the GIL only if given
+                res = c.generate(smpl, tp, n_tok, gp, cb, &st)
+        finally:
+            _sa_t._in_use = False
+            self._leave()
+        if st.error != NULL:
+            err = <object> st.error
+            Py_DECREF(err)
+            raise err
+        out = np.empty(res.tokens.size(), dtype=np.int32)
+        cdef int32_t[::1] ov = out
+        if res.tokens.size():
+            memcpy(&ov[0], res.tokens.data(), res.tokens.size() * sizeof(int32_t))
+        return out, _FINISH[<int> res.finish]
+
+    def cancel(self):
+        """Abort the running decode/generate (from any thread); it raises CancelledError."""
+        if self._c != NULL:
+            self._c.cancel()
+
+    # -- KV cache -----------------------------------------------------------
+
+    def kv_clear(self):
+        cdef CContext * c = self._enter()
+        try:
+            if c.has_memory():
+                c.kv_clear()
+        finally:
+            self._leave()
+
+    def kv_remove(self, seq_id=-1, p0=-1, p1=-1):
+        """Remove positions [p0, p1) of ``seq_id`` (-1: all sequences / open ends)."""
+        _check_int(seq_id, "seq_id", INT32_MIN, INT32_MAX)
+        _check_int(p0, "p0", INT32_MIN, INT32_MAX)
+        _check_int(p1, "p1", INT32_MIN, INT32_MAX)
+        cdef CContext * c = self._enter()
+        try:
+            if not c.has_memory():
+                return True
+            return c.kv_remove(seq_id, p0, p1)
+        finally:
+            self._leave()
+
+    def kv_copy(self, src, dst, p0=-1, p1=-1):
+        _check_int(src, "src", INT32_MIN, INT32_MAX)
+        _check_int(dst, "dst", INT32_MIN, INT32_MAX)
+        _check_int(p0, "p0", INT32_MIN, INT32_MAX)
+        _check_int(p1, "p1", INT32_MIN, INT32_MAX)
+        cdef CContext * c = self._enter()
+        try:
+            if c.has_memory():
+                c.kv_copy(src, dst, p0, p1)
+        finally:
+            self._leave()
+
+    def kv_keep(self, seq_id):
+        _check_int(seq_id, "seq_id", INT32_MIN, INT32_MAX)
+        cdef CContext * c = self._enter()
+        try:
+            if c.has_memory():
+                c.kv_keep(seq_id)
+        finally:
+            self._leave()
+
+    def seq_pos_max(self, seq_id=0):
+        """Last position held for ``seq_id`` (-1 if empty)."""
+        _check_int(seq_id, "seq_id", INT32_MIN, INT32_MAX)
+        cdef CContext * c = self._enter()
+        try:
+            if not c.has_memory():
+                return -1
+            return c.seq_pos_max(seq_id)
+        finally:
+            self._leave()
+
+    def __repr__(self):
+        if self._c == NULL:
+            return "<llamax.Context closed>"
+        return f"<llamax.Context n_ctx={self.n_ctx} n_seq_max={self.n_seq_max}>"

@@ -1,0 +1,390 @@
+# Included by _core.pyx (one file per native class, as pyarrow's lib.pyx does).
+
+# ---------------------------------------------------------------------------
+# Model
+
+cdef str _meta_str(int32_t (*fn)(const llama_model *, int32_t, char *, size_t) noexcept nogil,
+                   const llama_model * m, int32_t i):
+    cdef vector[char] buf = vector[char](256)
+    cdef int32_t n = fn(m, i, buf.data(), buf.size())
+    if n < 0:
+        return None
+    if <size_t> n >= buf.size():
+        buf.resize(n + 1)
+        n = fn(m, i, buf.data(), buf.size())
+    return buf.data()[:n].decode("utf-8", "replace")
+
+
+@cython.final
+cdef class _ModelUse:
+    """``with _ModelUse(model):`` around a GIL-free call that reads the model
+    (tokenize, context creation, adapter loads...): Model.close() from
+    another thread refuses (ContextBusyError) until it ends."""
+    cdef Model model
+
+    def __cinit__(self, Model model):
+        self.model = model
+
+    def __enter__(self):
+        self.model._busy += 1
+
+    def __exit__(self, *exc):
+        self.model._busy -= 1
+
+
+cdef class Model:
+    """A GGUF model loaded once; contexts, adapters and samplers hang off it.
+
+    ``Model(path, n_gpu_layers=0, use_mmap=True, vocab_only=False)``.  The
+    GIL is released while the file loads.
+    """
+
+    def __cinit__(self):
+        self._model = NULL
+        self._vocab = NULL
+        self._children = weakref.WeakSet()
+
+    def __init__(self, path, *, n_gpu_layers=0, use_mmap=True, vocab_only=False):
+        self.path = _fspath(path)
+        _check_int(n_gpu_layers, "n_gpu_layers", -1, 1 << 30)
+        cdef llama_model_params params = llama_model_default_params()
+        params.n_gpu_layers = n_gpu_layers
+        params.load_mode = LLAMA_LOAD_MODE_MMAP if use_mmap else LLAMA_LOAD_MODE_NONE
+        params.vocab_only = bool(vocab_only)
+        self.vocab_only = bool(vocab_only)
+        cdef string cpath = self.path.encode("utf-8", "surrogateescape")
+        cdef llama_model * m = NULL
+        cdef string why
+        cdef cbool learned_positions
+        # Checked first: llama.cpp would log and return NULL without a reason
+        # we can type (missing file vs directory vs not GGUF).
+        with nogil:
+            check_gguf_file(cpath)
+            learned_positions = check_model_gguf(cpath)
+        with nogil:  # loading reads and maps the whole file: seconds for big models
+            take_last_log_error()
+            m = llama_model_load_from_file(cpath.c_str(), params)
+            why = take_last_log_error()
+        if m == NULL:
+            reason = why.decode("utf-8", "replace").strip()
+            raise InvalidGGUFError(f"{self.path}: cannot load model"
+                                   + (f" ({reason})" if reason else " (corrupt or unsupported GGUF)"))
+        self._model = m
+        self._vocab = llama_model_get_vocab(m)
+        self._max_positions = llama_model_n_ctx_train(m) if learned_positions else 0
+        self._unk = -1
+        if llama_get_vocab_type(self._vocab) == LLAMA_VOCAB_TYPE_WPM:
+            unk = self.metadata.get("tokenizer.ggml.unknown_token_id", "")
+            if unk.isdigit() and int(unk) < llama_vocab_n_tokens(self._vocab):
+                self._unk = int(unk)
+
+    def __dealloc__(self):
+        # Children hold strong references to the model, so none is alive here.
+        if self._model != NULL:
+            llama_model_free(self._model)
+            self._model = NULL
+
+    cdef llama_model * _ptr(self) except NULL:
+        if self._model == NULL:
+            raise ClosedError("the model is closed")
+        return self._model
+
+    def close(self):
+        """Free the model now: closes its contexts and adapters first.
+
+        Raises ContextBusyError while a call runs on it or on one of its
+        contexts or samplers (``busy``), AdapterInUseError never (contexts
+        go first).  Idempotent.
+        """
+        if self._model == NULL:
+            return
+        if self.busy:
+            raise ContextBusyError("the model, or a context or sampler of it, is in use by another thread "
+                                   "(tokenize, a decode, a load...); close it when that call returns")
+        children = list(self._children)
+        for c in children:
+            if isinstance(c, Context) and ((<Context> c)._n_views or (<Context> c)._n_seq_views):
+                raise ViewsExportedError("numpy views of a context of this model are alive; "
+                                         "delete them (or copy what you need) before closing the model")
+        for c in children:
+            if isinstance(c, Context):
+                c.close()
+        for c in children:
+            if not isinstance(c, Context):
+                c.close()
+        llama_model_free(self._model)
+        self._model = NULL
+        self._vocab = NULL
+
+    @property
+    def closed(self):
+        return self._model == NULL
+
+    @property
+    def busy(self):
+        """Whether a call runs on the model or one of its contexts or samplers
+        (close() would raise ContextBusyError)."""
+        if self._busy:
+            return True
+        for c in list(self._children):
+            if (isinstance(c, Context) and (<Context> c)._busy) or (isinstance(c, Sampler) and (<Sampler> c)._in_use):
+                return True
+        return False
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __repr__(self):
+        state = "closed" if self._model == NULL else f"n_vocab={self.n_vocab}"
+        return f"<llamax.Model {self.path!r} {state}>"
+
+    # -- properties --------------------------------------------------------
+
+    @property
+    def n_vocab(self):
+        self._ptr()
+        return llama_vocab_n_tokens(self._vocab)
+
+    @property
+    def n_embd(self):
+        return llama_model_n_embd(self._ptr())
+
+    @property
+    def n_layer(self):
+        return llama_model_n_layer(self._ptr())
+
+    @property
+    def n_ctx_train(self):
+        return llama_model_n_ctx_train(self._ptr())
+
+    @property
+    def size(self):
+        """Bytes of all tensors."""
+        return llama_model_size(self._ptr())
+
+    @property
+    def n_params(self):
+        return llama_model_n_params(self._ptr())
+
+    @property
+    def description(self):
+        cdef char buf[256]
+        cdef int32_t n = llama_model_desc(self._ptr(), buf, sizeof(buf))
+        return buf[:max(n, 0)].decode("utf-8", "replace")
+
+    @property
+    def metadata(self):
+        """GGUF metadata as a dict of str (arrays are not included)."""
+        cdef const llama_model * m = self._ptr()
+        cdef int32_t i, n = llama_model_meta_count(m)
+        out = {}
+        for i in range(n):
+            k = _meta_str(llama_model_meta_key_by_index, m, i)
+            if k is not None:
+                out[k] = _meta_str(llama_model_meta_val_str_by_index, m, i)
+        return out
+
+    def chat_template(self, name=None):
+        """The model's Jinja2 chat template (``None`` if it has none)."""
+        cdef bytes bname
+        cdef const char * t
+        if name is None:
+            t = llama_model_chat_template(self._ptr(), NULL)
+        else:
+            bname = str(name).encode()
+            t = llama_model_chat_template(self._ptr(), bname)
+        return None if t == NULL else t.decode("utf-8", "replace")
+
+    @property
+    def has_encoder(self):
+        return bool(llama_model_has_encoder(self._ptr()))
+
+    @property
+    def special_tokens(self):
+        """Special token ids (-1 where the vocabulary has none)."""
+        self._ptr()
+        v = self._vocab
+        return {
+            "bos": llama_vocab_bos(v), "eos": llama_vocab_eos(v), "eot": llama_vocab_eot(v),
+            "sep": llama_vocab_sep(v), "nl": llama_vocab_nl(v), "pad": llama_vocab_pad(v),
+        }
+
+    @property
+    def token_bos(self):
+        self._ptr()
+        return llama_vocab_bos(self._vocab)
+
+    @property
+    def token_eos(self):
+        self._ptr()
+        return llama_vocab_eos(self._vocab)
+
+    @property
+    def add_bos(self):
+        self._ptr()
+        return bool(llama_vocab_get_add_bos(self._vocab))
+
+    def is_eog(self, token):
+        _check_int(token, "token", INT32_MIN, INT32_MAX)
+        self._ptr()
+        return bool(llama_vocab_is_eog(self._vocab, token))
+
+    def token_text(self, token):
+        """The vocabulary's raw text of a token."""
+        _check_int(token, "token", INT32_MIN, INT32_MAX)
+        self._ptr()
+        _check_token_id(token, llama_vocab_n_tokens(self._vocab))
+        return llama_vocab_get_text(self._vocab, token).decode("utf-8", "replace")
+
+    # -- tokenization -----------------------------------------------------
+
+    def tokenize(self, text, *, add_special=True, parse_special=False):
+        """Tokenize ``text`` (str, or UTF-8 bytes) into an int32 numpy array."""
+        self._ptr()
+        cdef bytes b
+        if isinstance(text, str):
+            b = text.encode("utf-8", "surrogatepass")
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise InvalidUtf8Error(f"text has a lone surrogate at {e.start}: not encodable as UTF-8") from None
+        elif isinstance(text, (bytes, bytearray, memoryview)):
+            b = bytes(text)
+            try:
+                b.decode("utf-8")  # llama.cpp's tokenizers throw on invalid UTF-8
+            except UnicodeDecodeError as e:
+                raise InvalidUtf8Error(f"text is not valid UTF-8: {e.reason} at byte {e.start}") from None
+        else:
+            raise ArgumentTypeError(f"text must be str or bytes, not {type(text).__name__}")
+        if len(b) >= INT32_MAX:
+            raise InvalidArgumentError("text is too long to tokenize (2 GiB or more)")
+        cdef const char * p = b
+        cdef int32_t n_text = <int32_t> len(b)
+        cdef bint add = bool(add_special), parse = bool(parse_special)
+        cdef const llama_vocab * v = self._vocab
+        cdef int32_t cap = n_text + 8
+        out = np.empty(cap, dtype=np.int32)
+        cdef int32_t[::1] ov = out
+        cdef int32_t n
+        with _ModelUse(self):
+            if n_text >= TOKENIZE_NOGIL_BYTES:
+                with nogil:  # long texts: tokenization is linear-ish in bytes
+                    n = tokenize_safe(v, p, n_text, &ov[0], cap, add, parse)
+            else:
+                n = tokenize_safe(v, p, n_text, &ov[0], cap, add, parse)
+            if n == INT32_MIN:
+                raise InvalidArgumentError("tokenization result does not fit in int32")
+            if n < 0:
+                cap = -n
+                out = np.empty(cap, dtype=np.int32)
+                ov = out
+                with nogil:
+                    n = tokenize_safe(v, p, n_text, &ov[0], cap, add, parse)
+                if n < 0:
+                    raise InvalidArgumentError("tokenization failed")
+        if self._unk >= 0:
+            n = wpm_long_words_to_unk(v, self._unk, &ov[0], n)
+        return out[:n]
+
+    def tokenize_batch(self, texts, *, add_special=True, parse_special=False, max_tokens=0, truncate=True):
+        """Tokenize a list of str without the GIL: ``(tokens, offsets)``.
+
+        ``tokens`` is one flat int32 array, ``offsets`` int64 with
+        ``len(texts) + 1`` entries (text i is ``tokens[offsets[i]:offsets[i+1]]``),
+        the layout ``Context.embed`` takes.  An empty text gets the BOS (else
+        EOS) token.  ``max_tokens > 0`` caps each text: ``truncate=True``
+        keeps the head and the special tokens the model appends (as Hugging
+        Face tokenizers do); ``truncate=False`` raises ContextOverflowError
+        naming the text.
+        """
+        self._ptr()
+        if isinstance(texts, (str, bytes)) or not isinstance(texts, (list, tuple)):
+            raise ArgumentTypeError(f"texts must be a list of str, not {type(texts).__name__}")
+        _check_int(max_tokens, "max_tokens", 0, INT32_MAX)
+        cdef list encoded = []
+        for i, t in enumerate(texts):
+            if not isinstance(t, str):
+                raise ArgumentTypeError(f"texts[{i}] is {type(t).__name__}, not str")
+            try:
+                b = t.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise InvalidUtf8Error(
+                    f"texts[{i}] has a lone surrogate at {e.start}: not encodable as UTF-8") from None
+            if len(b) >= INT32_MAX // 2:
+                raise InvalidArgumentError(f"texts[{i}] is too long to tokenize (1 GiB or more)")
+            encoded.append(b)
+        cdef vector[pair[const char *, int32_t]] views
+        views.reserve(len(encoded))
+        cdef bytes bb
+        cdef pair[const char *, int32_t] item
+        for bb in encoded:
+            item.first = <const char *> bb
+            item.second = <int32_t> len(bb)
+            views.push_back(item)
+        cdef vector[llama_token] flat
+        cdef vector[int64_t] offsets
+        cdef cbool add = bool(add_special), parse = bool(parse_special), trunc = bool(truncate)
+        cdef int32_t cap = max_tokens
+        with _ModelUse(self), nogil:
+            tokenize_many(self._vocab, self._unk, views, add, parse, cap, trunc, flat, offsets)
+        tokens = np.empty(flat.size(), dtype=np.int32)
+        offs = np.empty(offsets.size(), dtype=np.int64)
+        cdef int32_t[::1] tv = tokens
+        cdef int64_t[::1] ov = offs
+        if flat.size():
+            memcpy(&tv[0], flat.data(), flat.size() * sizeof(int32_t))
+        memcpy(&ov[0], offsets.data(), offsets.size() * sizeof(int64_t))
+        return tokens, offs
+
+    def token_to_piece(self, token, *, special=False):
+        """The bytes of one token (a piece may be a partial UTF-8 sequence)."""
+        _check_int(token, "token", INT32_MIN, INT32_MAX)
+        self._ptr()
+        _check_token_id(token, llama_vocab_n_tokens(self._vocab))
+        cdef char buf[128]
+        cdef int32_t n = llama_token_to_piece(self._vocab, token, buf, sizeof(buf), 0, bool(special))
+        cdef vector[char] big
+        if n < 0:
+            big.resize(-n)
+            n = llama_token_to_piece(self._vocab, token, big.data(), big.size(), 0, bool(special))
+            return big.data()[:n]
+        return buf[:n]
+
+    def detokenize(self, tokens, *, special=False):
+        """Tokens to bytes (``special`` renders special tokens)."""
+        self._ptr()
+        cdef const int32_t[::1] tv = _as_tokens(tokens, llama_vocab_n_tokens(self._vocab))
+        cdef int32_t n_tok = <int32_t> tv.shape[0]
+        if n_tok == 0:
+            return b""
+        cdef vector[char] buf
+        buf.resize(n_tok * 8 + 16)
+        cdef int32_t n
+        cdef bint sp = bool(special)
+        with _ModelUse(self), nogil:  # long token lists: linear work without Python objects
+            n = llama_detokenize(self._vocab, &tv[0], n_tok, buf.data(), <int32_t> buf.size(), False, sp)
+            if n < 0:
+                buf.resize(-n)
+                n = llama_detokenize(self._vocab, &tv[0], n_tok, buf.data(), <int32_t> buf.size(), False, sp)
+        if n < 0:
+            raise InvalidArgumentError("detokenization failed")
+        return buf.data()[:n]
+
+    def detokenize_text(self, tokens, *, special=False, errors="strict"):
+        """Tokens to str; invalid UTF-8 raises InvalidUtf8Error unless ``errors`` says otherwise."""
+        b = self.detokenize(tokens, special=special)
+        try:
+            return b.decode("utf-8", errors)
+        except UnicodeDecodeError as e:
+            raise InvalidUtf8Error(
+                f"detokenized bytes are not valid UTF-8 ({e.reason} at byte {e.start}); "
+                "pass errors='replace' or use detokenize() for bytes") from None
+
+
+cdef inline int _check_token_id(long token, int32_t n_vocab) except -1:
+    if token < 0 or token >= n_vocab:
+        raise TokenError(f"token id {token} is out of range [0, {n_vocab})")
+    return 0

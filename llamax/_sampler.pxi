@@ -1,0 +1,201 @@
+# Included by _core.pyx (one file per native class, as pyarrow's lib.pyx does).
+
+# ---------------------------------------------------------------------------
+# Sampler
+
+cdef class Sampler:
+    """llama.cpp's sampler chain, configured once.
+
+    Order: penalties, logit bias, grammar, then greedy (``temperature <= 0``)
+    or top-k, typical, top-p, min-p, temperature and a seeded draw.
+    A sampler carries state (penalty history, grammar, RNG): use one per
+    request at a time.
+    """
+
+    def __cinit__(self):
+        self._smpl = NULL
+
+    def __init__(self, model, *, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0,
+                 typical_p=1.0, repeat_penalty=1.0, frequency_penalty=0.0, presence_penalty=0.0,
+                 penalty_last_n=64, seed=None, grammar=None, grammar_root="root", logit_bias=None):
+        cdef Model _mo_t = _typed(model, Model, "model")
+        _mo_t._ptr()
+        self.model = model
+        for name, v in (("temperature", temperature), ("top_p", top_p), ("min_p", min_p),
+                        ("typical_p", typical_p), ("repeat_penalty", repeat_penalty),
+                        ("frequency_penalty", frequency_penalty), ("presence_penalty", presence_penalty)):
+            _check_float(v, name)
+        _check_int(top_k, "top_k", 0, INT32_MAX)
+        if penalty_last_n == -1 and not isinstance(penalty_last_n, bool):
+            raise InvalidArgumentError("penalty_last_n=-1 (llama.cpp's tools: the context size) is not supported "
+                                       "here: give a number of tokens (0 disables the penalties)")
+        _check_int(penalty_last_n, "penalty_last_n", 0, MAX_PENALTY_LAST_N)
+        if not 0.0 <= top_p <= 1.0:
+            raise InvalidArgumentError(f"top_p={top_p} must be in [0, 1]")
+        if not 0.0 <= min_p <= 1.0:
+            raise InvalidArgumentError(f"min_p={min_p} must be in [0, 1]")
+        if not 0.0 <= typical_p <= 1.0:
+            raise InvalidArgumentError(f"typical_p={typical_p} must be in [0, 1] (1.0 disables it)")
+        if repeat_penalty <= 0:
+            raise InvalidArgumentError(f"repeat_penalty={repeat_penalty} must be > 0 (1.0 disables it)")
+        if seed is None:
+            seed = int.from_bytes(os.urandom(4), "little") & 0xFFFFFFFE
+        _check_int(seed, "seed", 0, 0xFFFFFFFF)
+        cdef int32_t n_vocab = llama_vocab_n_tokens(_mo_t._vocab)
+        cdef vector[llama_logit_bias] biases
+        cdef llama_logit_bias lb
+        if logit_bias:
+            if not isinstance(logit_bias, dict):
+                raise ArgumentTypeError("logit_bias must be a dict {token_id: bias}")
+            for tok, bias in logit_bias.items():
+                if isinstance(tok, str) and tok.lstrip("-").isdigit():
+                    tok = int(tok)  # OpenAI clients send JSON object keys
+                _check_int(tok, "logit_bias token", 0, n_vocab - 1)
+                if bias != float("-inf"):  # -inf bans a token; NaN and +inf are errors
+                    _check_float(bias, "logit_bias value")
+                lb.token = tok
+                lb.bias = bias
+                biases.push_back(lb)
+        if grammar is not None and not isinstance(grammar, str):
+            raise ArgumentTypeError(f"grammar must be a GBNF string, not {type(grammar).__name__}")
+        if not isinstance(grammar_root, str):
+            raise ArgumentTypeError(f"grammar_root must be a str, not {type(grammar_root).__name__}")
+        if grammar is not None:
+            _check_grammar(grammar, grammar_root)
+        self.params = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                           typical_p=typical_p, repeat_penalty=repeat_penalty,
+                           frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
+                           penalty_last_n=penalty_last_n, seed=seed, grammar=grammar,
+                           logit_bias=dict(logit_bias) if logit_bias else None)
+        cdef llama_sampler_chain_params cp = llama_sampler_chain_default_params()
+        cp.no_perf = True
+        cdef llama_sampler * chain = llama_sampler_chain_init(cp)
+        cdef llama_sampler * g
+        cdef bytes bg, broot
+        self._smpl = chain
+        self._grammar = NULL
+        if repeat_penalty != 1.0 or frequency_penalty != 0.0 or presence_penalty != 0.0:
+            llama_sampler_chain_add(chain, llama_sampler_init_penalties(
+                n_vocab, penalty_last_n, repeat_penalty, frequency_penalty, presence_penalty))
+        if biases.size():
+            llama_sampler_chain_add(chain, llama_sampler_init_logit_bias(n_vocab, biases.size(), biases.data()))
+        if grammar is not None:
+            bg = grammar.encode("utf-8")
+            broot = grammar_root.encode("utf-8")
+            take_last_log_error()
+            g = llama_sampler_init_grammar(_mo_t._vocab, bg, broot)
+            if g == NULL:
+                why = take_last_log_error().decode("utf-8", "replace").strip()
+                raise GrammarError("invalid GBNF grammar" + (f": {why}" if why else ""))
+            llama_sampler_chain_add(chain, g)
+            self._grammar = g
+        if temperature <= 0:
+            llama_sampler_chain_add(chain, llama_sampler_init_greedy())
+            self._plain_greedy = llama_sampler_chain_n(chain) == 1
+        else:
+            if top_k > 0:
+                llama_sampler_chain_add(chain, llama_sampler_init_top_k(top_k))
+            if typical_p < 1.0:
+                llama_sampler_chain_add(chain, llama_sampler_init_typical(typical_p, 1))
+            if top_p < 1.0:
+                llama_sampler_chain_add(chain, llama_sampler_init_top_p(top_p, 1))
+            if min_p > 0.0:
+                llama_sampler_chain_add(chain, llama_sampler_init_min_p(min_p, 1))
+            llama_sampler_chain_add(chain, llama_sampler_init_temp(temperature))
+            llama_sampler_chain_add(chain, llama_sampler_init_dist(<uint32_t> seed))
+        # Tracked like the model's other children: its grammar points into the
+        # model's vocabulary, so Model.close() closes it first.
+        _mo_t._children.add(self)
+
+    def __dealloc__(self):
+        if self._smpl != NULL:
+            llama_sampler_free(self._smpl)
+            self._smpl = NULL
+
+    cdef llama_sampler * _ptr(self) except NULL:
+        if self._smpl == NULL or self.model._model == NULL:
+            raise ClosedError("the sampler is closed (or its model is)")
+        if self._in_use:
+            raise ContextBusyError("this sampler is in use by a running request (another thread, or a "
+                                   "callback inside it)")
+        return self._smpl
+
+    def close(self):
+        """Free the sampler chain now.  Idempotent; ContextBusyError while in use."""
+        if self._smpl == NULL:
+            return
+        if self._in_use:
+            raise ContextBusyError("this sampler is in use by a running request")
+        llama_sampler_free(self._smpl)
+        self._smpl = NULL
+        self._grammar = NULL
+
+    @property
+    def closed(self):
+        return self._smpl == NULL or self.model._model == NULL
+
+    def reset(self):
+        """Forget penalty history and grammar progress; the RNG is not reseeded."""
+        llama_sampler_reset(self._ptr())
+
+    def accept(self, token):
+        """Record ``token`` as sampled (penalty history, grammar progress).
+        GrammarError if the grammar does not allow it here."""
+        cdef llama_sampler * smpl = self._ptr()
+        _check_int(token, "token", INT32_MIN, INT32_MAX)
+        _check_token_id(token, llama_vocab_n_tokens(self.model._vocab))
+        accept_checked(smpl, self._grammar, token)
+
+    def sample(self, ctx, idx=-1):
+        """Sample from output row ``idx`` of the context's last decode (and accept it)."""
+        cdef Context _ct_t = _typed(ctx, Context, "ctx")
+        _check_int(idx, "idx", INT32_MIN, INT32_MAX)
+        if ctx.model is not self.model:
+            raise InvalidArgumentError("this sampler was made for another model")
+        cdef llama_sampler * smpl = self._ptr()
+        cdef llama_sampler * grammar = self._grammar
+        cdef CContext * c = _ct_t._enter(watch_sigint=True)  # a grammar's work can be long
+        cdef llama_token tok
+        cdef int32_t n_out, row
+        self._in_use = True
+        try:
+            n_out = c.last_n_outputs()
+            if n_out == 0:
+                raise InvalidArgumentError("no logits to sample from: decode a batch with outputs first")
+            if idx < -n_out or idx >= n_out:
+                raise InvalidArgumentError(f"output row {idx} is out of range for {n_out} outputs")
+            if idx < 0:
+                idx += n_out
+            row = idx
+            with nogil:  # n_vocab candidates through the chain
+                tok = c.sample(smpl, grammar, row)
+        finally:
+            self._in_use = False
+            _ct_t._leave()
+        return tok
+
+
+cdef _check_grammar(str grammar, str root):
+    """Refuse grammars llama.cpp's parser can't survive (it recurses per
+    nesting level and per rule in a chain: a stack overflow kills the
+    process) before it sees them."""
+    if "\0" in grammar or "\0" in root:
+        raise GrammarError("the grammar contains a NUL character")
+    try:
+        b = grammar.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise GrammarError(f"the grammar is not encodable as UTF-8 (a lone surrogate at {e.start})") from None
+    try:
+        root.encode("utf-8")
+    except UnicodeEncodeError:
+        raise GrammarError("grammar_root is not encodable as UTF-8") from None
+    if len(b) > MAX_GRAMMAR_BYTES:
+        raise GrammarError(f"the grammar is {len(b)} bytes; at most {MAX_GRAMMAR_BYTES} are accepted")
+    cdef string text = b
+    cdef int64_t depth = gbnf_max_nesting(text)
+    if depth > MAX_GRAMMAR_NESTING:
+        raise GrammarError(f"the grammar nests parentheses {depth} deep; at most {MAX_GRAMMAR_NESTING} levels "
+                           f"are accepted (llama.cpp's parser recurses per level)")
+    n_rules = grammar.count("::=")
+    if n_rules > MAX_GRAMMAR_RULES:
+        raise GrammarError(f"the grammar has {n_rules} rules; at most {MAX_GRAMMAR_RULES} are accepted")
