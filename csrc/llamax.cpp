@@ -1207,15 +1207,23 @@ GenResult Context::generate(llama_sampler * smpl, const llama_token * prompt, in
                         " tokens: shorten it or raise n_ctx");
     }
     GenResult res;
-    // Prompt, in n_batch chunks; only the last token needs logits.
-    const int32_t chunk = n_call_max_;
+    // Prompt, in n_batch chunks (or chunks aligned to gp.chunk positions);
+    // only the last token needs logits.
+    if (gp.chunk < 0) {
+        throw Error(ErrorKind::InvalidArgument, "chunk must be >= 0");
+    }
+    const int32_t chunk = gp.chunk > 0 ? std::min(gp.chunk, n_call_max_) : n_call_max_;
+    const bool aligned = gp.chunk > 0;
     std::vector<llama_pos> pbuf(chunk);
     std::vector<int32_t> nsbuf(chunk, 1);
     llama_seq_id sid = gp.seq_id;
     std::vector<llama_seq_id *> spbuf(chunk, &sid);
     std::vector<int8_t> obuf(chunk, 0);
-    for (int32_t off = 0; off < n_prompt; off += chunk) {
+    for (int32_t off = 0; off < n_prompt;) {
         int32_t n = std::min(chunk, n_prompt - off);
+        if (aligned) {  // end at the next multiple of chunk
+            n = std::min(n, chunk - (int32_t) (pos % chunk));
+        }
         for (int32_t i = 0; i < n; ++i) {
             pbuf[i] = pos + i;
             obuf[i] = 0;
@@ -1230,6 +1238,7 @@ GenResult Context::generate(llama_sampler * smpl, const llama_token * prompt, in
                          spbuf.data(), obuf.data()};
         raw_decode(b, outputs_all() ? n : last ? 1 : 0);
         pos += n;
+        off += n;
         res.n_prompt += n;
     }
     bool saved = res.n_prompt == 0;

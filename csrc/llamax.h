@@ -160,6 +160,11 @@ struct GenParams {
     // the end of the last prompt this context decoded (the caller vouches
     // that the KV still holds exactly that prompt, under the same state).
     bool from_saved_logits = false;
+    // > 0: decode the prompt in chunks that end at multiples of `chunk`
+    // positions (at most n_batch), so that a prompt decoded after a cached
+    // prefix of whole chunks does exactly the arithmetic of a cold run
+    // (llama.cpp's results depend on batch shapes).  0: chunks of n_batch.
+    int32_t chunk = 0;
     std::vector<std::vector<llama_token>> stop_sequences;
     // The chain's grammar sampler (owned by the chain), or null: every token
     // is checked against it before it is accepted (see accept_checked).

@@ -134,7 +134,7 @@ cdef str _ADAPTER_PAIR_HELP = "adapters must be a sequence of (LoraAdapter, scal
 cdef class Batcher:
     """Continuous batching on one context: concurrent sequences share decodes.
 
-    ``Batcher(context, quantum=16)`` takes over ``context`` (created with
+    ``Batcher(context, quantum=4)`` takes over ``context`` (created with
     ``n_seq_max=S`` and ``kv_unified=False``: S sequences at once, each with
     ``n_ctx / S`` cells of its own) and runs it on a native thread without
     the GIL.  ``submit()`` queues a sequence and returns a
@@ -156,7 +156,7 @@ cdef class Batcher:
     def __cinit__(self):
         self._b = NULL
 
-    def __init__(self, context, *, quantum=16):
+    def __init__(self, context, *, quantum=4):
         cdef Context ctx = _typed(context, Context, "context")
         _check_int(quantum, "quantum", 1, 1 << 20)
         cdef CContext * c = ctx._get()

@@ -482,7 +482,7 @@ cdef class Context:
     # -- generation ---------------------------------------------------------
 
     def generate(self, tokens, sampler, *, max_tokens=16, seq_id=0,
-                 stop_sequences=(), ignore_eos=False, callback=None, from_saved_logits=False):
+                 stop_sequences=(), ignore_eos=False, callback=None, from_saved_logits=False, chunk=0):
         """Decode ``tokens`` after what sequence ``seq_id`` holds, then sample up to ``max_tokens``.
 
         The whole loop runs in C++ without the GIL.  ``callback(token)``, if
@@ -496,6 +496,9 @@ cdef class Context:
         token from the logits saved at the end of the last prompt this
         context decoded: for a repeated prompt whose KV is still in place
         (the caller keeps that bookkeeping; llamax.Llama does).
+        ``chunk > 0`` decodes the prompt in chunks ending at multiples of
+        ``chunk`` positions: after a cached prefix of whole chunks, the rest
+        is decoded exactly as in a cold run (llamax.Llama's exact prefix cache).
         """
         cdef Sampler _sa_t = _typed(sampler, Sampler, "sampler")
         if sampler.model is not self.model:
@@ -504,6 +507,7 @@ cdef class Context:
             raise ArgumentTypeError("callback must be callable")
         _check_int(max_tokens, "max_tokens", -1, INT32_MAX)
         _check_int(seq_id, "seq_id", 0, INT32_MAX)
+        _check_int(chunk, "chunk", 0, INT32_MAX)
         cdef CContext * c = self._get()
         cdef const int32_t[::1] tv = _as_tokens(tokens)
         cdef CGenParams gp
@@ -512,6 +516,7 @@ cdef class Context:
         gp.ignore_eos = bool(ignore_eos)
         gp.plain_greedy = _sa_t._plain_greedy
         gp.from_saved_logits = bool(from_saved_logits)
+        gp.chunk = chunk
         gp.grammar = _sa_t._grammar
         cdef vector[llama_token] sv
         cdef const int32_t[::1] s

@@ -71,10 +71,12 @@ class Llama:
     (S > 1: each context runs S requests at once in shared decodes, see
     :class:`llamax.Batcher`; each request still gets ``n_ctx`` tokens) and ``prefix_cache``
     (default True: a prompt reuses the KV of the longest prefix it shares
-    with the context's last one; False: only an exact repeat is reused.
-    llama.cpp's numbers depend on batch shape, so a partially reused prompt
-    can give a greedy answer that differs from a cold run; with False every
-    answer equals the cold one).
+    with the context's last prompt, in whole chunks of ``prefix_cache_chunk``
+    tokens; every prompt is decoded in chunks ending at multiples of that
+    size, so a cached run does the arithmetic of a cold one and its answer
+    is the cold answer, bit for bit.  False: only an exact repeat is reused).
+    ``usage["prompt_tokens_details"]["cached_tokens"]`` says how many
+    prompt tokens were reused.
     """
 
     def __init__(self, model_path: str, *, n_gpu_layers: int = 0, use_mmap: bool = True,
@@ -83,7 +85,8 @@ class Llama:
                  n_threads_batch: int | None = None, embedding: bool = False, pooling: str | None = None,
                  flash_attn: bool | None = None, chat_format: str | None = None,
                  chat_template: str | None = None, verbose: bool = False, n_contexts: int = 1,
-                 max_loaded_adapters: int | None = None, prefix_cache: bool = True, n_parallel: int = 1,
+                 max_loaded_adapters: int | None = None, prefix_cache: bool = True, prefix_cache_chunk: int = 256,
+                 n_parallel: int = 1,
                  lora_path=None, lora_scale=None, lora_base=None):
         for name, value in (("lora_path", lora_path), ("lora_scale", lora_scale), ("lora_base", lora_base)):
             if value is not None:
@@ -120,6 +123,11 @@ class Llama:
         if not isinstance(prefix_cache, bool):
             raise ArgumentTypeError("prefix_cache must be a bool")
         self._prefix_cache = prefix_cache
+        if isinstance(prefix_cache_chunk, bool) or not isinstance(prefix_cache_chunk, int) \
+                or not 1 <= prefix_cache_chunk <= n_batch:
+            raise InvalidArgumentError(f"prefix_cache_chunk must be an int in [1, n_batch={n_batch}], "
+                                       f"got {prefix_cache_chunk!r}")
+        self._prefix_chunk = prefix_cache_chunk
         self.n_parallel = n_parallel
         slots = []
         try:

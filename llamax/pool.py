@@ -14,7 +14,7 @@ from llamax._core import Batcher, Context
 class _Slot:
     """One context of the pool, with what its KV holds and under which state."""
 
-    __slots__ = ("ctx", "busy", "key", "tokens", "logits_n", "last_used", "stale")
+    __slots__ = ("ctx", "busy", "key", "tokens", "logits_n", "exact_n", "last_used", "stale")
 
     def __init__(self, ctx: Context):
         self.ctx = ctx
@@ -22,6 +22,7 @@ class _Slot:
         self.key = None            # state key the KV was computed under
         self.tokens = np.empty(0, np.int32)  # tokens held in sequence 0's KV
         self.logits_n = -1         # the context saved the logits after tokens[:logits_n]
+        self.exact_n = 0           # tokens[:exact_n] were decoded as whole aligned prompt chunks
         self.last_used = 0.0
         self.stale = False         # forget the cache when the running request ends
 
@@ -30,6 +31,7 @@ class _Slot:
         request's state key is None, so no prefix matches."""
         self.key = None
         self.logits_n = -1
+        self.exact_n = 0
         self.stale = False
 
 

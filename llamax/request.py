@@ -115,19 +115,21 @@ _WAIT = object()  # _batched_steps: "send me the sequence's next tokens"
 
 
 class _Result:
-    __slots__ = ("text", "tokens", "n_prompt", "finish_reason", "logprobs", "model")
+    __slots__ = ("text", "tokens", "n_prompt", "n_cached", "finish_reason", "logprobs", "model")
 
     def __init__(self, model):
         self.model = model
         self.text = ""
         self.tokens = []
         self.n_prompt = 0
+        self.n_cached = 0  # prompt tokens whose KV was reused
         self.finish_reason = "length"
         self.logprobs = []  # per token: (logprob, [(token, logprob), ...])
 
     def usage(self):
         return {"prompt_tokens": self.n_prompt, "completion_tokens": len(self.tokens),
-                "total_tokens": self.n_prompt + len(self.tokens)}
+                "total_tokens": self.n_prompt + len(self.tokens),
+                "prompt_tokens_details": {"cached_tokens": self.n_cached}}
 
     def completion_logprobs(self, prefix=""):
         m = self.model
@@ -404,20 +406,24 @@ class _Request:
                 attached.append(t)
             ctx.set_adapters(self.adapters)     # no-op when already applied
             ctx.set_control_vector(self.cv)     # no-op when identical
-            # Reuse KV only if it was computed under this very state.
-            n_keep = _lcp(slot.tokens, self.tokens) if slot.key == self.key else 0
-            saved = False
-            if n_keep == len(self.tokens):
-                # A repeat: the KV holds the whole prompt.  Sample from the
-                # logits saved after it (the same numbers as the first time,
-                # so the same answer) unless logprobs need the live buffer;
-                # else decode the last prompt token again for its logits.
-                if slot.logits_n == n_keep and self.logprobs is None:
-                    saved = True
-                else:
-                    n_keep -= 1
-            if not saved and not llm._prefix_cache:
+            # Reuse KV only if it was computed under this very state, and
+            # only what a cold run would compute the same way: whole prompt
+            # chunks of `chunk` positions (every prompt is decoded in chunks
+            # ending at multiples of it), so a cached answer is the cold one.
+            chunk = llm._prefix_chunk
+            lcp = _lcp(slot.tokens, self.tokens) if slot.key == self.key else 0
+            n = len(self.tokens)
+            # A repeat whose final logits were saved: sample from them (the
+            # same numbers as the first time), unless logprobs need the live
+            # buffer.
+            saved = lcp == n and slot.logits_n == n and self.logprobs is None
+            if saved:
+                n_keep = n
+            elif llm._prefix_cache:
+                n_keep = min(lcp, slot.exact_n, n - 1) // chunk * chunk
+            else:
                 n_keep = 0  # only an exact repeat reuses the KV (see Llama's prefix_cache)
+            res.n_cached = n_keep
             if n_keep > 0:
                 ctx.kv_remove(0, n_keep, -1)
             else:
@@ -425,6 +431,7 @@ class _Request:
             slot.key = self.key
             slot.tokens = self.tokens[:n_keep]
             slot.logits_n = -1
+            slot.exact_n = 0
             text = _TextAssembler(model, self.stops, emit)
             want_cb = emit is not None or self.stops or self.logprobs is not None
             lps = res.logprobs
@@ -438,12 +445,14 @@ class _Request:
 
             try:
                 out, finish = ctx.generate(self.tokens[n_keep:], self.sampler, max_tokens=self.max_tokens,
-                                           callback=on_token if want_cb else None, from_saved_logits=saved)
+                                           callback=on_token if want_cb else None, from_saved_logits=saved,
+                                           chunk=chunk)
             except BaseException:
                 slot.key = None
                 slot.tokens = np.empty(0, np.int32)
                 raise
             slot.logits_n = len(self.tokens)
+            slot.exact_n = n // chunk * chunk
             n_kv = ctx.seq_pos_max(0) + 1
             full = np.concatenate([self.tokens, out])
             slot.tokens = full[:n_kv]

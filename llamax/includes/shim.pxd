@@ -60,6 +60,7 @@ cdef extern from "llamax.h" namespace "llamax" nogil:
         cbool ignore_eos
         cbool plain_greedy
         cbool from_saved_logits
+        int32_t chunk
         vector[vector[llama_token]] stop_sequences
         llama_sampler * grammar
 

@@ -26,6 +26,9 @@ CONFIGS = {
     "B": dict(active_loras=[{"name": "translator", "scale": 1.0}]),
 }
 MAX = 16
+# Small prefix-cache chunks, so that these short prompts share whole chunks
+# (every Llama here uses the same size: it sets how prompts are decoded).
+CHUNK = 16
 
 
 def msgs(q):
@@ -47,7 +50,7 @@ def prompt_of(llm, q):
 @pytest.fixture(scope="module")
 def llm1(smollm2_path, api_loras):
     """ONE context: every request lands on the KV the previous one left."""
-    m = make_llama(smollm2_path, n_contexts=1)
+    m = make_llama(smollm2_path, n_contexts=1, prefix_cache_chunk=CHUNK)
     m.load_lora("coder", api_loras["coder"])
     m.load_lora("translator", api_loras["translator"])
     yield m
@@ -61,7 +64,7 @@ def cold(smollm2_path, api_loras):
 
     def get(config, q):
         if (config, q) not in memo:
-            with make_llama(smollm2_path) as m:
+            with make_llama(smollm2_path, prefix_cache_chunk=CHUNK) as m:
                 m.load_lora("coder", api_loras["coder"])
                 m.load_lora("translator", api_loras["translator"])
                 memo[config, q] = Answer(m.create_chat_completion(msgs(q), max_tokens=MAX, **G,
@@ -87,6 +90,13 @@ def _shared(a, b):
     return int(np.flatnonzero(a[: len(b)] != b[: len(a)])[0])
 
 
+def _reusable(prev, new):
+    """What the exact prefix cache reuses of `prev`'s KV for `new`: the
+    shared prefix, within prev's whole prompt chunks, in whole chunks, and
+    at least one token left to decode."""
+    return min(_shared(prev, new), len(prev) // CHUNK * CHUNK, len(new) - 1) // CHUNK * CHUNK
+
+
 def _cached_at_start(llm, config, q, **kw):
     """Stream one request; while it generates, the slot holds the prompt tokens
     whose KV it kept (the rest were decoded for this request).  Returns that
@@ -103,12 +113,11 @@ def _cached_at_start(llm, config, q, **kw):
 def test_repeated_prompt_under_same_state_skips_prompt_decode(smollm2_path, api_loras, cold):
     """What each request kept from the cache, seen through the slot while it runs.
 
-    A request that reuses part of a prompt decodes the rest in a smaller
-    batch, and llama.cpp's results depend on batch sizes (max |logit
-    difference| ~0.7 on this model), so its greedy answer may differ from a
-    cold run's: it is compared with the same requests on a fresh Llama
-    instead.  An exact repeat decodes nothing and equals the first answer."""
-    with make_llama(smollm2_path, n_contexts=1) as m:
+    The cache reuses whole prompt chunks only, and every prompt is decoded
+    in chunks aligned the same way, so a request that reuses part of a
+    prompt gets the cold answer (test_prefix_cache_is_exact checks it bit
+    for bit).  An exact repeat decodes nothing and equals the first answer."""
+    with make_llama(smollm2_path, n_contexts=1, prefix_cache_chunk=CHUNK) as m:
         m.load_lora("coder", api_loras["coder"])
         m.load_lora("translator", api_loras["translator"])
         p1, p2 = prompt_of(m, Q1), prompt_of(m, Q2)
@@ -127,7 +136,8 @@ def test_repeated_prompt_under_same_state_skips_prompt_decode(smollm2_path, api_
         assert kept == 0 and b1 == cold("base", Q1)[0]
         # a new question under the same state: the shared prefix is reused
         kept, b2 = _cached_at_start(m, "base", Q2)
-        assert kept == _shared(p1, p2)
+        assert kept == _reusable(p1, p2) > 0
+        assert b2 == cold("base", Q2)[0]
         # an adapter's scale and the control vector are part of the state too
         kept, _ = _cached_at_start(m, "base", Q1, active_loras=[{"name": "coder", "scale": 0.5}])
         assert kept == 0
@@ -142,7 +152,7 @@ def test_repeated_prompt_under_same_state_skips_prompt_decode(smollm2_path, api_
         r = m.create_chat_completion(msgs(Q1), max_tokens=2, **G, **CONFIGS["A"])
         assert r["usage"]["prompt_tokens"] == len(p1)
     # the reused answers are those of the same requests on a Llama that never saw another state
-    with make_llama(smollm2_path, n_contexts=1) as ref:
+    with make_llama(smollm2_path, n_contexts=1, prefix_cache_chunk=CHUNK) as ref:
         ref.load_lora("coder", api_loras["coder"])
         assert [chat(ref, "base", Q1), chat(ref, "base", Q2)] == [b1, b2]
         assert [chat(ref, "A", Q1), chat(ref, "A", Q1)] == [a1, a2]
@@ -201,7 +211,7 @@ def _in_threads(fns):
 
 
 def test_six_threads_three_contexts_get_their_solo_answers(smollm2_path, api_loras):
-    with make_llama(smollm2_path, n_contexts=3) as m:
+    with make_llama(smollm2_path, n_contexts=3, prefix_cache_chunk=CHUNK) as m:
         m.load_lora("coder", api_loras["coder"])
         m.load_lora("translator", api_loras["translator"])
         solo = []
@@ -218,7 +228,7 @@ def test_six_threads_three_contexts_get_their_solo_answers(smollm2_path, api_lor
 
 
 def test_adapter_affinity_two_tenants_no_swaps(smollm2_path, api_loras, base_llm):
-    with make_llama(smollm2_path, n_contexts=2) as m:
+    with make_llama(smollm2_path, n_contexts=2, prefix_cache_chunk=CHUNK) as m:
         m.load_lora("coder", api_loras["coder"])
         m.load_lora("translator", api_loras["translator"])
         slots = m._pool.slots
@@ -253,3 +263,34 @@ def test_adapter_affinity_two_tenants_no_swaps(smollm2_path, api_loras, base_llm
         assert sum(s.ctx.n_state_calls for s in slots) > sum(calls)
         assert base == Answer(base_llm(FOX, max_tokens=MAX, **G, **LOGPROBS_COMPLETION))
         assert_distinct([base.result, ref["A"].result, ref["B"].result])
+
+
+def test_prefix_cache_is_exact(smollm2_path):
+    """Whatever ran before on the context, a request that reuses cached KV
+    gets the cold run's logprobs for every token, bit for bit: the cache
+    reuses whole aligned prompt chunks only, and every prompt is decoded in
+    such chunks."""
+    qs = [Q1, Q2, "Where is the library?", Q1, Q2]
+
+    def run(m, q):
+        r = m.create_chat_completion(msgs(q), max_tokens=8, **G, **LOGPROBS_CHAT)
+        return r["usage"]["prompt_tokens_details"]["cached_tokens"], repr(r["choices"][0]["logprobs"])
+
+    with make_llama(smollm2_path, n_contexts=1, prefix_cache_chunk=CHUNK) as m:
+        want = {}
+        for q in set(qs):
+            forget_cache(m)
+            cached, want[q] = run(m, q)
+            assert cached == 0
+        forget_cache(m)
+        # other prompts first: a longer one sharing the system prompt, and a plain completion
+        m.create_completion(SYSTEM + " And more text that goes on for a while.", max_tokens=4, **G)
+        n_cached = []
+        for q in qs:
+            cached, got = run(m, q)
+            n_cached.append(cached)
+            assert got == want[q], q
+        assert all(c > 0 for c in n_cached[1:]), n_cached
+    # the same arithmetic whether the cache is on or off
+    with make_llama(smollm2_path, n_contexts=1, prefix_cache_chunk=CHUNK, prefix_cache=False) as off:
+        assert run(off, Q2)[1] == want[Q2]
