@@ -15,6 +15,8 @@
 #include <csignal>
 #include <sys/stat.h>
 #include <pthread.h>
+#include <sys/mman.h>
+#include <unistd.h>
 #include <exception>
 
 namespace llamax {
@@ -288,7 +290,7 @@ int32_t tokenize_safe(const llama_vocab * vocab, const char * text, int32_t n_te
         return llama_tokenize(vocab, text, n_text, out, n_max, add_special, parse_special);
     }
     TokenizeJob job{vocab, text, n_text, out, n_max, add_special, parse_special};
-    const size_t page = 1 << 16;
+    const size_t page = (size_t) sysconf(_SC_PAGESIZE);
     size_t stack = (size_t{16} << 20) + static_cast<size_t>(n_text) * 1024;
     stack = (stack + page - 1) / page * page;
     auto refuse = [&](int err) {
@@ -298,12 +300,30 @@ int32_t tokenize_safe(const llama_vocab * vocab, const char * text, int32_t n_te
                      std::to_string(stack >> 20) + " MiB stack, and the system refused it (" + std::strerror(err) +
                      "): tokenize the text in smaller pieces");
     };
+    // Address space only: MAP_NORESERVE keeps the heuristic overcommit check
+    // out of it, and pages are committed as the recursion touches them (a
+    // text without long runs touches a few).  The lowest page is a guard.
+    void * base = mmap(nullptr, stack + page, PROT_READ | PROT_WRITE,
+                       MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE
+#ifdef MAP_STACK
+                           | MAP_STACK
+#endif
+                       , -1, 0);
+    if (base == MAP_FAILED) {
+        throw refuse(errno);
+    }
+    struct Unmap {
+        void * p;
+        size_t n;
+        ~Unmap() { munmap(p, n); }
+    } unmap{base, stack + page};
+    mprotect(base, page, PROT_NONE);
     pthread_attr_t attr;
     int rc = pthread_attr_init(&attr);
     if (rc != 0) {
         throw refuse(rc);
     }
-    rc = pthread_attr_setstacksize(&attr, stack);
+    rc = pthread_attr_setstack(&attr, static_cast<char *>(base) + page, stack);
     pthread_t th;
     if (rc == 0) {
         rc = pthread_create(&th, &attr, tokenize_job_main, &job);

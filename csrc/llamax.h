@@ -340,8 +340,10 @@ private:
 // character, so a run of ~26k letters, digits, spaces or punctuation
 // overflows an 8 MiB stack (SIGSEGV).  A BPE text of TOKENIZE_DEEP_BYTES or
 // more is therefore tokenized on a helper thread whose stack is sized from
-// its length (1 KiB a byte + 16 MiB, reserved, touched only as used); if
-// the system will not map that, ErrorKind::OutOfMemory names the size.
+// its length (1 KiB a byte + 16 MiB of address space, mapped with
+// MAP_NORESERVE: pages are committed only as the recursion touches them);
+// if the system will not map that (an address-space limit, strict
+// overcommit), ErrorKind::OutOfMemory names the size.
 // Returns what llama_tokenize returns.
 constexpr int32_t TOKENIZE_DEEP_BYTES = 2048;
 int32_t tokenize_safe(const llama_vocab * vocab, const char * text, int32_t n_text, llama_token * out,

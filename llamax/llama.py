@@ -72,7 +72,7 @@ class Llama:
     :class:`llamax.Batcher`; each request still gets ``n_ctx`` tokens) and ``prefix_cache``
     (default True: a prompt reuses the KV of the longest prefix it shares
     with the context's last prompt, in whole chunks of ``prefix_cache_chunk``
-    tokens; every prompt is decoded in chunks ending at multiples of that
+    tokens (default: 256, or ``n_batch`` if smaller); every prompt is decoded in chunks ending at multiples of that
     size, so a cached run does the arithmetic of a cold one and its answer
     is the cold answer, bit for bit.  False: only an exact repeat is reused).
     ``usage["prompt_tokens_details"]["cached_tokens"]`` says how many
@@ -85,7 +85,7 @@ class Llama:
                  n_threads_batch: int | None = None, embedding: bool = False, pooling: str | None = None,
                  flash_attn: bool | None = None, chat_format: str | None = None,
                  chat_template: str | None = None, verbose: bool = False, n_contexts: int = 1,
-                 max_loaded_adapters: int | None = None, prefix_cache: bool = True, prefix_cache_chunk: int = 256,
+                 max_loaded_adapters: int | None = None, prefix_cache: bool = True, prefix_cache_chunk: int | None = None,
                  n_parallel: int = 1,
                  lora_path=None, lora_scale=None, lora_base=None):
         for name, value in (("lora_path", lora_path), ("lora_scale", lora_scale), ("lora_base", lora_base)):
@@ -123,8 +123,12 @@ class Llama:
         if not isinstance(prefix_cache, bool):
             raise ArgumentTypeError("prefix_cache must be a bool")
         self._prefix_cache = prefix_cache
+        # (a bad n_batch is the context's to report)
+        nb = n_batch if isinstance(n_batch, int) and not isinstance(n_batch, bool) and n_batch >= 1 else None
+        if prefix_cache_chunk is None:
+            prefix_cache_chunk = min(256, nb or 256)
         if isinstance(prefix_cache_chunk, bool) or not isinstance(prefix_cache_chunk, int) \
-                or not 1 <= prefix_cache_chunk <= n_batch:
+                or prefix_cache_chunk < 1 or (nb is not None and prefix_cache_chunk > nb):
             raise InvalidArgumentError(f"prefix_cache_chunk must be an int in [1, n_batch={n_batch}], "
                                        f"got {prefix_cache_chunk!r}")
         self._prefix_chunk = prefix_cache_chunk

@@ -3,7 +3,8 @@
 # venv of its own and run tests under them.
 #
 #   tools/sanitize.sh asan   # ASan+UBSan: tests/core and tests/hardening
-#   tools/sanitize.sh tsan   # TSan: the thread stress (tests/hardening/test_stress.py)
+#   tools/sanitize.sh tsan   # TSan: the thread stress and the batcher (tests/hardening/test_stress.py,
+#                            # tests/core/test_batcher.py)
 #
 # Builds are cached like the normal one (the build key includes the flags):
 # the first run of each mode compiles llama.cpp (~8 min on 2 cores).  Reports
@@ -28,7 +29,7 @@ case $mode in
         ;;
   tsan) flags=thread
         pre="$(gcc -print-file-name=libtsan.so)"
-        tests=("tests/hardening/test_stress.py")
+        tests=("tests/hardening/test_stress.py" "tests/core/test_batcher.py")
         export TSAN_OPTIONS="log_path=$out/tsan:halt_on_error=0:report_signal_unsafe=0:second_deadlock_stack=1"
         ;;
   *) echo "usage: $0 asan|tsan [pytest args]" >&2; exit 2 ;;

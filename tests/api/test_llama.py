@@ -123,7 +123,8 @@ def test_completion_shape_call_and_max_tokens(llm, smollm2_path):
     assert ch["text"].startswith(" Paris")
     assert ch["finish_reason"] == "length"
     assert r["usage"] == {"prompt_tokens": len(llm.tokenize(PROMPT)), "completion_tokens": 12,
-                          "total_tokens": len(llm.tokenize(PROMPT)) + 12}
+                          "total_tokens": len(llm.tokenize(PROMPT)) + 12,
+                          "prompt_tokens_details": {"cached_tokens": 0}}   # (a cold request)
     assert text(llm(PROMPT, max_tokens=12, **G)) == ch["text"]          # __call__
     short = llm(PROMPT, max_tokens=3, **G)
     assert short["usage"]["completion_tokens"] == 3
