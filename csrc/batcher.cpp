@@ -13,6 +13,11 @@ namespace llamax {
 // Seq: the consumer's side
 
 Seq::~Seq() {
+    if (pinned_) {  // (a sequence that never reached the batcher)
+        for (Adapter * a : p_.adapters) {
+            a->n_pinned.fetch_sub(1);
+        }
+    }
     if (chain_ != nullptr) {
         llama_sampler_free(chain_);
     }
@@ -96,11 +101,27 @@ void Batcher::close() {
     }
 }
 
-void Batcher::reset_state() {
-    std::lock_guard<std::mutex> ctx_lock(ctx_->mutex());  // steps hold it: this runs between two
+// Under the context's mutex.
+void Batcher::apply_reset() {
     ctx_->set_adapters({}, {});
     ctx_->set_control_vector(nullptr);
     have_cur_ = false;
+}
+
+void Batcher::reset_state() {
+    // The batcher's thread applies it between two steps (waiting for the
+    // context's mutex here could starve behind a busy batcher: std::mutex
+    // is not fair).  A stopped thread can't: then it is done here.
+    std::unique_lock<std::mutex> lk(mu_);
+    if (stop_) {
+        lk.unlock();
+        std::lock_guard<std::mutex> ctx_lock(ctx_->mutex());
+        apply_reset();
+        return;
+    }
+    reset_requested_ = true;
+    cv_.notify_all();
+    reset_cv_.wait(lk, [this] { return !reset_requested_; });
 }
 
 BatcherStats Batcher::stats() {
@@ -161,6 +182,13 @@ SeqPtr Batcher::submit(llama_sampler * chain, llama_sampler * grammar, bool plai
     }
     s->plain_greedy_ = plain_greedy;
     s->p_ = std::move(params);
+    // Pinned from here until the batcher is done with it: adapter_free
+    // refuses a pinned adapter (a sequence waiting for its group's turn holds
+    // one that is not applied anywhere).
+    for (Adapter * a : s->p_.adapters) {
+        a->n_pinned.fetch_add(1);
+    }
+    s->pinned_ = true;
     s->n_prompt_ = n_prompt;
     {
         std::lock_guard<std::mutex> lk(mu_);
@@ -207,6 +235,23 @@ void Batcher::release_slot(const SeqPtr & s) {
     }
 }
 
+void Batcher::unpin(Seq & s) {
+    if (s.pinned_) {
+        s.pinned_ = false;
+        for (Adapter * a : s.p_.adapters) {
+            a->n_pinned.fetch_sub(1);
+        }
+    }
+}
+
+void Batcher::fail_all(std::vector<SeqPtr> & seqs, ErrorKind k, const std::string & msg) {
+    for (const auto & s : seqs) {
+        if (s) {
+            fail(s, k, msg);
+        }
+    }
+}
+
 void Batcher::notify(const SeqPtr & s) {
     s->cv_.notify_all();
     const int fd = notify_fd_.load(std::memory_order_relaxed);
@@ -220,6 +265,7 @@ void Batcher::notify(const SeqPtr & s) {
 
 void Batcher::end(const SeqPtr & s, Finish f) {
     release_slot(s);
+    unpin(*s);
     {
         std::lock_guard<std::mutex> lk(s->mu_);
         s->finish_ = f;
@@ -230,6 +276,7 @@ void Batcher::end(const SeqPtr & s, Finish f) {
 
 void Batcher::fail(const SeqPtr & s, ErrorKind k, const std::string & msg) {
     release_slot(s);
+    unpin(*s);
     {
         std::lock_guard<std::mutex> lk(s->mu_);
         s->failed_ = true;
@@ -316,7 +363,7 @@ void Batcher::run() {
         {
             std::unique_lock<std::mutex> lk(mu_);
             cv_.wait(lk, [this] {
-                if (stop_ || !pending_.empty()) {
+                if (stop_ || !pending_.empty() || reset_requested_) {
                     return true;
                 }
                 for (const auto & s : slots_) {
@@ -334,6 +381,15 @@ void Batcher::run() {
         std::vector<SeqPtr> gone;
         {
             std::lock_guard<std::mutex> lk(mu_);
+            if (reset_requested_) {
+                try {
+                    apply_reset();
+                } catch (...) {
+                    // (nothing to unwind: the next step applies its own state)
+                }
+                reset_requested_ = false;
+                reset_cv_.notify_all();
+            }
             admit(gone);
             running.clear();
             for (const auto & s : slots_) {
@@ -356,7 +412,17 @@ void Batcher::run() {
         if (running.empty()) {
             continue;
         }
-        step(running);
+        try {
+            step(running);
+        } catch (const Error & e) {
+            fail_all(running, e.kind, e.what());
+        } catch (const std::bad_alloc &) {
+            fail_all(running, ErrorKind::OutOfMemory, "out of memory in the batcher");
+        } catch (const std::exception & e) {
+            fail_all(running, ErrorKind::Decode, e.what());
+        } catch (...) {
+            fail_all(running, ErrorKind::Decode, "unknown error in the batcher");
+        }
     }
     // closing: every sequence, queued or running, ends with an error
     std::vector<SeqPtr> all;
@@ -374,6 +440,13 @@ void Batcher::run() {
     for (const auto & s : all) {
         fail(s, ErrorKind::Aborted, "the batcher was closed while this request ran");
     }
+    try {
+        apply_reset();  // the context goes back with the base model applied
+    } catch (...) {
+    }
+    std::lock_guard<std::mutex> lk(mu_);
+    reset_requested_ = false;  // (a reset_state() waiting now returns)
+    reset_cv_.notify_all();
 }
 
 void Batcher::step(std::vector<SeqPtr> & running) {
@@ -435,9 +508,12 @@ void Batcher::step(std::vector<SeqPtr> & running) {
         ctx_->set_adapters(cur_.adapters, cur_.scales);
         ctx_->set_control_vector(cur_.cvec);
     } catch (const Error & e) {
-        for (const auto & s : group) {
-            fail(s, e.kind, e.what());
-        }
+        fail_all(group, e.kind, e.what());
+        have_cur_ = false;
+        return;
+    } catch (const std::exception & e) {
+        fail_all(group, ErrorKind::Decode, e.what());
+        have_cur_ = false;
         return;
     }
 
@@ -500,9 +576,15 @@ void Batcher::step(std::vector<SeqPtr> & running) {
     try {
         ctx_->raw_decode(b, n_out);
     } catch (const Error & e) {
-        for (const auto & s : in_batch) {
-            fail(s, e.kind, std::string(e.what()));
-        }
+        fail_all(in_batch, e.kind, e.what());
+        return;
+    } catch (const std::bad_alloc &) {
+        fail_all(in_batch, ErrorKind::OutOfMemory, "out of memory in llama_decode");
+        return;
+    } catch (const std::exception & e) {
+        // llama.cpp throws from its graph reserve (e.g. "failed to allocate
+        // compute pp buffers" after a state switch under memory pressure)
+        fail_all(in_batch, classify_log(e.what(), ErrorKind::Decode), e.what());
         return;
     }
     {

@@ -78,6 +78,7 @@ private:
     int32_t n_generated_ = 0;
     std::vector<llama_token> tail_;  // last tokens, for stop sequences
     int32_t batch_row_ = -1;   // this step's output row in the batch
+    bool pinned_ = false;      // holds a pin on each of its adapters (batcher.cpp: pin/unpin)
     // shared with the consumer (mu_)
     std::mutex mu_;
     std::condition_variable cv_;
@@ -146,6 +147,9 @@ private:
     void end(const SeqPtr & s, Finish f);
     void fail(const SeqPtr & s, ErrorKind k, const std::string & msg);
     void release_slot(const SeqPtr & s);
+    static void unpin(Seq & s);
+    void fail_all(std::vector<SeqPtr> & seqs, ErrorKind k, const std::string & msg);
+    void apply_reset();
     void notify(const SeqPtr & s);
     bool push_token(const SeqPtr & s, llama_token tok, const float * logits);
 
@@ -160,6 +164,8 @@ private:
     std::deque<SeqPtr> pending_;
     std::vector<SeqPtr> slots_;
     BatcherStats stats_;
+    bool reset_requested_ = false;  // (mu_) reset_state() asked the thread to apply the base state
+    std::condition_variable reset_cv_;
     // batcher thread only
     StateKey cur_;
     bool have_cur_ = false;

@@ -253,6 +253,11 @@ void adapter_free(Adapter * a) {
                     "LoRA adapter " + a->path + " is applied to " + std::to_string(n) +
                         " context(s); apply another adapter set there (or close them) before freeing it");
     }
+    n = a->n_pinned.load();
+    if (n > 0) {
+        throw Error(ErrorKind::AdapterInUse, "LoRA adapter " + a->path + " is used by " + std::to_string(n) +
+                                                 " queued or running batched sequence(s); free it after they end");
+    }
     llama_adapter_lora_free(a->ptr);
     delete a;
 }

@@ -118,6 +118,9 @@ struct Adapter {
     // attached adapter would be a use-after-free: llama.cpp's
     // llama_adapter_lora_free does not detach it from contexts.
     std::atomic<int> n_attached{0};
+    // How many batched sequences (queued or running) will apply it: one that
+    // waits for its group's turn holds it without it being applied.
+    std::atomic<int> n_pinned{0};
 };
 
 Adapter * adapter_load(llama_model * model, const std::string & path);  // GIL-free

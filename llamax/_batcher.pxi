@@ -56,7 +56,12 @@ class _AsyncHub:
             self._poll(seq)
         for seq in list(self.on_done):
             if _drained(seq):
-                self.on_done.pop(seq)()
+                fn = self.on_done.pop(seq, None)
+                if fn is not None:
+                    try:
+                        fn()
+                    except Exception:  # one release must not keep the others from running
+                        logger.exception("llamax: releasing a finished request failed")
 
     def _poll(self, seq):
         fut = self.waiters.get(seq)
@@ -94,8 +99,12 @@ class _AsyncHub:
         seq._notify()
         if _drained(seq) or self.loop is None or self.loop.is_closed():
             fn()
-        else:
-            self.on_done[seq] = fn
+            return
+        self.on_done[seq] = fn
+        # the last wake-up may have been read (by this loop's reader, or
+        # another loop's) before the registration: look once more
+        if _drained(seq) and self.on_done.pop(seq, None) is not None:
+            fn()
 
     def close(self):
         """After the batcher's thread has stopped: stop watching, close the pipe."""
@@ -151,16 +160,19 @@ cdef class Batcher:
     cdef readonly Context context
     cdef set _keep   # adapters / control vectors the context may still have applied
     cdef object _hub  # _AsyncHub, made on first await
+    cdef int _inflight  # reset_state() calls running without the GIL
     cdef object __weakref__
 
     def __cinit__(self):
         self._b = NULL
 
     def __init__(self, context, *, quantum=4):
+        if self._b != NULL:
+            raise InvalidArgumentError("this Batcher is already running")
         cdef Context ctx = _typed(context, Context, "context")
         _check_int(quantum, "quantum", 1, 1 << 20)
         cdef CContext * c = ctx._get()
-        if ctx._driver is not None:
+        if ctx._driven():
             raise ContextBusyError("this context already has a Batcher")
         if ctx._busy:
             raise ContextBusyError("the context is in use by another thread")
@@ -172,7 +184,7 @@ cdef class Batcher:
             raise ClosedError("the interpreter is exiting")
         cdef int32_t q = quantum
         self._b = new CBatcher(c, q)
-        ctx._driver = self
+        ctx._driver = weakref.ref(self)
         self.context = ctx
         self._keep = set()
         _LIVE_BATCHERS.add(self)
@@ -195,11 +207,13 @@ cdef class Batcher:
         Idempotent."""
         if self._b == NULL:
             return
+        if self._inflight:
+            raise ContextBusyError("reset_state() is running on another thread; close when it returns")
         cdef CBatcher * b = self._b
+        self._b = NULL  # before the GIL is released: other calls now raise ClosedError
         with nogil:
             b.close()
-        del self._b
-        self._b = NULL
+        del b
         if self._hub is not None:
             self._hub.close()
             self._hub = None
@@ -220,8 +234,12 @@ cdef class Batcher:
         running sequence uses: they can then be closed.  The next step
         applies what its sequences need."""
         cdef CBatcher * b = self._ptr()
-        with nogil:
-            b.reset_state()
+        self._inflight += 1  # close() refuses meanwhile: b stays valid
+        try:
+            with nogil:
+                b.reset_state()
+        finally:
+            self._inflight -= 1
         self._keep = set()
 
     def __enter__(self):
@@ -320,6 +338,7 @@ cdef class Batcher:
             keep.append(cv)
         cdef llama_sampler * chain = smp._ptr()
         cdef CSeqPtr sp
+        b = self._ptr()  # again: the Python code above may have let another thread close it
         smp._in_use = True
         try:
             sp = b.submit(chain, smp._grammar, smp._plain_greedy, p)  # clones the chain
@@ -361,6 +380,15 @@ cdef class BatchSequence:
         self._logprobs = []
         self._finished = False
 
+    def __init__(self, *args, **kwargs):
+        raise TypeError("BatchSequence objects come from Batcher.submit()")
+
+    cdef CSeq * _get(self) except NULL:
+        cdef CSeq * s = self._s.get()
+        if s == NULL:
+            raise ClosedError("this BatchSequence was not made by Batcher.submit()")
+        return s
+
     def __dealloc__(self):
         if self._s.get() != NULL and not self._finished:
             self._s.get().cancel()
@@ -371,10 +399,10 @@ cdef class BatchSequence:
 
     def cancel(self):
         """End this sequence at the batcher's next step (finish_reason "cancelled")."""
-        self._s.get().cancel()
+        self._get().cancel()
 
     def _notify(self):
-        self._s.get().set_notify(True)
+        self._get().set_notify(True)
 
     async def anext(self):
         """``await seq.anext()``: :meth:`next` for asyncio, without a thread."""
@@ -396,7 +424,7 @@ cdef class BatchSequence:
         # tokens arrive or the sequence ends; timeout < 0: no limit.
         cdef vector[CSeqEvent] evs
         cdef cbool done = False
-        cdef CSeq * s = self._s.get()
+        cdef CSeq * s = self._get()
         cdef double waited = 0.0
         cdef int32_t slice_ms
         while True:
@@ -440,7 +468,7 @@ cdef class BatchSequence:
         return []
 
     cdef _raise_if_failed(self):
-        cdef CSeq * s = self._s.get()
+        cdef CSeq * s = self._get()
         if s.failed():
             s.rethrow()
 
@@ -478,7 +506,7 @@ cdef class BatchSequence:
         "stop_sequence", "cancelled"; "error" if it failed."""
         if not self._finished:
             return None
-        cdef CSeq * s = self._s.get()
+        cdef CSeq * s = self._get()
         if s.failed():
             return "error"
         return _FINISH[<int> s.finish()]

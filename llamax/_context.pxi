@@ -105,6 +105,11 @@ cdef class Context:
             del self._c
             self._c = NULL
 
+    cdef bint _driven(self):
+        # (a weak reference: the Batcher holds the context, not the reverse,
+        # so no cycle keeps either alive)
+        return self._driver is not None and self._driver() is not None
+
     cdef CContext * _enter(self, bint watch_sigint=False) except NULL:
         # Count Python-level users before the GIL is released, so that close()
         # (which runs with the GIL) never frees the context under them; then
@@ -114,7 +119,7 @@ cdef class Context:
         # KeyboardInterrupt by running Python's handler).
         if self._c == NULL or self._close_pending:
             raise ClosedError("the context is closed")
-        if self._driver is not None:
+        if self._driven():
             raise ContextBusyError("this context is driven by a Batcher; close the Batcher to use it directly")
         cdef unsigned long me = PyThread_get_thread_ident()
         if self._busy and self._owner == me:
@@ -149,7 +154,7 @@ cdef class Context:
         """
         if self._c == NULL or self._close_pending:
             return
-        if self._driver is not None:
+        if self._driven():
             raise ContextBusyError("a Batcher drives this context: close the Batcher first")
         if self._busy:
             raise ContextBusyError("the context is in use by another thread; close it when that call returns")

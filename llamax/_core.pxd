@@ -52,7 +52,8 @@ cdef class Context:
     cdef int _n_seq_views     # exported pooled-embedding views
     cdef bint _close_pending  # close() ran while views were alive: free when the last goes
     cdef unsigned long _owner # thread inside a call (holds the lock), 0 if none: re-entrancy check
-    cdef object _driver       # the Batcher that owns this context, or None
+    cdef object _driver       # weakref to the Batcher that drives this context, or None
+    cdef bint _driven(self)
     cdef tuple _adapters      # LoraAdapter objects applied here: kept alive on purpose
     cdef ControlVector _cvec
     cdef readonly bint embeddings

@@ -376,6 +376,7 @@ class Batcher:
 
 @disjoint_base
 class BatchSequence:
+    def __init__(self, *args: object, **kwargs: object) -> None: ...  # raises TypeError: made by Batcher.submit()
     @property
     def batcher(self) -> Batcher: ...
     @property

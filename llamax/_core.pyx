@@ -44,7 +44,9 @@ logger = logging.getLogger("llamax")
 logger.addHandler(logging.NullHandler())  # quiet unless the application configures logging
 
 # Long texts are tokenized without the GIL; short ones aren't worth the switch.
-DEF TOKENIZE_NOGIL_BYTES = 4096
+# (at most TOKENIZE_DEEP_BYTES in csrc/llamax.h: from there a BPE text is
+# tokenized on a helper thread, which may log, and the log sink takes the GIL)
+DEF TOKENIZE_NOGIL_BYTES = 2048
 DEF MAX_THREADS = 512             # GGML_MAX_N_THREADS
 DEF MAX_PENALTY_LAST_N = 1 << 20  # llama.cpp allocates a ring buffer of this many tokens
 DEF MAX_GRAMMAR_BYTES = 1 << 20

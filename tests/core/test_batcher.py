@@ -288,3 +288,42 @@ def test_sampler_is_not_touched(model):
         r1 = b.submit(t, smp, max_tokens=8, ignore_eos=True).result()[0].tolist()
         r2 = b.submit(t, smp, max_tokens=8, ignore_eos=True).result()[0].tolist()
     assert r1 == r2
+
+
+def test_adapter_of_a_waiting_sequence_cannot_be_freed(model, lora_paths):
+    """A sequence waiting for its group's turn holds an adapter that is not
+    applied anywhere: closing it must raise, not free it under the sequence."""
+    a = llamax.LoraAdapter(model, lora_paths["a"])
+    ctx, b = batcher(model, slots=2, quantum=1)
+    with ctx, b:
+        t = model.tokenize("Hello")
+        base = b.submit(t, greedy(model), max_tokens=-1, ignore_eos=True)
+        s = b.submit(t, greedy(model), max_tokens=-1, ignore_eos=True, adapters=[(a, 1.0)])
+        assert base.next() and s.next()
+        with pytest.raises(llamax.AdapterInUseError):
+            a.close()
+        s.cancel()
+        assert s.result()[1] == "cancelled"
+        b.reset_state()  # the base model applied between two steps: nothing holds the adapter now
+        a.close()
+        assert len(base.next()) >= 1
+        base.cancel()
+
+
+def test_misuse_raises(model):
+    with pytest.raises(TypeError):
+        llamax.BatchSequence()
+    ctx, b = batcher(model, slots=2)
+    with ctx, b:
+        other = llamax.Context(model, n_ctx=512, n_seq_max=2, kv_unified=False, n_threads=1)
+        with pytest.raises(llamax.InvalidArgumentError):
+            b.__init__(other)
+        other.close()
+    # a Batcher dropped without close() lets its context go back to direct use
+    ctx, b = batcher(model, slots=2)
+    b.submit(model.tokenize("Hi"), greedy(model), max_tokens=2).result()
+    del b
+    import gc
+    gc.collect()
+    ctx.kv_clear()
+    ctx.close()
