@@ -51,7 +51,7 @@ reports=("$out"/asan* "$out"/ubsan* "$out"/tsan*)
 ours=0
 for r in "${reports[@]}"; do
   echo "=== $r"; cat "$r"
-  if grep -qE "csrc/llamax|llamax/_core|_core\.cpp" "$r"; then ours=$((ours + 1)); fi
+  if grep -qE "csrc/llamax|csrc/batcher|llamax/_core|_core\.cpp" "$r"; then ours=$((ours + 1)); fi
 done
 echo "[sanitize] pytest exit $rc; ${#reports[@]} report file(s), $ours with llamax frames" >&2
 [ "$rc" -eq 0 ] && [ "$ours" -eq 0 ]
