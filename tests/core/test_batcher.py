@@ -144,9 +144,11 @@ def test_minority_state_is_not_starved(model, lora_paths):
         one = b.submit(t, greedy(model), max_tokens=4, ignore_eos=True)
         first = one.next()
         assert first
-        # A has generated at most a few quanta of tokens when B gets its first
+        # B's turn comes after one quantum of A (4 steps); A can only have
+        # gone on while this thread woke up.  A starved B would see A at
+        # its 64 tokens.  (The slack covers a slow wake-up on a loaded machine.)
         progress = max(len(s.tokens) + len(s.next(timeout=0) or []) for s in many)
-        assert progress <= 2 * 4 + 1, progress
+        assert progress <= 24, progress
         one.result()
         for s in many:
             s.cancel()
