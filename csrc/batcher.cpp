@@ -51,22 +51,19 @@ void Seq::rethrow() const {
 // ---------------------------------------------------------------------------
 // Batcher
 
-bool Batcher::StateKey::operator==(const StateKey & o) const {
-    if (adapters != o.adapters || scales != o.scales) {
+bool Batcher::same_state(const SeqParams & a, const SeqParams & b) {
+    if (a.adapters != b.adapters || a.scales != b.scales) {
         return false;
     }
-    if (cvec == o.cvec) {
+    if (a.cvec == b.cvec) {
         return true;
     }
-    if (!cvec || !o.cvec) {
+    if (!a.cvec || !b.cvec) {
         return false;
     }
-    return cvec->layer_start == o.cvec->layer_start && cvec->layer_end == o.cvec->layer_end &&
-           cvec->data == o.cvec->data;
-}
-
-Batcher::StateKey Batcher::key_of(const Seq & s) {
-    return StateKey{s.p_.adapters, s.p_.scales, s.p_.cvec};
+    // equal contents (a summed control vector is a new object per request)
+    return a.cvec->layer_start == b.cvec->layer_start && a.cvec->layer_end == b.cvec->layer_end &&
+           a.cvec->data == b.cvec->data;
 }
 
 Batcher::Batcher(Context * ctx, int32_t quantum) : ctx_(ctx), n_slots_(ctx->n_seq_max()), quantum_(quantum) {
@@ -105,7 +102,7 @@ void Batcher::close() {
 void Batcher::apply_reset() {
     ctx_->set_adapters({}, {});
     ctx_->set_control_vector(nullptr);
-    have_cur_ = false;
+    cur_group_ = -1;
 }
 
 void Batcher::reset_state() {
@@ -190,10 +187,29 @@ SeqPtr Batcher::submit(llama_sampler * chain, llama_sampler * grammar, bool plai
     }
     s->pinned_ = true;
     s->n_prompt_ = n_prompt;
+    for (const auto & st : s->p_.stop_sequences) {
+        s->max_stop_ = std::max(s->max_stop_, st.size());
+    }
     {
         std::lock_guard<std::mutex> lk(mu_);
         if (stop_) {
             throw Error(ErrorKind::Aborted, "the batcher is closed");
+        }
+        // The state group, decided once here: a live sequence with the same
+        // state lends its id, else a new one.  Steps then compare ids.
+        auto join = [&](const SeqPtr & o) {
+            if (o && s->group_ < 0 && same_state(o->p_, s->p_)) {
+                s->group_ = o->group_;
+            }
+        };
+        for (const auto & o : slots_) {
+            join(o);
+        }
+        for (const auto & o : pending_) {
+            join(o);
+        }
+        if (s->group_ < 0) {
+            s->group_ = next_group_++;
         }
         pending_.push_back(s);
     }
@@ -328,13 +344,9 @@ bool Batcher::push_token(const SeqPtr & s, llama_token tok, const float * logits
     }
     notify(s);
     ++s->n_generated_;
-    size_t longest = 0;
-    for (const auto & st : p.stop_sequences) {
-        longest = std::max(longest, st.size());
-    }
-    if (longest > 0) {
+    if (s->max_stop_ > 0) {
         s->tail_.push_back(tok);
-        if (s->tail_.size() > longest) {
+        if (s->tail_.size() > s->max_stop_) {
             s->tail_.erase(s->tail_.begin());
         }
         for (const auto & st : p.stop_sequences) {
@@ -453,23 +465,9 @@ void Batcher::step(std::vector<SeqPtr> & running) {
     // Which state group runs: the current one while its quantum lasts and it
     // has sequences; otherwise the next group in slot order after the last
     // one served (round robin), so every group gets the context in turn.
-    bool cur_alive = false;
-    if (have_cur_) {
-        for (const auto & s : running) {
-            if (key_of(*s) == cur_) {
-                cur_alive = true;
-                break;
-            }
-        }
-    }
-    bool other_waits = false;
-    if (cur_alive) {
-        for (const auto & s : running) {
-            if (!(key_of(*s) == cur_)) {
-                other_waits = true;
-                break;
-            }
-        }
+    bool cur_alive = false, other_waits = false;
+    for (const auto & s : running) {
+        (s->group_ == cur_group_ ? cur_alive : other_waits) = true;
     }
     if (!cur_alive || (other_waits && quantum_left_ <= 0)) {
         // the first sequence at or after rr_ (cyclically) of another group
@@ -477,7 +475,7 @@ void Batcher::step(std::vector<SeqPtr> & running) {
         for (int32_t k = 0; k < n_slots_ && pick == nullptr; ++k) {
             const int32_t slot = (int32_t) ((rr_ + k) % n_slots_);
             for (const auto & s : running) {
-                if (s->seq_ == slot && (!cur_alive || !(key_of(*s) == cur_))) {
+                if (s->seq_ == slot && s->group_ != cur_group_) {
                     pick = &s;
                     break;
                 }
@@ -486,13 +484,11 @@ void Batcher::step(std::vector<SeqPtr> & running) {
         if (pick == nullptr) {
             pick = &running.front();
         }
-        StateKey next = key_of(**pick);
-        if (have_cur_ && !(next == cur_)) {
+        if (cur_group_ >= 0 && (*pick)->group_ != cur_group_) {
             std::lock_guard<std::mutex> lk(mu_);
             ++stats_.n_switches;
         }
-        cur_ = std::move(next);
-        have_cur_ = true;
+        cur_group_ = (*pick)->group_;
         rr_ = (size_t) ((*pick)->seq_ + 1) % (size_t) n_slots_;
         quantum_left_ = quantum_;
     }
@@ -500,20 +496,22 @@ void Batcher::step(std::vector<SeqPtr> & running) {
 
     std::vector<SeqPtr> group;
     for (const auto & s : running) {
-        if (key_of(*s) == cur_) {
+        if (s->group_ == cur_group_) {
             group.push_back(s);
         }
     }
     try {
-        ctx_->set_adapters(cur_.adapters, cur_.scales);
-        ctx_->set_control_vector(cur_.cvec);
+        // no-ops when the context has this state applied already
+        const SeqParams & st = group.front()->p_;
+        ctx_->set_adapters(st.adapters, st.scales);
+        ctx_->set_control_vector(st.cvec);
     } catch (const Error & e) {
         fail_all(group, e.kind, e.what());
-        have_cur_ = false;
+        cur_group_ = -1;
         return;
     } catch (const std::exception & e) {
         fail_all(group, ErrorKind::Decode, e.what());
-        have_cur_ = false;
+        cur_group_ = -1;
         return;
     }
 
@@ -591,8 +589,10 @@ void Batcher::step(std::vector<SeqPtr> & running) {
         std::lock_guard<std::mutex> lk(mu_);
         ++stats_.n_decodes;
         stats_.n_tokens += n_tok;
+        // an independent check of the grouping: every sequence's own state
+        // equals the one applied
         for (const auto & s : in_batch) {
-            if (!(key_of(*s) == cur_)) {
+            if (!same_state(s->p_, group.front()->p_)) {
                 ++stats_.n_mixed_decodes;
                 break;
             }

@@ -72,6 +72,8 @@ private:
     // batcher thread only
     llama_seq_id seq_ = -1;
     llama_pos pos_ = 0;
+    int64_t group_ = -1;       // state group: equal states (adapters, scales, control vector) share it
+    size_t max_stop_ = 0;      // the longest stop sequence (tail_ keeps that many tokens)
     int32_t n_fed_ = 0;        // prompt tokens decoded
     int32_t chunk_ = 0;        // prompt tokens in this step's batch
     llama_token next_ = -1;    // sampled, not yet decoded
@@ -134,13 +136,8 @@ public:
     void set_notify_fd(int fd) { notify_fd_.store(fd, std::memory_order_relaxed); }
 
 private:
-    struct StateKey {
-        std::vector<Adapter *> adapters;
-        std::vector<float> scales;
-        ControlVectorPtr cvec;
-        bool operator==(const StateKey & o) const;
-    };
-    static StateKey key_of(const Seq & s);
+    // Same adapters, scales and control vector (compared once, at submit).
+    static bool same_state(const SeqParams & a, const SeqParams & b);
     void run();
     void step(std::vector<SeqPtr> & running);
     void admit(std::vector<SeqPtr> & gone);
@@ -167,8 +164,8 @@ private:
     bool reset_requested_ = false;  // (mu_) reset_state() asked the thread to apply the base state
     std::condition_variable reset_cv_;
     // batcher thread only
-    StateKey cur_;
-    bool have_cur_ = false;
+    int64_t next_group_ = 0;  // (mu_)
+    int64_t cur_group_ = -1;  // the group whose state the context has applied, -1: none known
     int32_t quantum_left_ = 0;
     size_t rr_ = 0;  // round-robin position over slots for the next group
     std::vector<llama_token> tok_buf_;
