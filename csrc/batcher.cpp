@@ -13,11 +13,6 @@ namespace llamax {
 // Seq: the consumer's side
 
 Seq::~Seq() {
-    if (pinned_) {  // (a sequence that never reached the batcher)
-        for (Adapter * a : p_.adapters) {
-            a->n_pinned.fetch_sub(1);
-        }
-    }
     if (chain_ != nullptr) {
         llama_sampler_free(chain_);
     }
@@ -51,21 +46,6 @@ void Seq::rethrow() const {
 // ---------------------------------------------------------------------------
 // Batcher
 
-bool Batcher::same_state(const SeqParams & a, const SeqParams & b) {
-    if (a.adapters != b.adapters || a.scales != b.scales) {
-        return false;
-    }
-    if (a.cvec == b.cvec) {
-        return true;
-    }
-    if (!a.cvec || !b.cvec) {
-        return false;
-    }
-    // equal contents (a summed control vector is a new object per request)
-    return a.cvec->layer_start == b.cvec->layer_start && a.cvec->layer_end == b.cvec->layer_end &&
-           a.cvec->data == b.cvec->data;
-}
-
 Batcher::Batcher(Context * ctx, int32_t quantum) : ctx_(ctx), n_slots_(ctx->n_seq_max()), quantum_(quantum) {
     if (!ctx->has_memory()) {
         throw Error(ErrorKind::InvalidArgument, "a Batcher needs a generating context (this model has no KV memory)");
@@ -78,6 +58,7 @@ Batcher::Batcher(Context * ctx, int32_t quantum) : ctx_(ctx), n_slots_(ctx->n_se
         throw Error(ErrorKind::InvalidArgument, "quantum must be at least 1 step");
     }
     slots_.resize(n_slots_);
+    ctx_->saved_valid_ = false;  // its sequences' KV is the batcher's from here
     thread_ = std::thread([this] { run(); });
 }
 
@@ -96,29 +77,6 @@ void Batcher::close() {
     if (thread_.joinable()) {
         thread_.join();
     }
-}
-
-// Under the context's mutex.
-void Batcher::apply_reset() {
-    ctx_->set_adapters({}, {});
-    ctx_->set_control_vector(nullptr);
-    cur_group_ = -1;
-}
-
-void Batcher::reset_state() {
-    // The batcher's thread applies it between two steps (waiting for the
-    // context's mutex here could starve behind a busy batcher: std::mutex
-    // is not fair).  A stopped thread can't: then it is done here.
-    std::unique_lock<std::mutex> lk(mu_);
-    if (stop_) {
-        lk.unlock();
-        std::lock_guard<std::mutex> ctx_lock(ctx_->mutex());
-        apply_reset();
-        return;
-    }
-    reset_requested_ = true;
-    cv_.notify_all();
-    reset_cv_.wait(lk, [this] { return !reset_requested_; });
 }
 
 BatcherStats Batcher::stats() {
@@ -153,8 +111,8 @@ SeqPtr Batcher::submit(llama_sampler * chain, llama_sampler * grammar, bool plai
                                                     std::to_string(ctx_->n_ctx_seq()) +
                                                     " tokens: shorten it or raise n_ctx");
     }
-    if (params.adapters.size() != params.scales.size()) {
-        throw Error(ErrorKind::InvalidArgument, "adapters and scales differ in length");
+    if (!params.state) {
+        params.state = state_base();
     }
     if (params.n_logprobs > ctx_->n_vocab()) {
         throw Error(ErrorKind::InvalidArgument, "n_logprobs is larger than the vocabulary");
@@ -179,13 +137,9 @@ SeqPtr Batcher::submit(llama_sampler * chain, llama_sampler * grammar, bool plai
     }
     s->plain_greedy_ = plain_greedy;
     s->p_ = std::move(params);
-    // Pinned from here until the batcher is done with it: adapter_free
-    // refuses a pinned adapter (a sequence waiting for its group's turn holds
-    // one that is not applied anywhere).
-    for (Adapter * a : s->p_.adapters) {
-        a->n_pinned.fetch_add(1);
-    }
-    s->pinned_ = true;
+    // Its state (and so its adapters) lives as long as the sequence; equal
+    // states are one interned State, whose id is the group.
+    s->group_ = s->p_.state->id;
     s->n_prompt_ = n_prompt;
     for (const auto & st : s->p_.stop_sequences) {
         s->max_stop_ = std::max(s->max_stop_, st.size());
@@ -194,22 +148,6 @@ SeqPtr Batcher::submit(llama_sampler * chain, llama_sampler * grammar, bool plai
         std::lock_guard<std::mutex> lk(mu_);
         if (stop_) {
             throw Error(ErrorKind::Aborted, "the batcher is closed");
-        }
-        // The state group, decided once here: a live sequence with the same
-        // state lends its id, else a new one.  Steps then compare ids.
-        auto join = [&](const SeqPtr & o) {
-            if (o && s->group_ < 0 && same_state(o->p_, s->p_)) {
-                s->group_ = o->group_;
-            }
-        };
-        for (const auto & o : slots_) {
-            join(o);
-        }
-        for (const auto & o : pending_) {
-            join(o);
-        }
-        if (s->group_ < 0) {
-            s->group_ = next_group_++;
         }
         pending_.push_back(s);
     }
@@ -251,15 +189,6 @@ void Batcher::release_slot(const SeqPtr & s) {
     }
 }
 
-void Batcher::unpin(Seq & s) {
-    if (s.pinned_) {
-        s.pinned_ = false;
-        for (Adapter * a : s.p_.adapters) {
-            a->n_pinned.fetch_sub(1);
-        }
-    }
-}
-
 void Batcher::fail_all(std::vector<SeqPtr> & seqs, ErrorKind k, const std::string & msg) {
     for (const auto & s : seqs) {
         if (s) {
@@ -281,7 +210,7 @@ void Batcher::notify(const SeqPtr & s) {
 
 void Batcher::end(const SeqPtr & s, Finish f) {
     release_slot(s);
-    unpin(*s);
+    s->p_.state.reset();  // its adapters may be freed now (if nothing else holds them)
     {
         std::lock_guard<std::mutex> lk(s->mu_);
         s->finish_ = f;
@@ -292,7 +221,7 @@ void Batcher::end(const SeqPtr & s, Finish f) {
 
 void Batcher::fail(const SeqPtr & s, ErrorKind k, const std::string & msg) {
     release_slot(s);
-    unpin(*s);
+    s->p_.state.reset();  // its adapters may be freed now (if nothing else holds them)
     {
         std::lock_guard<std::mutex> lk(s->mu_);
         s->failed_ = true;
@@ -374,8 +303,8 @@ void Batcher::run() {
     for (;;) {
         {
             std::unique_lock<std::mutex> lk(mu_);
-            cv_.wait(lk, [this] {
-                if (stop_ || !pending_.empty() || reset_requested_) {
+            auto has_work = [this] {
+                if (stop_ || !pending_.empty()) {
                     return true;
                 }
                 for (const auto & s : slots_) {
@@ -384,7 +313,13 @@ void Batcher::run() {
                     }
                 }
                 return false;
-            });
+            };
+            if (!has_work()) {
+                lk.unlock();
+                release_orphaned_state();
+                lk.lock();
+            }
+            cv_.wait(lk, has_work);
             if (stop_) {
                 break;
             }
@@ -393,15 +328,6 @@ void Batcher::run() {
         std::vector<SeqPtr> gone;
         {
             std::lock_guard<std::mutex> lk(mu_);
-            if (reset_requested_) {
-                try {
-                    apply_reset();
-                } catch (...) {
-                    // (nothing to unwind: the next step applies its own state)
-                }
-                reset_requested_ = false;
-                reset_cv_.notify_all();
-            }
             admit(gone);
             running.clear();
             for (const auto & s : slots_) {
@@ -453,12 +379,32 @@ void Batcher::run() {
         fail(s, ErrorKind::Aborted, "the batcher was closed while this request ran");
     }
     try {
-        apply_reset();  // the context goes back with the base model applied
+        ctx_->set_state(nullptr);  // the context goes back with the base model applied
     } catch (...) {
     }
-    std::lock_guard<std::mutex> lk(mu_);
-    reset_requested_ = false;  // (a reset_state() waiting now returns)
-    reset_cv_.notify_all();
+    have_group_ = false;
+}
+
+void Batcher::release_orphaned_state() {
+    // Idle, with a state applied whose adapters nothing else holds (they
+    // were unloaded, and their last sequence has ended): apply the base
+    // state so that they are freed now rather than at the next switch.
+    std::lock_guard<std::mutex> ctx_lock(ctx_->mutex());
+    const StatePtr & st = ctx_->state();
+    if (st->adapters.empty() || st.use_count() != 1) {
+        return;
+    }
+    for (const auto & p : st->adapters) {
+        if (p.first.use_count() != 1) {
+            return;
+        }
+    }
+    try {
+        ctx_->set_state(nullptr);
+    } catch (...) {
+        return;  // (kept: the next switch frees them)
+    }
+    have_group_ = false;
 }
 
 void Batcher::step(std::vector<SeqPtr> & running) {
@@ -467,7 +413,7 @@ void Batcher::step(std::vector<SeqPtr> & running) {
     // one served (round robin), so every group gets the context in turn.
     bool cur_alive = false, other_waits = false;
     for (const auto & s : running) {
-        (s->group_ == cur_group_ ? cur_alive : other_waits) = true;
+        (have_group_ && s->group_ == cur_group_ ? cur_alive : other_waits) = true;
     }
     if (!cur_alive || (other_waits && quantum_left_ <= 0)) {
         // the first sequence at or after rr_ (cyclically) of another group
@@ -475,7 +421,7 @@ void Batcher::step(std::vector<SeqPtr> & running) {
         for (int32_t k = 0; k < n_slots_ && pick == nullptr; ++k) {
             const int32_t slot = (int32_t) ((rr_ + k) % n_slots_);
             for (const auto & s : running) {
-                if (s->seq_ == slot && s->group_ != cur_group_) {
+                if (s->seq_ == slot && (!have_group_ || s->group_ != cur_group_)) {
                     pick = &s;
                     break;
                 }
@@ -484,11 +430,12 @@ void Batcher::step(std::vector<SeqPtr> & running) {
         if (pick == nullptr) {
             pick = &running.front();
         }
-        if (cur_group_ >= 0 && (*pick)->group_ != cur_group_) {
+        if (have_group_ && (*pick)->group_ != cur_group_) {
             std::lock_guard<std::mutex> lk(mu_);
             ++stats_.n_switches;
         }
         cur_group_ = (*pick)->group_;
+        have_group_ = true;
         rr_ = (size_t) ((*pick)->seq_ + 1) % (size_t) n_slots_;
         quantum_left_ = quantum_;
     }
@@ -502,16 +449,14 @@ void Batcher::step(std::vector<SeqPtr> & running) {
     }
     try {
         // no-ops when the context has this state applied already
-        const SeqParams & st = group.front()->p_;
-        ctx_->set_adapters(st.adapters, st.scales);
-        ctx_->set_control_vector(st.cvec);
+        ctx_->set_state(group.front()->p_.state);
     } catch (const Error & e) {
         fail_all(group, e.kind, e.what());
-        cur_group_ = -1;
+        have_group_ = false;
         return;
     } catch (const std::exception & e) {
         fail_all(group, ErrorKind::Decode, e.what());
-        cur_group_ = -1;
+        have_group_ = false;
         return;
     }
 
@@ -590,9 +535,9 @@ void Batcher::step(std::vector<SeqPtr> & running) {
         ++stats_.n_decodes;
         stats_.n_tokens += n_tok;
         // an independent check of the grouping: every sequence's own state
-        // equals the one applied
+        // is the one the context has applied
         for (const auto & s : in_batch) {
-            if (!same_state(s->p_, group.front()->p_)) {
+            if (s->p_.state != ctx_->state()) {
                 ++stats_.n_mixed_decodes;
                 break;
             }

@@ -32,9 +32,7 @@ struct SeqParams {
     bool ignore_eos = false;
     int32_t n_logprobs = -1;  // < 0: none; k >= 0: the token's logprob and the k most likely
     std::vector<std::vector<llama_token>> stop_sequences;
-    std::vector<Adapter *> adapters;  // the caller keeps them alive until the sequence is done
-    std::vector<float> scales;
-    ControlVectorPtr cvec;
+    StatePtr state;  // null: the base model.  Held until the sequence is over.
 };
 
 struct SeqEvent {
@@ -72,7 +70,7 @@ private:
     // batcher thread only
     llama_seq_id seq_ = -1;
     llama_pos pos_ = 0;
-    int64_t group_ = -1;       // state group: equal states (adapters, scales, control vector) share it
+    uint64_t group_ = 0;       // its state's id: equal states are one interned State
     size_t max_stop_ = 0;      // the longest stop sequence (tail_ keeps that many tokens)
     int32_t n_fed_ = 0;        // prompt tokens decoded
     int32_t chunk_ = 0;        // prompt tokens in this step's batch
@@ -80,7 +78,6 @@ private:
     int32_t n_generated_ = 0;
     std::vector<llama_token> tail_;  // last tokens, for stop sequences
     int32_t batch_row_ = -1;   // this step's output row in the batch
-    bool pinned_ = false;      // holds a pin on each of its adapters (batcher.cpp: pin/unpin)
     // shared with the consumer (mu_)
     std::mutex mu_;
     std::condition_variable cv_;
@@ -121,11 +118,6 @@ public:
     // thread.  Idempotent.
     void close();
 
-    // Between steps: apply the base state (no adapters, no control vector),
-    // so that an adapter no running sequence uses can be freed.  The next
-    // step applies whatever its group needs.
-    void reset_state();
-
     BatcherStats stats();
     int32_t n_active();   // admitted + queued, not yet finished
     int32_t n_slots() const { return n_slots_; }
@@ -136,18 +128,15 @@ public:
     void set_notify_fd(int fd) { notify_fd_.store(fd, std::memory_order_relaxed); }
 
 private:
-    // Same adapters, scales and control vector (compared once, at submit).
-    static bool same_state(const SeqParams & a, const SeqParams & b);
     void run();
     void step(std::vector<SeqPtr> & running);
     void admit(std::vector<SeqPtr> & gone);
     void end(const SeqPtr & s, Finish f);
     void fail(const SeqPtr & s, ErrorKind k, const std::string & msg);
     void release_slot(const SeqPtr & s);
-    static void unpin(Seq & s);
     void fail_all(std::vector<SeqPtr> & seqs, ErrorKind k, const std::string & msg);
-    void apply_reset();
     void notify(const SeqPtr & s);
+    void release_orphaned_state();
     bool push_token(const SeqPtr & s, llama_token tok, const float * logits);
 
     Context * ctx_;
@@ -161,11 +150,9 @@ private:
     std::deque<SeqPtr> pending_;
     std::vector<SeqPtr> slots_;
     BatcherStats stats_;
-    bool reset_requested_ = false;  // (mu_) reset_state() asked the thread to apply the base state
-    std::condition_variable reset_cv_;
     // batcher thread only
-    int64_t next_group_ = 0;  // (mu_)
-    int64_t cur_group_ = -1;  // the group whose state the context has applied, -1: none known
+    uint64_t cur_group_ = 0;  // the group (state id) being served
+    bool have_group_ = false; // cur_group_ means something
     int32_t quantum_left_ = 0;
     size_t rr_ = 0;  // round-robin position over slots for the next group
     std::vector<llama_token> tok_buf_;

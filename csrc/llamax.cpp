@@ -11,6 +11,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <string_view>
+#include <unordered_map>
 #include <unordered_set>
 #include <csignal>
 #include <sys/stat.h>
@@ -225,41 +226,151 @@ void check_adapter_kv_types(const std::string & path) {
 
 }  // namespace
 
-Adapter * adapter_load(llama_model * model, const std::string & path) {
+ModelPtr model_own(llama_model * model) {
+    return ModelPtr(model, [](llama_model * m) { llama_model_free(m); });
+}
+
+Adapter::~Adapter() {
+    if (ptr != nullptr) {
+        llama_adapter_lora_free(ptr);  // erases it from the model's set (patch 0003: any thread)
+    }
+}
+
+AdapterPtr adapter_load(const ModelPtr & model, const std::string & path) {
     check_gguf_file(path);
     check_adapter_kv_types(path);
     take_last_log_error();
-    llama_adapter_lora * p = llama_adapter_lora_init(model, path.c_str());
+    llama_adapter_lora * p = llama_adapter_lora_init(model.get(), path.c_str());
     if (p == nullptr) {
         std::string why = trim(take_last_log_error());
         const ErrorKind kind = classify_log(why, ErrorKind::InvalidGGUF);
         throw Error(kind, path + ": cannot load LoRA adapter for this model" +
                               (why.empty() ? std::string() : ": " + why));
     }
-    auto * a = new Adapter();
+    auto a = std::make_shared<Adapter>();
     a->ptr = p;
     a->model = model;
     a->path = path;
     return a;
 }
 
-void adapter_free(Adapter * a) {
-    if (a == nullptr) {
-        return;
+// ---------------------------------------------------------------------------
+// State interning
+
+namespace {
+
+struct StateTable {
+    std::mutex mu;
+    uint64_t next_id = 1;
+    // hash of the contents -> the states with that hash (weak: a state lives
+    // as long as its holders; expired entries are swept as the table grows)
+    std::unordered_multimap<uint64_t, std::weak_ptr<const State>> map;
+    size_t sweep_at = 64;
+};
+
+StateTable & state_table() {
+    static StateTable * t = new StateTable();  // never destroyed: states may die during exit
+    return *t;
+}
+
+bool same_contents(const State & st, const std::vector<AdapterPtr> & adapters, const std::vector<float> & scales,
+                   const ControlVectorPtr & cvec) {
+    if (st.adapters.size() != adapters.size()) {
+        return false;
     }
-    int n = a->n_attached.load();
-    if (n > 0) {
-        throw Error(ErrorKind::AdapterInUse,
-                    "LoRA adapter " + a->path + " is applied to " + std::to_string(n) +
-                        " context(s); apply another adapter set there (or close them) before freeing it");
+    for (size_t i = 0; i < adapters.size(); ++i) {
+        if (st.adapters[i].first != adapters[i] ||
+            std::memcmp(&st.adapters[i].second, &scales[i], sizeof(float)) != 0) {
+            return false;
+        }
     }
-    n = a->n_pinned.load();
-    if (n > 0) {
-        throw Error(ErrorKind::AdapterInUse, "LoRA adapter " + a->path + " is used by " + std::to_string(n) +
-                                                 " queued or running batched sequence(s); free it after they end");
+    if (st.cvec == cvec) {
+        return true;
     }
-    llama_adapter_lora_free(a->ptr);
-    delete a;
+    return st.cvec && cvec && st.cvec->same_as(*cvec);
+}
+
+}  // namespace
+
+const StatePtr & state_base() {
+    static const StatePtr * base = new StatePtr(std::make_shared<State>());  // id 0, never freed
+    return *base;
+}
+
+StatePtr state_intern(const llama_model * model, const std::vector<AdapterPtr> & adapters,
+                      const std::vector<float> & scales, const ControlVectorPtr & cvec) {
+    if (adapters.size() != scales.size()) {
+        throw Error(ErrorKind::InvalidArgument, "one scale per adapter is needed");
+    }
+    for (size_t i = 0; i < adapters.size(); ++i) {
+        const AdapterPtr & a = adapters[i];
+        if (!a || a->ptr == nullptr) {
+            throw Error(ErrorKind::InvalidArgument, "adapter " + std::to_string(i) + " is closed");
+        }
+        if (a->model.get() != model) {
+            throw Error(ErrorKind::AdapterMismatch, "adapter " + a->path + " was loaded for another model");
+        }
+        if (!std::isfinite(scales[i])) {
+            throw Error(ErrorKind::InvalidArgument, "adapter scale must be finite");
+        }
+        for (size_t j = 0; j < i; ++j) {
+            if (adapters[j] == a) {
+                throw Error(ErrorKind::InvalidArgument, "adapter " + a->path + " appears twice in one set");
+            }
+        }
+    }
+    if (cvec && cvec->n_embd != llama_model_n_embd(model)) {
+        throw Error(ErrorKind::ControlVector, "control vector n_embd " + std::to_string(cvec->n_embd) +
+                                                  " != model n_embd " + std::to_string(llama_model_n_embd(model)));
+    }
+    if (adapters.empty() && !cvec) {
+        return state_base();
+    }
+    uint64_t h = cvec ? cvec->hash : 0;
+    for (size_t i = 0; i < adapters.size(); ++i) {
+        uint32_t bits;
+        std::memcpy(&bits, &scales[i], sizeof bits);
+        h = (h ^ (uint64_t) (uintptr_t) adapters[i].get()) * 1099511628211ull;
+        h = (h ^ bits) * 1099511628211ull;
+    }
+    StateTable & t = state_table();
+    std::lock_guard<std::mutex> lk(t.mu);
+    auto range = t.map.equal_range(h);
+    for (auto it = range.first; it != range.second;) {
+        StatePtr st = it->second.lock();
+        if (!st) {
+            it = t.map.erase(it);
+            continue;
+        }
+        if (same_contents(*st, adapters, scales, cvec)) {
+            return st;
+        }
+        ++it;
+    }
+    auto st = std::make_shared<State>();
+    st->id = t.next_id++;
+    for (size_t i = 0; i < adapters.size(); ++i) {
+        st->adapters.emplace_back(adapters[i], scales[i]);
+    }
+    st->cvec = cvec;
+    if (t.map.size() >= t.sweep_at) {
+        for (auto it = t.map.begin(); it != t.map.end();) {
+            it = it->second.expired() ? t.map.erase(it) : std::next(it);
+        }
+        t.sweep_at = std::max<size_t>(64, 2 * t.map.size());
+    }
+    t.map.emplace(h, st);
+    return st;
+}
+
+size_t state_n_interned() {
+    StateTable & t = state_table();
+    std::lock_guard<std::mutex> lk(t.mu);
+    size_t n = 0;
+    for (const auto & kv : t.map) {
+        n += kv.second.expired() ? 0 : 1;
+    }
+    return n;
 }
 
 namespace {
@@ -476,6 +587,23 @@ void check_finite(const std::vector<float> & v) {
     }
 }
 
+// Checks the data and computes the hash State interning compares first.
+ControlVectorPtr seal(const std::shared_ptr<ControlVector> & cv) {
+    check_finite(cv->data);
+    uint64_t h = 1469598103934665603ull ^ (uint64_t) cv->n_embd;
+    auto mix = [&h](uint64_t v) {
+        h ^= v + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2);
+        h *= 1099511628211ull;
+    };
+    mix((uint64_t) (uint32_t) cv->layer_start << 32 | (uint32_t) cv->layer_end);
+    const auto * w = reinterpret_cast<const uint32_t *>(cv->data.data());
+    for (size_t i = 0; i < cv->data.size(); ++i) {
+        mix(w[i]);
+    }
+    cv->hash = h;
+    return cv;
+}
+
 }  // namespace
 
 ControlVectorPtr cvec_from_rows(const llama_model * model, const float * rows, size_t n_floats,
@@ -500,8 +628,7 @@ ControlVectorPtr cvec_from_rows(const llama_model * model, const float * rows, s
     cv->layer_end = layer_end;
     cv->data.assign((size_t) n_embd * layer_end, 0.0f);
     std::memcpy(cv->data.data() + (size_t) (layer_start - 1) * n_embd, rows, n_floats * sizeof(float));
-    check_finite(cv->data);
-    return cv;
+    return seal(cv);
 }
 
 ControlVectorPtr cvec_from_padded(const llama_model * model, const float * flat, size_t n_floats,
@@ -529,8 +656,7 @@ ControlVectorPtr cvec_from_padded(const llama_model * model, const float * flat,
     // Layers outside [start, end] are not applied by llama.cpp; zero them so
     // that equal effects compare equal.
     std::fill(cv->data.begin(), cv->data.begin() + (size_t) (layer_start - 1) * n_embd, 0.0f);
-    check_finite(cv->data);
-    return cv;
+    return seal(cv);
 }
 
 ControlVectorPtr cvec_from_gguf(const llama_model * model, const std::string & path, float scale,
@@ -635,8 +761,7 @@ ControlVectorPtr cvec_from_gguf(const llama_model * model, const std::string & p
     cv->layer_end = e;
     cv->data.assign(data.begin(), data.begin() + (size_t) n_embd * e);
     std::fill(cv->data.begin(), cv->data.begin() + (size_t) (s - 1) * n_embd, 0.0f);
-    check_finite(cv->data);
-    return cv;
+    return seal(cv);
 }
 
 ControlVectorPtr cvec_sum(const std::vector<ControlVectorPtr> & parts, const std::vector<float> & scales) {
@@ -670,8 +795,7 @@ ControlVectorPtr cvec_sum(const std::vector<ControlVectorPtr> & parts, const std
             cv->data[j] += scales[i] * p[j];
         }
     }
-    check_finite(cv->data);
-    return cv;
+    return seal(cv);
 }
 
 // ---------------------------------------------------------------------------
@@ -827,7 +951,9 @@ void check_context_params(const llama_model * model, const llama_context_params 
 
 }  // namespace
 
-Context::Context(llama_model * model, llama_context_params params, int32_t max_positions) {
+Context::Context(const ModelPtr & model_ref, llama_context_params params, int32_t max_positions)
+    : model_own_(model_ref), state_(state_base()) {
+    llama_model * model = model_ref.get();
     check_context_params(model, params);
     params.abort_callback = &Context::abort_cb;
     params.abort_callback_data = this;
@@ -876,7 +1002,6 @@ Context::Context(llama_model * model, llama_context_params params, int32_t max_p
 
 Context::~Context() {
     watch_sigint(false);
-    detach_all();
     if (ctx_ != nullptr) {
         llama_free(ctx_);
     }
@@ -920,93 +1045,79 @@ void Context::set_threads(int32_t n_threads, int32_t n_threads_batch) {
     llama_set_n_threads(ctx_, n_threads, n_threads_batch);
 }
 
-void Context::detach_all() {
-    for (auto & p : adapters_) {
-        p.first->n_attached.fetch_sub(1);
-    }
-    adapters_.clear();
-}
-
-bool Context::set_adapters(const std::vector<Adapter *> & adapters, const std::vector<float> & scales) {
-    if (adapters.size() != scales.size()) {
-        throw Error(ErrorKind::InvalidArgument, "one scale per adapter is needed");
-    }
-    std::vector<std::pair<Adapter *, float>> want;
-    want.reserve(adapters.size());
-    for (size_t i = 0; i < adapters.size(); ++i) {
-        Adapter * a = adapters[i];
-        if (a == nullptr || a->ptr == nullptr) {
-            throw Error(ErrorKind::InvalidArgument, "adapter " + std::to_string(i) + " is closed");
-        }
-        if (a->model != model_) {
-            throw Error(ErrorKind::AdapterMismatch,
-                        "adapter " + a->path + " was loaded for another model than this context's");
-        }
-        if (!std::isfinite(scales[i])) {
-            throw Error(ErrorKind::InvalidArgument, "adapter scale must be finite");
-        }
-        for (size_t j = 0; j < i; ++j) {
-            if (adapters[j] == a) {
-                throw Error(ErrorKind::InvalidArgument, "adapter " + a->path + " appears twice in one set");
-            }
-        }
-        want.emplace_back(a, scales[i]);
-    }
-    if (want == adapters_) {
+bool Context::set_state(const StatePtr & want_in) {
+    const StatePtr & want = want_in ? want_in : state_base();
+    if (want == state_) {
         return false;
     }
-    std::vector<llama_adapter_lora *> ptrs;
-    std::vector<float> sc;
-    for (auto & p : want) {
-        ptrs.push_back(p.first->ptr);
-        sc.push_back(p.second);
-    }
-    int32_t rc = llama_set_adapters_lora(ctx_, ptrs.empty() ? nullptr : ptrs.data(), ptrs.size(),
-                                         sc.empty() ? nullptr : sc.data());
-    ++n_state_calls_;
-    if (rc != 0) {
-        throw Error(ErrorKind::AdapterMismatch, with_reason("llama.cpp refused the adapter set"), rc);
-    }
-    for (auto & p : want) {
-        p.first->n_attached.fetch_add(1);
-    }
-    for (auto & p : adapters_) {
-        p.first->n_attached.fetch_sub(1);
-    }
-    adapters_.swap(want);
-    return true;
-}
-
-bool Context::set_control_vector(const ControlVectorPtr & cv) {
-    if (!cv) {
-        if (!cvec_) {
-            return false;  // clear of nothing: llama.cpp would still re-reserve
+    for (const auto & p : want->adapters) {
+        if (p.first->model.get() != model_) {
+            throw Error(ErrorKind::AdapterMismatch,
+                        "adapter " + p.first->path + " was loaded for another model than this context's");
         }
-        int32_t rc = llama_set_adapter_cvec(ctx_, nullptr, 0, 0, 0, 0);
-        ++n_state_calls_;
-        if (rc != 0) {
-            throw Error(ErrorKind::ControlVector, with_reason("llama.cpp refused to clear the control vector"), rc);
-        }
-        cvec_.reset();
-        return true;
     }
-    if (cv->n_embd != llama_model_n_embd(model_)) {
-        throw Error(ErrorKind::ControlVector, "control vector n_embd " + std::to_string(cv->n_embd) +
+    if (want->cvec && want->cvec->n_embd != llama_model_n_embd(model_)) {
+        throw Error(ErrorKind::ControlVector, "control vector n_embd " + std::to_string(want->cvec->n_embd) +
                                                   " != model n_embd " + std::to_string(llama_model_n_embd(model_)));
     }
-    if (cvec_ && (cvec_ == cv || (cvec_->layer_start == cv->layer_start && cvec_->layer_end == cv->layer_end &&
-                                  cvec_->data == cv->data))) {
-        cvec_ = cv;
-        return false;
+    // Only what differs reaches llama.cpp (each call re-reserves its graph).
+    bool same_adapters = want->adapters.size() == state_->adapters.size();
+    for (size_t i = 0; same_adapters && i < want->adapters.size(); ++i) {
+        same_adapters = want->adapters[i].first == state_->adapters[i].first &&
+                        std::memcmp(&want->adapters[i].second, &state_->adapters[i].second, sizeof(float)) == 0;
     }
-    int32_t rc = llama_set_adapter_cvec(ctx_, cv->data.data(), cv->data.size(), cv->n_embd, cv->layer_start,
-                                        cv->layer_end);
-    ++n_state_calls_;
-    if (rc != 0) {
-        throw Error(ErrorKind::ControlVector, with_reason("llama.cpp refused the control vector"), rc);
+    const ControlVectorPtr & cv = want->cvec;
+    const bool same_cvec = cv == state_->cvec || (cv && state_->cvec && cv->same_as(*state_->cvec));
+    if (!same_adapters) {
+        std::vector<llama_adapter_lora *> ptrs;
+        std::vector<float> sc;
+        for (const auto & p : want->adapters) {
+            ptrs.push_back(p.first->ptr);
+            sc.push_back(p.second);
+        }
+        int32_t rc = llama_set_adapters_lora(ctx_, ptrs.empty() ? nullptr : ptrs.data(), ptrs.size(),
+                                             sc.empty() ? nullptr : sc.data());
+        ++n_state_calls_;
+        if (rc != 0) {
+            // llama.cpp replaced its set before refusing: nothing is applied now
+            llama_set_adapters_lora(ctx_, nullptr, 0, nullptr);
+            state_ = state_->cvec ? state_intern(model_, {}, {}, state_->cvec) : state_base();
+            throw Error(ErrorKind::AdapterMismatch, with_reason("llama.cpp refused the adapter set"), rc);
+        }
     }
-    cvec_ = cv;
+    if (!same_cvec) {
+        int32_t rc = cv ? llama_set_adapter_cvec(ctx_, cv->data.data(), cv->data.size(), cv->n_embd,
+                                                 cv->layer_start, cv->layer_end)
+                        : llama_set_adapter_cvec(ctx_, nullptr, 0, 0, 0, 0);
+        ++n_state_calls_;
+        if (rc != 0) {
+            // the adapters are `want`'s now; the control vector is unknown: clear it
+            std::vector<AdapterPtr> ads;
+            std::vector<float> sc;
+            for (const auto & p : want->adapters) {
+                ads.push_back(p.first);
+                sc.push_back(p.second);
+            }
+            llama_set_adapter_cvec(ctx_, nullptr, 0, 0, 0, 0);
+            state_ = state_intern(model_, ads, sc, nullptr);
+            throw Error(ErrorKind::ControlVector,
+                        with_reason(cv ? "llama.cpp refused the control vector"
+                                       : "llama.cpp refused to clear the control vector"), rc);
+        }
+    }
+    state_ = want;
     return true;
+}
+
+bool Context::has_saved_logits(llama_seq_id seq) const {
+    return saved_valid_ && seq == saved_seq_ && saved_state_ == state_->id && !prompt_logits_.empty() &&
+           llama_memory_seq_pos_max(llama_get_memory(ctx_), seq) + 1 == saved_pos_;
+}
+
+void Context::invalidate_saved(llama_seq_id seq, llama_pos p0) {
+    if (saved_valid_ && (seq < 0 || seq == saved_seq_) && p0 < saved_pos_) {
+        saved_valid_ = false;
+    }
 }
 
 void Context::check_seq(llama_seq_id seq) const {
@@ -1027,6 +1138,22 @@ void Context::check_tokens(const llama_token * tokens, int32_t n) const {
 }
 
 void Context::raw_decode(llama_batch & batch, int32_t n_outputs) {
+    if (saved_valid_) {
+        if (batch.pos == nullptr) {
+            // positions continue each sequence: at or past saved_pos_ while
+            // the saved prompt is intact (an edit below it invalidated already)
+        } else {
+            for (int32_t i = 0; i < batch.n_tokens && saved_valid_; ++i) {
+                const bool mine = batch.seq_id == nullptr
+                                      ? saved_seq_ == 0
+                                      : std::find(batch.seq_id[i], batch.seq_id[i] + batch.n_seq_id[i], saved_seq_) !=
+                                            batch.seq_id[i] + batch.n_seq_id[i];
+                if (mine && batch.pos[i] < saved_pos_) {
+                    saved_valid_ = false;
+                }
+            }
+        }
+    }
     take_last_log_error();
     int32_t rc = llama_decode(ctx_, batch);
     if (rc == 0) {
@@ -1104,6 +1231,7 @@ int32_t Context::decode(const llama_token * tokens, int32_t n, const llama_pos *
 int32_t Context::embed(const llama_token * tokens, const int64_t * offsets, int32_t n_inputs, float * out,
                        bool normalize) {
     abort_.store(false, std::memory_order_relaxed);
+    saved_valid_ = false;  // the KV is cleared below
     const enum llama_pooling_type pt = llama_pooling_type(ctx_);
     if (pt == LLAMA_POOLING_TYPE_NONE || pt == LLAMA_POOLING_TYPE_RANK || pt == LLAMA_POOLING_TYPE_UNSPECIFIED) {
         throw Error(ErrorKind::InvalidArgument,
@@ -1218,11 +1346,11 @@ GenResult Context::generate(llama_sampler * smpl, const llama_token * prompt, in
     }
     llama_memory_t mem = llama_get_memory(ctx_);
     llama_pos pos = llama_memory_seq_pos_max(mem, gp.seq_id) + 1;
-    if (n_prompt <= 0 && gp.from_saved_logits && !prompt_logits_.empty() && pos > 0) {
-        // the prompt is all in the KV already, and so are its final logits
-    } else if (n_prompt <= 0) {
+    if (n_prompt <= 0 && !has_saved_logits(gp.seq_id)) {
         throw Error(ErrorKind::InvalidArgument,
-                    "empty prompt: generation needs at least one new token to decode (a BOS token at least)");
+                    "empty prompt: generation needs at least one new token to decode (a BOS token at least); "
+                    "an empty prompt continues only right after a prompt this context decoded, under the same "
+                    "state, with nothing decoded or removed below its end since");
     }
     if ((int64_t) pos + n_prompt > n_ctx_seq_) {
         throw Error(ErrorKind::ContextOverflow,
@@ -1273,6 +1401,10 @@ GenResult Context::generate(llama_sampler * smpl, const llama_token * prompt, in
         const float * lg = llama_get_logits_ith(ctx_, -1);
         if (lg != nullptr) {
             prompt_logits_.assign(lg, lg + n_vocab_);
+            saved_valid_ = true;
+            saved_seq_ = gp.seq_id;
+            saved_pos_ = pos;
+            saved_state_ = state_->id;
         }
     }
     const int32_t max_tokens = gp.max_tokens < 0 ? INT32_MAX : gp.max_tokens;
@@ -1469,11 +1601,17 @@ int64_t gbnf_max_nesting(const std::string & t) {
     return deepest;
 }
 
-void Context::kv_clear() { llama_memory_clear(llama_get_memory(ctx_), true); }
+void Context::kv_clear() {
+    saved_valid_ = false;
+    llama_memory_clear(llama_get_memory(ctx_), true);
+}
 
 bool Context::kv_remove(llama_seq_id seq, llama_pos p0, llama_pos p1) {
     if (seq != -1) {  // -1: every sequence; other negatives assert in llama.cpp
         check_seq(seq);
+    }
+    if (p1 < 0 || p1 > std::max<llama_pos>(p0, 0)) {  // a non-empty range from max(p0, 0)
+        invalidate_saved(seq, std::max<llama_pos>(p0, 0));
     }
     return llama_memory_seq_rm(llama_get_memory(ctx_), seq, p0, p1);
 }
@@ -1491,11 +1629,15 @@ void Context::kv_copy(llama_seq_id src, llama_seq_id dst, llama_pos p0, llama_po
                     "with kv_unified=False only whole sequences can be copied (p0 and p1 left at -1); "
                     "the copy replaces all of the destination sequence");
     }
+    invalidate_saved(dst, 0);
     llama_memory_seq_cp(llama_get_memory(ctx_), src, dst, p0, p1);
 }
 
 void Context::kv_keep(llama_seq_id seq) {
     check_seq(seq);
+    if (seq != saved_seq_) {
+        saved_valid_ = false;
+    }
     llama_memory_seq_keep(llama_get_memory(ctx_), seq);
 }
 

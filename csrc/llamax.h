@@ -1,7 +1,10 @@
 // llamax shim: the few things that must not cross into Python per token or
 // must be atomic with respect to one llama_context:
-//   - adapter-set swap (the same set again is a no-op; an applied adapter
-//     can't be freed, since llama.cpp doesn't detach it from contexts);
+//   - ownership: adapters (and the model under them) are reference counted,
+//     and a context's applied state -- an interned, immutable set of
+//     adapters with scales plus a control vector -- holds what it applies, so
+//     nothing llama.cpp reads can be freed under it;
+//   - state swap: applying the state a context has is a pointer compare;
 //   - control vectors with llama.cpp's layer padding, validated;
 //   - the decode -> sample -> stop token loop, without the GIL;
 //   - input validation before llama.cpp, which asserts on bad input.
@@ -37,7 +40,6 @@ namespace llamax {
     X(InvalidGGUF, "InvalidGGUFError")            \
     X(AdapterMismatch, "AdapterMismatchError")    \
     X(ControlVector, "ControlVectorError")        \
-    X(AdapterInUse, "AdapterInUseError")          \
     X(KVCacheFull, "KVCacheFullError")            \
     X(Aborted, "CancelledError")                  \
     X(Decode, "DecodeError")                      \
@@ -56,7 +58,7 @@ enum class ErrorKind : int {
 #define LLAMAX_KIND_COUNT(kind, cls) +1
 constexpr int kErrorKinds = 0 LLAMAX_ERROR_KINDS(LLAMAX_KIND_COUNT);
 #undef LLAMAX_KIND_COUNT
-static_assert(kErrorKinds == 15, "an error kind was added or removed: update llamax/_errors.py and tests");
+static_assert(kErrorKinds == 14, "an error kind was added or removed: update llamax/_errors.py and tests");
 static_assert(static_cast<int>(ErrorKind::Interrupted) == kErrorKinds - 1, "Interrupted is the last kind");
 
 // The Python class name of `kind` (nullptr for Interrupted / out of range).
@@ -108,23 +110,30 @@ void log_install(log_sink_fn sink);
 void log_set_min_level(int level);
 
 // ---------------------------------------------------------------------------
-// LoRA adapters
+// Models and LoRA adapters, reference counted.
+//
+// An adapter is freed when its last holder lets go: the Python object that
+// loaded it, and every State that names it (a context's applied state, a
+// queued or running batched sequence).  So "unload" never has to wait or
+// refuse: the adapter lives until the last request using it ends.  It holds
+// its model, because llama.cpp's adapter free touches the model (patch 0003
+// guards the model's adapter set for frees on any thread).
+
+using ModelPtr = std::shared_ptr<llama_model>;
+ModelPtr model_own(llama_model * model);  // the deleter is llama_model_free
 
 struct Adapter {
     llama_adapter_lora * ptr = nullptr;
-    const llama_model * model = nullptr;
+    ModelPtr model;
     std::string path;
-    // How many contexts have this adapter in their applied set.  Freeing an
-    // attached adapter would be a use-after-free: llama.cpp's
-    // llama_adapter_lora_free does not detach it from contexts.
-    std::atomic<int> n_attached{0};
-    // How many batched sequences (queued or running) will apply it: one that
-    // waits for its group's turn holds it without it being applied.
-    std::atomic<int> n_pinned{0};
+    Adapter() = default;
+    Adapter(const Adapter &) = delete;
+    Adapter & operator=(const Adapter &) = delete;
+    ~Adapter();  // llama_adapter_lora_free, then the model reference goes
 };
+using AdapterPtr = std::shared_ptr<const Adapter>;
 
-Adapter * adapter_load(llama_model * model, const std::string & path);  // GIL-free
-void adapter_free(Adapter * a);  // throws AdapterInUse while attached
+AdapterPtr adapter_load(const ModelPtr & model, const std::string & path);  // GIL-free
 
 // ---------------------------------------------------------------------------
 // Control vectors: an immutable, already padded buffer in llama.cpp's layout
@@ -135,6 +144,11 @@ struct ControlVector {
     int32_t layer_start = 0;
     int32_t layer_end = 0;
     std::vector<float> data;  // n_embd * layer_end floats
+    uint64_t hash = 0;        // of the above, computed once when it is made (State interning)
+    bool same_as(const ControlVector & o) const {
+        return hash == o.hash && n_embd == o.n_embd && layer_start == o.layer_start &&
+               layer_end == o.layer_end && data == o.data;
+    }
 };
 using ControlVectorPtr = std::shared_ptr<const ControlVector>;
 
@@ -152,6 +166,29 @@ ControlVectorPtr cvec_from_gguf(const llama_model * model, const std::string & p
 ControlVectorPtr cvec_sum(const std::vector<ControlVectorPtr> & parts, const std::vector<float> & scales);
 
 // ---------------------------------------------------------------------------
+// State: what a context applies besides its weights.  Immutable and
+// interned: equal contents (the same adapter objects with bit-equal scales,
+// and an equal control vector) give the same State object while any holder
+// keeps it, so comparing states is comparing pointers, and `id` (never
+// reused) can tag whatever was computed under it (saved logits, cached
+// prefixes).  The base state (no adapters, no control vector) has id 0.
+
+struct State {
+    uint64_t id = 0;
+    std::vector<std::pair<AdapterPtr, float>> adapters;  // in application order
+    ControlVectorPtr cvec;                               // null: none
+    bool is_base() const { return adapters.empty() && !cvec; }
+};
+using StatePtr = std::shared_ptr<const State>;
+
+// Validates (no null or duplicate adapter, finite scales, all adapters and
+// the control vector for `model`) and interns.
+StatePtr state_intern(const llama_model * model, const std::vector<AdapterPtr> & adapters,
+                      const std::vector<float> & scales, const ControlVectorPtr & cvec);
+const StatePtr & state_base();
+size_t state_n_interned();  // live interned states, the base one excluded (tests)
+
+// ---------------------------------------------------------------------------
 // Context: a llama_context plus what llamax must know about it.
 
 struct GenParams {
@@ -159,10 +196,6 @@ struct GenParams {
     int32_t seq_id = 0;
     bool ignore_eos = false;
     bool plain_greedy = false;  // the sampler chain is exactly one greedy sampler
-    // With an empty prompt: sample the first token from the logits saved at
-    // the end of the last prompt this context decoded (the caller vouches
-    // that the KV still holds exactly that prompt, under the same state).
-    bool from_saved_logits = false;
     // > 0: decode the prompt in chunks that end at multiples of `chunk`
     // positions (at most n_batch), so that a prompt decoded after a cached
     // prefix of whole chunks does exactly the arithmetic of a cold run
@@ -203,7 +236,7 @@ class Context {
 public:
     // GIL-free.  max_positions > 0: the model has learned (absolute) position
     // embeddings with that many rows, and no sequence may grow past it.
-    Context(llama_model * model, llama_context_params params, int32_t max_positions = 0);
+    Context(const ModelPtr & model, llama_context_params params, int32_t max_positions = 0);
     ~Context();
     Context(const Context &) = delete;
     Context & operator=(const Context &) = delete;
@@ -213,10 +246,11 @@ public:
 
     // All below expect the caller to hold mutex().
 
-    // Apply the ordered set; the same set again is a no-op (returns false).
-    bool set_adapters(const std::vector<Adapter *> & adapters, const std::vector<float> & scales);
-    // nullptr clears.  Identical re-apply / clear of nothing are no-ops (false).
-    bool set_control_vector(const ControlVectorPtr & cv);
+    // Apply `state` (null: the base state).  The state it has is a no-op
+    // (returns false); otherwise only the part that differs reaches
+    // llama.cpp.  The context holds the applied state (and so its adapters).
+    bool set_state(const StatePtr & state);
+    const StatePtr & state() const { return state_; }
 
     // Validated llama_decode.  pos/seq/logits may be null (then: positions
     // continue each sequence, seq 0, only the last token outputs).
@@ -233,6 +267,11 @@ public:
     int32_t embed(const llama_token * tokens, const int64_t * offsets, int32_t n_inputs, float * out,
                   bool normalize);
 
+    // An empty prompt samples the first token from the logits this context
+    // saved at the end of the last prompt it decoded, when they still
+    // describe sequence params.seq_id exactly: the same state applied, the
+    // KV holding that prompt and nothing after it, no KV edit or other
+    // decode below its end since (the context tracks this itself).
     GenResult generate(llama_sampler * smpl, const llama_token * prompt, int32_t n_prompt,
                        const GenParams & params, token_cb_fn cb, void * user);
 
@@ -265,10 +304,8 @@ public:
     int32_t last_n_outputs() const { return last_n_outputs_; }
     int64_t output_capacity() const { return out_capacity_; }
     int64_t n_state_calls() const { return n_state_calls_; }  // cvec/adapter calls that reached llama.cpp
-    bool has_saved_logits() const { return !prompt_logits_.empty(); }
-    const std::vector<std::pair<Adapter *, float>> & adapters() const { return adapters_; }
-    const ControlVectorPtr & control_vector() const { return cvec_; }
-    void detach_all();  // forget the applied set (before free), decrementing attachments
+    // Whether generate() with an empty prompt on `seq` would sample from saved logits.
+    bool has_saved_logits(llama_seq_id seq) const;
 
     int32_t n_vocab() const { return n_vocab_; }
     int32_t n_ctx() const { return n_ctx_; }
@@ -300,6 +337,7 @@ private:
     [[noreturn]] void throw_cancelled(const char * what) const;  // Interrupted or Aborted
 
     llama_context * ctx_ = nullptr;
+    ModelPtr model_own_;  // declared before state_: released after it (and after llama_free)
     const llama_model * model_ = nullptr;
     const llama_vocab * vocab_ = nullptr;
     bool has_memory_ = true;
@@ -310,8 +348,7 @@ private:
     std::atomic<bool> abort_{false};
     bool watch_sigint_ = false;
     uint64_t sigint_start_ = 0;
-    std::vector<std::pair<Adapter *, float>> adapters_;
-    ControlVectorPtr cvec_;
+    StatePtr state_;  // applied; never null (the base state at first)
     int64_t out_capacity_ = 0;
     int32_t last_n_outputs_ = 0;
     int64_t n_state_calls_ = 0;
@@ -322,6 +359,13 @@ private:
     std::vector<llama_seq_id *> seqp_buf_;
     std::vector<int8_t> out_buf_;
     std::vector<float> prompt_logits_;  // logits after the last prompt generate() decoded
+    // ... and what they describe: valid while nothing changed the state or
+    // sequence saved_seq_'s KV below saved_pos_ (see invalidate_saved)
+    bool saved_valid_ = false;
+    llama_seq_id saved_seq_ = -1;
+    llama_pos saved_pos_ = 0;
+    uint64_t saved_state_ = 0;
+    void invalidate_saved(llama_seq_id seq, llama_pos p0);  // seq < 0: any sequence
     std::vector<llama_token_data> cand_;  // candidates for sampling from saved logits
     llama_token sample_saved(llama_sampler * smpl, llama_sampler * grammar, bool plain_greedy);
     // Sample one token from a row of logits with the chain, then accept it.

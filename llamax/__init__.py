@@ -9,7 +9,7 @@ from llamax._errors import *  # noqa: F401,F403
 from llamax import _errors
 try:
     from llamax._core import (  # noqa: F401
-        Batcher, BatchSequence, Context, ControlVector, LoraAdapter, Model, Sampler, set_log_level, supports_gpu_offload,
+        Batcher, BatchSequence, Context, ControlVector, LoraAdapter, Model, Sampler, State, set_log_level, supports_gpu_offload,
         system_info,
     )
 except ModuleNotFoundError as _e:
@@ -33,7 +33,7 @@ from llamax._fetch import FetchError  # noqa: E402,F401
 __version__ = "0.1.0"
 
 __all__ = [
-    "Model", "Context", "LoraAdapter", "ControlVector", "Sampler", "Batcher", "BatchSequence",
+    "Model", "Context", "LoraAdapter", "ControlVector", "State", "Sampler", "Batcher", "BatchSequence",
     "set_log_level", "system_info", "supports_gpu_offload", "Llama", "CancelToken", "ChatTemplate", "ChatTemplateError",
     "Embedder", "cos_sim", "FetchError",
 ]

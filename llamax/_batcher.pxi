@@ -137,7 +137,6 @@ class _AsyncHub:
                 os.close(self.rfd)
                 os.close(self.wfd)
 
-cdef str _ADAPTER_PAIR_HELP = "adapters must be a sequence of (LoraAdapter, scale) pairs"
 
 
 cdef class Batcher:
@@ -158,9 +157,7 @@ cdef class Batcher:
 
     cdef CBatcher * _b
     cdef readonly Context context
-    cdef set _keep   # adapters / control vectors the context may still have applied
     cdef object _hub  # _AsyncHub, made on first await
-    cdef int _inflight  # reset_state() calls running without the GIL
     cdef object __weakref__
 
     def __cinit__(self):
@@ -186,7 +183,6 @@ cdef class Batcher:
         self._b = new CBatcher(c, q)
         ctx._driver = weakref.ref(self)
         self.context = ctx
-        self._keep = set()
         _LIVE_BATCHERS.add(self)
 
     def __dealloc__(self):
@@ -207,8 +203,6 @@ cdef class Batcher:
         Idempotent."""
         if self._b == NULL:
             return
-        if self._inflight:
-            raise ContextBusyError("reset_state() is running on another thread; close when it returns")
         cdef CBatcher * b = self._b
         self._b = NULL  # before the GIL is released: other calls now raise ClosedError
         with nogil:
@@ -219,28 +213,11 @@ cdef class Batcher:
             self._hub = None
         ctx = self.context
         ctx._driver = None
-        if not ctx.closed:
-            ctx.set_adapters(())
-            ctx.set_control_vector(None)
-        self._keep = set()
+        ctx._state = None  # the native batcher applied the base state as it stopped
 
     @property
     def closed(self):
         return self._b == NULL
-
-    def reset_state(self):
-        """Apply the base model between two steps (no adapters, no control
-        vector) and let go of every adapter and control vector no queued or
-        running sequence uses: they can then be closed.  The next step
-        applies what its sequences need."""
-        cdef CBatcher * b = self._ptr()
-        self._inflight += 1  # close() refuses meanwhile: b stays valid
-        try:
-            with nogil:
-                b.reset_state()
-        finally:
-            self._inflight -= 1
-        self._keep = set()
 
     def __enter__(self):
         return self
@@ -278,14 +255,16 @@ cdef class Batcher:
                 "n_switches": st.n_switches, "n_finished": st.n_finished}
 
     def submit(self, tokens, sampler, *, max_tokens=16, stop_sequences=(), ignore_eos=False, logprobs=None,
-               adapters=(), control_vector=None):
+               adapters=(), control_vector=None, state=None):
         """Queue a sequence: ``tokens`` is its prompt; ``sampler`` is cloned
         (its seed, penalties and grammar state are copied, and it is not
         used again); ``max_tokens < 0`` runs until the sequence's context is
         full; ``stop_sequences`` are token sequences that end it (included);
         ``logprobs=k`` reports each token's log-probability and the ``k``
-        most likely tokens; ``adapters`` ``[(LoraAdapter, scale), ...]`` and
-        ``control_vector`` are its state.  Returns a :class:`BatchSequence`."""
+        most likely tokens; its state is ``state`` (a :class:`State`), or
+        ``adapters`` ``[(LoraAdapter, scale), ...]`` and ``control_vector``.
+        The sequence holds its state until it is over.  Returns a
+        :class:`BatchSequence`."""
         cdef CBatcher * b = self._ptr()
         cdef Sampler smp = _typed(sampler, Sampler, "sampler")
         model = self.context.model
@@ -313,29 +292,18 @@ cdef class Batcher:
             for i in range(s.shape[0]):
                 sv.push_back(s[i])
             p.stop_sequences.push_back(sv)
-        keep = []
-        cdef LoraAdapter a
-        if isinstance(adapters, (str, bytes)) or not hasattr(adapters, "__iter__"):
-            raise ArgumentTypeError(_ADAPTER_PAIR_HELP)
-        for item in adapters:
-            try:
-                ad, scale = item
-            except (TypeError, ValueError):
-                raise ArgumentTypeError(_ADAPTER_PAIR_HELP) from None
-            a = _typed(ad, LoraAdapter, "adapter")
-            _check_float(scale, "scale")
-            if a.model is not model:
-                raise InvalidArgumentError(f"adapter {a.path!r} was loaded for another model")
-            p.adapters.push_back(a._ptr())
-            p.scales.push_back(scale)
-            keep.append(a)
-        cdef ControlVector cv
-        if control_vector is not None:
-            cv = _typed(control_vector, ControlVector, "control_vector")
-            if cv.model is not model:
-                raise InvalidArgumentError("this control vector was made for another model")
-            p.cvec = cv._cv
-            keep.append(cv)
+        cdef State st
+        if state is not None:
+            if adapters or control_vector is not None:
+                raise InvalidArgumentError("pass state=, or adapters= and control_vector=, not both")
+            st = _typed(state, State, "state")
+            if st.model is not model:
+                raise InvalidArgumentError("this state was made for another model")
+            if st.closed:
+                raise ClosedError("this State is closed")
+        else:
+            st = _make_state(model, adapters, control_vector, "submit()")
+        p.state = st._st  # held by the sequence until it is over
         cdef llama_sampler * chain = smp._ptr()
         cdef CSeqPtr sp
         b = self._ptr()  # again: the Python code above may have let another thread close it
@@ -344,15 +312,11 @@ cdef class Batcher:
             sp = b.submit(chain, smp._grammar, smp._plain_greedy, p)  # clones the chain
         finally:
             smp._in_use = False
-        # The context may keep a state applied after its sequences end: its
-        # adapters and control vectors live as long as the batcher.
-        self._keep.update(keep)
         seq = BatchSequence.__new__(BatchSequence)
         (<BatchSequence> seq)._s = sp
         (<BatchSequence> seq).batcher = self
         (<BatchSequence> seq).n_prompt = <int> tv.shape[0]
         (<BatchSequence> seq)._want_lp = logprobs is not None
-        (<BatchSequence> seq)._state = keep
         return seq
 
 
@@ -373,7 +337,6 @@ cdef class BatchSequence:
     cdef list _logprobs
     cdef bint _finished
     cdef bint _want_lp
-    cdef list _state  # its adapters and control vector: alive while it may run
 
     def __cinit__(self):
         self._tokens = []
@@ -392,10 +355,6 @@ cdef class BatchSequence:
     def __dealloc__(self):
         if self._s.get() != NULL and not self._finished:
             self._s.get().cancel()
-            # until the batcher has seen the cancel, its state may still be
-            # applied: the batcher keeps it alive (to its next reset_state)
-            if self.batcher is not None and self._state and self.batcher._b != NULL:
-                self.batcher._keep.update(self._state)
 
     def cancel(self):
         """End this sequence at the batcher's next step (finish_reason "cancelled")."""

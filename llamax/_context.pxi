@@ -50,7 +50,6 @@ cdef class Context:
 
     def __cinit__(self):
         self._c = NULL
-        self._adapters = ()
 
     def __init__(self, model, *, n_ctx=512, n_batch=512, n_ubatch=512, n_seq_max=1,
                  n_threads=None, n_threads_batch=None, embeddings=False, pooling=None,
@@ -92,7 +91,7 @@ cdef class Context:
         if _shutting_down:
             raise ClosedError("the interpreter is exiting")
         with _ModelUse(_mo_t), nogil:  # allocates the KV cache and reserves compute graphs
-            c = new CContext(m, p, max_pos)
+            c = new CContext(_mo_t._own, p, max_pos)
         self._c = c
         _LIVE_CONTEXTS.add(self)
         self.model = model
@@ -165,11 +164,10 @@ cdef class Context:
 
     cdef void _free(self) noexcept:
         if self._c != NULL:
-            del self._c  # detaches its adapters, then llama_free
+            del self._c  # llama_free, then its applied state (and adapters) go
             self._c = NULL
         self._close_pending = False
-        self._adapters = ()
-        self._cvec = None
+        self._state = None
 
     @property
     def closed(self):
@@ -240,72 +238,59 @@ cdef class Context:
 
     # -- state: adapters and control vector ---------------------------------
 
-    def set_adapters(self, adapters=()):
-        """Apply an ordered set ``[(LoraAdapter, scale), ...]``; ``()`` is the pure base model.
+    def set_state(self, state=None):
+        """Apply a :class:`State` (``None``: the base model).
 
-        Returns True if llama.cpp was called, False if this exact set was
-        already applied (a no-op).
-        """
-        cdef vector[CAdapter *] ptrs
-        cdef vector[float] scales
-        cdef LoraAdapter a
-        keep = []
-        if isinstance(adapters, (str, bytes)) or not hasattr(adapters, "__iter__"):
-            raise ArgumentTypeError(f"set_adapters() takes a sequence of (LoraAdapter, scale) pairs, "
-                                    f"not {type(adapters).__name__}")
-        for item in adapters:
-            try:
-                ad, scale = item
-            except (TypeError, ValueError):
-                raise ArgumentTypeError("set_adapters() takes (LoraAdapter, scale) pairs") from None
-            if not isinstance(ad, LoraAdapter):
-                raise ArgumentTypeError(f"set_adapters() takes LoraAdapter objects, not {type(ad).__name__}")
-            _check_float(scale, "scale")
-            a = ad
-            if a.model is not self.model:
-                raise InvalidArgumentError(f"adapter {a.path!r} was loaded for another model")
-            ptrs.push_back(a._ptr())
-            scales.push_back(scale)
-            keep.append((a, float(scale)))
+        Returns True if llama.cpp was called, False if this context already
+        had that state (a pointer compare).  Only the part that differs
+        (adapters, control vector) reaches llama.cpp."""
+        cdef State st
+        if state is None:
+            st = _make_state(self.model, (), None, "set_state()")
+        else:
+            st = _typed(state, State, "state")
+            if st.model is not self.model:
+                raise InvalidArgumentError("this state was made for another model")
+            if st.closed:
+                raise ClosedError("this State is closed")
+        cdef CStatePtr sp = st._st
         cdef CContext * c = self._enter()
         cdef cbool changed
         try:
-            with nogil:  # a changed set re-reserves llama.cpp's compute graph
-                changed = c.set_adapters(ptrs, scales)
+            with nogil:  # a change re-reserves llama.cpp's compute graph
+                changed = c.set_state(sp)
         finally:
             self._leave()
-        # Applied adapters are kept alive by this context on purpose: freeing
-        # one while applied is a use-after-free inside llama.cpp.
-        self._adapters = tuple(keep)
+        self._state = st
         return changed
+
+    @property
+    def state(self):
+        """The applied :class:`State`."""
+        if self._state is None:
+            self._state = _make_state(self.model, (), None, "state")
+        return self._state
+
+    def set_adapters(self, adapters=()):
+        """Apply an ordered set ``[(LoraAdapter, scale), ...]`` (``()``: none),
+        keeping the control vector.  Returns what :meth:`set_state` returns."""
+        cv = self._state.control_vector if self._state is not None else None
+        return self.set_state(_make_state(self.model, adapters, cv, "set_adapters()"))
 
     @property
     def adapters(self):
         """The applied set, as ``((LoraAdapter, scale), ...)``."""
-        return self._adapters
+        return self._state.adapters if self._state is not None else ()
 
     def set_control_vector(self, cv=None):
-        """Apply ``cv`` (``None`` clears).  Identical re-applies and clears of nothing are no-ops."""
-        cdef CControlVectorPtr p
-        cdef ControlVector typed_cv
-        if cv is not None:
-            typed_cv = _typed(cv, ControlVector, "cv")
-            if typed_cv.model is not self.model:
-                raise InvalidArgumentError("this control vector was made for another model")
-            p = typed_cv._cv
-        cdef CContext * c = self._enter()
-        cdef cbool changed
-        try:
-            with nogil:
-                changed = c.set_control_vector(p)
-        finally:
-            self._leave()
-        self._cvec = cv
-        return changed
+        """Apply ``cv`` (``None`` clears), keeping the adapters.  Identical
+        re-applies and clears of nothing are no-ops (False)."""
+        ads = self._state.adapters if self._state is not None else ()
+        return self.set_state(_make_state(self.model, ads, cv, "set_control_vector()"))
 
     @property
     def control_vector(self):
-        return self._cvec
+        return self._state.control_vector if self._state is not None else None
 
     @property
     def n_state_calls(self):
@@ -486,8 +471,17 @@ cdef class Context:
 
     # -- generation ---------------------------------------------------------
 
+    def has_saved_logits(self, seq_id=0):
+        """Whether :meth:`generate` with an empty prompt on ``seq_id`` would
+        sample from saved logits: the last prompt decoded there ended at the
+        sequence's end, under the state applied now, and nothing has been
+        decoded or removed below its end since."""
+        _check_int(seq_id, "seq_id", 0, INT32_MAX)
+        return self._get().has_saved_logits(seq_id)
+
+
     def generate(self, tokens, sampler, *, max_tokens=16, seq_id=0,
-                 stop_sequences=(), ignore_eos=False, callback=None, from_saved_logits=False, chunk=0):
+                 stop_sequences=(), ignore_eos=False, callback=None, chunk=0):
         """Decode ``tokens`` after what sequence ``seq_id`` holds, then sample up to ``max_tokens``.
 
         The whole loop runs in C++ without the GIL.  ``callback(token)``, if
@@ -497,10 +491,11 @@ cdef class Context:
         with finish_reason one of "stop" (end-of-generation token),
         "length" (max_tokens or the context is full), "stop_sequence",
         "callback".
-        ``from_saved_logits=True`` with an empty ``tokens`` samples the first
-        token from the logits saved at the end of the last prompt this
-        context decoded: for a repeated prompt whose KV is still in place
-        (the caller keeps that bookkeeping; llamax.Llama does).
+        An empty ``tokens`` samples the first token from the logits saved at
+        the end of the last prompt this context decoded, when they still
+        describe ``seq_id`` (the same state, nothing decoded or removed below
+        that prompt's end since: see :meth:`has_saved_logits`); otherwise an
+        empty prompt raises InvalidArgumentError.
         ``chunk > 0`` decodes the prompt in chunks ending at multiples of
         ``chunk`` positions: after a cached prefix of whole chunks, the rest
         is decoded exactly as in a cold run (llamax.Llama's exact prefix cache).
@@ -520,7 +515,6 @@ cdef class Context:
         gp.seq_id = seq_id
         gp.ignore_eos = bool(ignore_eos)
         gp.plain_greedy = _sa_t._plain_greedy
-        gp.from_saved_logits = bool(from_saved_logits)
         gp.chunk = chunk
         gp.grammar = _sa_t._grammar
         cdef vector[llama_token] sv

@@ -4,11 +4,12 @@ from libc.stdint cimport int32_t
 from libcpp.memory cimport shared_ptr
 
 from llamax.includes.llama cimport llama_model, llama_sampler, llama_vocab
-from llamax.includes.shim cimport CAdapter, CContext, CControlVectorPtr
+from llamax.includes.shim cimport CAdapter, CAdapterPtr, CContext, CControlVectorPtr, CModelPtr, CStatePtr
 
 
 cdef class Model:
     cdef llama_model * _model
+    cdef CModelPtr _own        # the reference this object holds (adapters hold theirs)
     cdef const llama_vocab * _vocab
     cdef int32_t _unk              # [UNK] id (WPM fix-up), -1 if none
     cdef readonly str path
@@ -21,16 +22,24 @@ cdef class Model:
 
 
 cdef class LoraAdapter:
-    cdef CAdapter * _a
+    cdef CAdapterPtr _a        # null once closed (the adapter lives while a State holds it)
     cdef readonly Model model
     cdef readonly str path
     cdef object __weakref__
-    cdef CAdapter * _ptr(self) except NULL
+    cdef const CAdapter * _ptr(self) except NULL
 
 
 cdef class ControlVector:
     cdef CControlVectorPtr _cv
     cdef readonly Model model
+
+
+cdef class State:
+    cdef CStatePtr _st
+    cdef readonly Model model
+    cdef readonly tuple adapters        # ((LoraAdapter, scale), ...)
+    cdef readonly ControlVector control_vector
+    cdef object __weakref__
 
 
 cdef class Sampler:
@@ -54,8 +63,7 @@ cdef class Context:
     cdef unsigned long _owner # thread inside a call (holds the lock), 0 if none: re-entrancy check
     cdef object _driver       # weakref to the Batcher that drives this context, or None
     cdef bint _driven(self)
-    cdef tuple _adapters      # LoraAdapter objects applied here: kept alive on purpose
-    cdef ControlVector _cvec
+    cdef State _state         # the applied state (the native context holds its own reference)
     cdef readonly bint embeddings
     cdef object __weakref__
     cdef CContext * _get(self) except NULL

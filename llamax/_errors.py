@@ -52,7 +52,8 @@ class ControlVectorError(LlamaxError, ValueError):
 
 
 class AdapterInUseError(LlamaxError, RuntimeError):
-    """An adapter can't be freed while a context has it applied."""
+    """With ``max_loaded_adapters``: every loaded adapter is in use by a running
+    request, so none can be unloaded to make room (after a bounded wait)."""
 
 
 class DecodeError(LlamaxError, RuntimeError):

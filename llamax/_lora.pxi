@@ -6,12 +6,11 @@
 cdef class LoraAdapter:
     """A LoRA adapter loaded for one model: ``LoraAdapter(model, path)``.
 
-    It keeps its model alive.  It can't be closed while a context has it
-    applied (llama.cpp would free memory that context still reads).
+    It keeps its model alive.  ``close()`` lets go of it at once, from any
+    state: the native adapter is freed when the last :class:`State` naming
+    it goes too (a context that has it applied, a batched request that
+    runs with it), never under a computation that reads it.
     """
-
-    def __cinit__(self):
-        self._a = NULL
 
     def __init__(self, model, path):
         cdef Model _mo_t = _typed(model, Model, "model")
@@ -19,41 +18,25 @@ cdef class LoraAdapter:
         self.model = model
         self.path = _fspath(path)
         cdef string cpath = self.path.encode("utf-8", "surrogateescape")
-        cdef CAdapter * a = NULL
+        cdef CAdapterPtr a
         with _ModelUse(_mo_t), nogil:  # reads and converts the adapter's tensors
-            a = adapter_load(m, cpath)
+            a = adapter_load(_mo_t._own, cpath)
         self._a = a
         _mo_t._children.add(self)
 
-    def __dealloc__(self):
-        # Contexts keep applied adapters alive, so none is attached here.
-        if self._a != NULL and self.model is not None and self.model._model != NULL:
-            try:
-                adapter_free(self._a)
-            except Exception:
-                pass
-            self._a = NULL
-
-    cdef CAdapter * _ptr(self) except NULL:
-        if self._a == NULL:
+    cdef const CAdapter * _ptr(self) except NULL:
+        if self._a.get() == NULL:
             raise ClosedError(f"LoRA adapter {self.path!r} is closed")
-        return self._a
+        return self._a.get()
 
     def close(self):
-        """Free the adapter.  AdapterInUseError while a context has it applied."""
-        if self._a == NULL:
-            return
-        adapter_free(self._a)
-        self._a = NULL
+        """Let go of the adapter (idempotent).  It is freed now unless a
+        :class:`State` still names it: then when the last such state goes."""
+        self._a.reset()
 
     @property
     def closed(self):
-        return self._a == NULL
-
-    @property
-    def n_attached(self):
-        """Contexts that have this adapter in their applied set."""
-        return self._ptr().attached()
+        return self._a.get() == NULL
 
     @property
     def metadata(self):
@@ -83,4 +66,4 @@ cdef class LoraAdapter:
         return out
 
     def __repr__(self):
-        return f"<llamax.LoraAdapter {self.path!r}{' closed' if self._a == NULL else ''}>"
+        return f"<llamax.LoraAdapter {self.path!r}{' closed' if self._a.get() == NULL else ''}>"

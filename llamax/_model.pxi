@@ -70,6 +70,7 @@ cdef class Model:
             raise InvalidGGUFError(f"{self.path}: cannot load model"
                                    + (f" ({reason})" if reason else " (corrupt or unsupported GGUF)"))
         self._model = m
+        self._own = model_own(m)  # llama_model_free when the last holder (this, an adapter) goes
         self._vocab = llama_model_get_vocab(m)
         self._max_positions = llama_model_n_ctx_train(m) if learned_positions else 0
         self._unk = -1
@@ -80,9 +81,8 @@ cdef class Model:
 
     def __dealloc__(self):
         # Children hold strong references to the model, so none is alive here.
-        if self._model != NULL:
-            llama_model_free(self._model)
-            self._model = NULL
+        self._own.reset()
+        self._model = NULL
 
     cdef llama_model * _ptr(self) except NULL:
         if self._model == NULL:
@@ -93,8 +93,7 @@ cdef class Model:
         """Free the model now: closes its contexts and adapters first.
 
         Raises ContextBusyError while a call runs on it or on one of its
-        contexts or samplers (``busy``), AdapterInUseError never (contexts
-        go first).  Idempotent.
+        contexts or samplers (``busy``).  Idempotent.
         """
         if self._model == NULL:
             return
@@ -112,7 +111,7 @@ cdef class Model:
         for c in children:
             if not isinstance(c, Context):
                 c.close()
-        llama_model_free(self._model)
+        self._own.reset()  # frees the model (closed adapters and states hold no reference)
         self._model = NULL
         self._vocab = NULL
 

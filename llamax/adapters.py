@@ -1,12 +1,14 @@
-"""LoRA adapters by name: loaded once, pinned by running requests, and (with
-``max_loaded``) loaded on demand with the least recently used one unloaded.
+"""LoRA adapters by name: loaded once, counted in use by running requests,
+and (with ``max_loaded``) loaded on demand with the least recently used idle
+one unloaded.  Unloading never waits: a request that runs with an adapter
+holds it through its :class:`llamax.State`, so it is freed when the last
+such request ends.
 """
 from __future__ import annotations
 
 import os
 import threading
 import time
-from typing import Callable
 
 from llamax._core import LoraAdapter, Model
 from llamax._errors import AdapterInUseError, ArgumentTypeError, InvalidArgumentError, UnknownAdapterError
@@ -27,22 +29,16 @@ class _Entry:
 
 
 class AdapterRegistry:
-    """Name → adapter for one model.
-
-    ``detach`` is called (with the adapter) before an adapter is freed, so
-    that idle contexts let go of it first.
-    """
+    """Name → adapter for one model."""
 
     make_room_timeout = 60.0  # seconds to wait for a running request to release an adapter
 
-    def __init__(self, model: Model, max_loaded: int | None = None,
-                 detach: Callable[[LoraAdapter], None] | None = None):
+    def __init__(self, model: Model, max_loaded: int | None = None):
         if max_loaded is not None and (isinstance(max_loaded, bool) or not isinstance(max_loaded, int)
                                        or max_loaded < 1):
             raise InvalidArgumentError(f"max_loaded_adapters must be a positive int or None, got {max_loaded!r}")
         self._model = model
         self._max = max_loaded
-        self._detach = detach or (lambda a: None)
         self._entries: dict[str, _Entry] = {}
         self._cond = threading.Condition(threading.RLock())
 
@@ -80,13 +76,11 @@ class AdapterRegistry:
             self._entries[name] = _Entry(name, path, registered=True)
 
     def unload(self, name: str) -> None:
-        """Free and forget ``name``.  AdapterInUseError while a running request uses it."""
+        """Forget ``name`` now.  Running requests keep the adapter until they end."""
         with self._cond:
             e = self._entries.get(name)
             if e is None:
                 raise UnknownAdapterError(name)
-            if e.pins:
-                raise AdapterInUseError(f"adapter {name!r} is used by {e.pins} running request(s)")
             self._free(e)
             del self._entries[name]
 
@@ -110,7 +104,8 @@ class AdapterRegistry:
     # -- requests ---------------------------------------------------------
 
     def acquire(self, specs) -> tuple[list, list[str]]:
-        """Resolve ``[{"name", "scale"}, ...]`` to ``[(LoraAdapter, scale)]`` and pin them.
+        """Resolve ``[{"name", "scale"}, ...]`` to ``[(LoraAdapter, scale)]``
+        and count them in use (an adapter in use is not unloaded to make room).
 
         Every name is checked before anything is loaded; an unknown one raises
         UnknownAdapterError.  Call :meth:`release` with the returned names.
@@ -168,10 +163,7 @@ class AdapterRegistry:
                              key=lambda e: e.last_used)
             freed = 0
             for e in victims:
-                try:
-                    self._free(e)
-                except AdapterInUseError:
-                    continue  # still applied on a busy context: try the next one
+                self._free(e)
                 if not e.registered:
                     del self._entries[e.name]  # load_lora() adapters can't come back by themselves
                 freed += 1
@@ -188,8 +180,9 @@ class AdapterRegistry:
     def _free(self, e: _Entry) -> None:
         if e.adapter is None:
             return
-        self._detach(e.adapter)
-        e.adapter.close()  # AdapterInUseError if a busy context still has it applied
+        # Lets go of it: freed now, or when the last State naming it goes
+        # (a running request, a context that still has it applied).
+        e.adapter.close()
         e.adapter = None
 
 

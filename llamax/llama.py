@@ -8,19 +8,16 @@ prompt cache keyed by the adapter set and control vector as well as tokens.
 """
 from __future__ import annotations
 
-import hashlib
-import itertools
 import logging
 import os
 import random
 import threading
 import time
 import uuid
-import weakref
 
 import numpy as np
 
-from llamax._core import Batcher, Context, ControlVector, Model, Sampler
+from llamax._core import Batcher, Context, ControlVector, Model, Sampler, State
 from llamax._errors import (
     ArgumentTypeError, ContextBusyError, ControlVectorError, InvalidArgumentError, TokenError, UnknownAdapterError,
 )
@@ -49,14 +46,6 @@ def _check_bools(**kw):
     for k, v in kw.items():
         if not isinstance(v, bool):
             raise ArgumentTypeError(f"{k} must be True or False, not {type(v).__name__}")
-
-
-def _weak_call(wm):
-    def call(*args):
-        f = wm()
-        if f is not None:
-            f(*args)
-    return call
 
 
 class Llama:
@@ -156,18 +145,10 @@ class Llama:
             self._model.close()
             raise
         self._pool = _BatchPool(slots) if n_parallel > 1 else _Pool(slots)
-        # (a weak method: a bound one would make a cycle, and the Llama must be
-        # freed when its last reference goes, without waiting for the GC)
-        self._adapters = AdapterRegistry(self._model, max_loaded_adapters,
-                                         detach=_weak_call(weakref.WeakMethod(self._detach_adapter)))
+        self._adapters = AdapterRegistry(self._model, max_loaded_adapters)
         self._cvecs: dict[str, ControlVector] = {}
-        # Adapter identity for state keys: a serial per adapter object, never
-        # reused (an id() could be, once an adapter is freed).
-        self._serials = weakref.WeakKeyDictionary()
-        self._next_serial = itertools.count(1)
         self._embed_lock = threading.Lock()
         self._embed_ctx: Context | None = None
-        self._embed_key = None
         self.chat_format = chat_format
         self._template = self._make_template(chat_format, chat_template)
         if embedding and not vocab_only:
@@ -269,20 +250,14 @@ class Llama:
         self._adapters.register(name, path)
 
     def unload_lora(self, name: str) -> None:
-        """Unload ``name``; AdapterInUseError while a running request uses it."""
+        """Unload ``name`` now.  Requests running with it finish with it: the
+        adapter's memory is freed when the last of them ends (and a context
+        that still has it applied applies another state)."""
         self._check_open()
         self._adapters.unload(name)
 
     def list_loras(self) -> list[dict]:
         return self._adapters.list()
-
-    def _detach_adapter(self, adapter) -> None:
-        self._pool.detach(adapter)
-        with self._embed_lock:
-            ec = self._embed_ctx
-            if ec is not None and any(a is adapter for a, _ in ec.adapters):
-                ec.set_adapters([])
-                self._embed_key = None
 
     # -- control vectors ------------------------------------------------------
 
@@ -353,25 +328,18 @@ class Llama:
 
     # -- state ---------------------------------------------------------------
 
-    @staticmethod
-    def _cvec_key(cv: ControlVector | None):
-        if cv is None:
-            return None
-        return (cv.layer_start, cv.layer_end, hashlib.blake2b(cv.data.tobytes(), digest_size=16).digest())
-
-    def _state(self, active_loras, control_vector, control_vectors):
-        """Resolve the request's state.  Returns (adapter set, pinned names,
-        control vector, state key).  Unknown names raise before anything runs."""
+    def _state(self, active_loras, control_vector, control_vectors) -> tuple[State, list[str]]:
+        """Resolve the request's state: an interned :class:`State` (its id
+        keys the prefix cache; it holds its adapters while the request runs)
+        and the adapter names pinned for it (release them).  Unknown names
+        raise before anything runs."""
         cv = self._resolve_cvec(control_vector, control_vectors)
         adapters, names = self._adapters.acquire(active_loras)
-        ids = []
-        with self._rng_lock:
-            for a, _ in adapters:
-                if a not in self._serials:
-                    self._serials[a] = next(self._next_serial)
-                ids.append(self._serials[a])
-        key = (tuple(zip(ids, (s for _, s in adapters))), self._cvec_key(cv))
-        return adapters, names, cv, key
+        try:
+            return State(self._model, adapters, cv), names
+        except BaseException:
+            self._adapters.release(names)
+            raise
 
     def _next_seed(self, seed):
         if seed is not None:
@@ -617,14 +585,11 @@ class Llama:
         # Tokenized without the GIL and before any lock: the vocabulary is read-only.
         tokens, offsets = self._model.tokenize_batch(list(texts), add_special=True, max_tokens=limit,
                                                      truncate=bool(truncate))
-        adapters, names, cv, key = self._state(active_loras, control_vector, control_vectors)
+        state, names = self._state(active_loras, control_vector, control_vectors)
         try:
             with self._embed_lock:
                 ctx = self._embedding_context()
-                if self._embed_key != key:
-                    ctx.set_adapters(adapters)
-                    ctx.set_control_vector(cv)
-                    self._embed_key = key
+                ctx.set_state(state)  # a pointer compare when it is applied already
                 out = ctx.embed(tokens, offsets, normalize=bool(normalize))
         finally:
             self._adapters.release(names)
@@ -685,5 +650,5 @@ class Llama:
                           frequency_penalty=p.frequency_penalty, presence_penalty=p.presence_penalty,
                           seed=self._next_seed(p.seed), grammar=grammar, logit_bias=p.logit_bias)
         # Resolved last: it pins adapters, which the request must release.
-        adapters, names, cv, key = self._state(p.active_loras, p.control_vector, p.control_vectors)
-        return _Request(self, tokens, sampler, max_tokens, stops, logprobs, adapters, names, cv, key, cancel)
+        state, names = self._state(p.active_loras, p.control_vector, p.control_vectors)
+        return _Request(self, tokens, sampler, max_tokens, stops, logprobs, state, names, cancel)

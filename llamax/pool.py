@@ -82,16 +82,6 @@ class _Pool:
                 else:
                     s.forget()
 
-    def detach(self, adapter) -> None:
-        """Make idle contexts drop ``adapter`` (before it is freed)."""
-        with self.cond:
-            for s in self.slots:
-                if not s.busy and s.ctx is not None and not s.ctx.closed \
-                        and any(a is adapter for a, _ in s.ctx.adapters):
-                    s.ctx.set_adapters([])
-                    s.forget()
-                    s.tokens = np.empty(0, np.int32)
-
     def close(self):
         with self.cond:
             for s in self.slots:
@@ -134,13 +124,6 @@ class _BatchPool:
 
     def forget(self) -> None:
         """Nothing to forget: a batched sequence's KV lives as long as it runs."""
-
-    def detach(self, adapter) -> None:
-        """Let ``adapter`` be freed: no pinned request uses it, so resetting
-        each batcher's applied state is enough."""
-        for s in self.slots:
-            if not s.batcher.closed:
-                s.batcher.reset_state()
 
     def close(self):
         for s in self.slots:

@@ -159,7 +159,7 @@ class _Request:
     """One generation: pick a context, apply state, reuse the cached prefix
     (only under the same state), run the C++ loop, assemble text."""
 
-    def __init__(self, llm: Llama, tokens, sampler, max_tokens, stops, logprobs, adapters, names, cv, key,
+    def __init__(self, llm: Llama, tokens, sampler, max_tokens, stops, logprobs, state, names,
                  token: CancelToken | None = None):
         self.llm = llm
         self.user_token = token
@@ -169,10 +169,9 @@ class _Request:
         self.max_tokens = max_tokens
         self.stops = stops
         self.logprobs = logprobs
-        self.adapters = adapters
+        self.state = state  # a llamax.State: holds its adapters while the request lives
         self.names = names
-        self.cv = cv
-        self.key = key
+        self.key = state.id
         self.cancel = threading.Event()
         self._released = False
         self._slot = None  # batched requests: the context's slot and the sequence
@@ -247,8 +246,7 @@ class _Request:
         text = _TextAssembler(model, self.stops, pieces.append if streaming else None)
         self._slot = llm._pool.acquire()
         self._seq = seq = self._slot.batcher.submit(
-            self.tokens, self.sampler, max_tokens=self.max_tokens, logprobs=self.logprobs,
-            adapters=self.adapters, control_vector=self.cv)
+            self.tokens, self.sampler, max_tokens=self.max_tokens, logprobs=self.logprobs, state=self.state)
         attached = []
         try:
             if self.user_token is not None:
@@ -404,8 +402,7 @@ class _Request:
             for t in tokens:
                 t._attach(ctx)
                 attached.append(t)
-            ctx.set_adapters(self.adapters)     # no-op when already applied
-            ctx.set_control_vector(self.cv)     # no-op when identical
+            ctx.set_state(self.state)           # a pointer compare when already applied
             # Reuse KV only if it was computed under this very state, and
             # only what a cold run would compute the same way: whole prompt
             # chunks of `chunk` positions (every prompt is decoded in chunks
@@ -415,7 +412,8 @@ class _Request:
             n = len(self.tokens)
             # A repeat whose final logits were saved: sample from them (the
             # same numbers as the first time), unless logprobs need the live
-            # buffer.
+            # buffer.  (The context checks that they still describe this
+            # prompt under this state; an empty prompt raises otherwise.)
             saved = lcp == n and slot.logits_n == n and self.logprobs is None
             if saved:
                 n_keep = n
@@ -445,8 +443,7 @@ class _Request:
 
             try:
                 out, finish = ctx.generate(self.tokens[n_keep:], self.sampler, max_tokens=self.max_tokens,
-                                           callback=on_token if want_cb else None, from_saved_logits=saved,
-                                           chunk=chunk)
+                                           callback=on_token if want_cb else None, chunk=chunk)
             except BaseException:
                 slot.key = None
                 slot.tokens = np.empty(0, np.int32)

@@ -40,11 +40,14 @@ cdef extern from "llamax.h" namespace "llamax" nogil:
     void log_install(log_sink_fn sink)
     void log_set_min_level(int level)
 
+    ctypedef shared_ptr[llama_model] CModelPtr "llamax::ModelPtr"
+    CModelPtr model_own(llama_model * model)
+
     cdef cppclass CAdapter "llamax::Adapter":
         llama_adapter_lora * ptr
-        const llama_model * model
         string path
-        int attached "n_attached.load"()
+
+    ctypedef shared_ptr[const CAdapter] CAdapterPtr "llamax::AdapterPtr"
 
     cdef cppclass CControlVector "llamax::ControlVector":
         int32_t n_embd
@@ -54,12 +57,22 @@ cdef extern from "llamax.h" namespace "llamax" nogil:
 
     ctypedef shared_ptr[const CControlVector] CControlVectorPtr "llamax::ControlVectorPtr"
 
+    cdef cppclass CState "llamax::State":
+        unsigned long long id
+        vector[pair[CAdapterPtr, float]] adapters
+        CControlVectorPtr cvec
+
+    ctypedef shared_ptr[const CState] CStatePtr "llamax::StatePtr"
+    CStatePtr state_intern(const llama_model * model, const vector[CAdapterPtr] & adapters,
+                           const vector[float] & scales, const CControlVectorPtr & cvec) except +translate_exception
+    const CStatePtr & state_base()
+    size_t state_n_interned()
+
     cdef cppclass CGenParams "llamax::GenParams":
         int32_t max_tokens
         int32_t seq_id
         cbool ignore_eos
         cbool plain_greedy
-        cbool from_saved_logits
         int32_t chunk
         vector[vector[llama_token]] stop_sequences
         llama_sampler * grammar
@@ -78,11 +91,11 @@ cdef extern from "llamax.h" namespace "llamax" nogil:
         int32_t n_prompt
 
     cdef cppclass CContext "llamax::Context":
-        CContext(llama_model * model, llama_context_params params, int32_t max_positions) except +translate_exception
+        CContext(const CModelPtr & model, llama_context_params params, int32_t max_positions) except +translate_exception
         llama_context * raw()
         CMutex & mutex()
-        cbool set_adapters(const vector[CAdapter *] & adapters, const vector[float] & scales) except +translate_exception
-        cbool set_control_vector(const CControlVectorPtr & cv) except +translate_exception
+        cbool set_state(const CStatePtr & state) except +translate_exception
+        const CStatePtr & state()
         int32_t decode(const llama_token * tokens, int32_t n, const llama_pos * pos,
                        const llama_seq_id * seq, const int8_t * logits) except +translate_exception
         int32_t embed(const llama_token * tokens, const int64_t * offsets, int32_t n_inputs, float * out,
@@ -102,8 +115,7 @@ cdef extern from "llamax.h" namespace "llamax" nogil:
         int32_t last_n_outputs()
         int64_t output_capacity()
         int64_t n_state_calls()
-        cbool has_saved_logits()
-        void detach_all()
+        cbool has_saved_logits(llama_seq_id seq)
         int32_t n_vocab()
         int32_t n_ctx()
         int32_t n_ctx_seq()
@@ -114,8 +126,7 @@ cdef extern from "llamax.h" namespace "llamax" nogil:
         int32_t n_call_max()
         cbool has_memory()
 
-    CAdapter * adapter_load(llama_model * model, const string & path) except +translate_exception
-    void adapter_free(CAdapter * a) except +translate_exception
+    CAdapterPtr adapter_load(const CModelPtr & model, const string & path) except +translate_exception
 
     CControlVectorPtr cvec_from_rows(const llama_model * model, const float * rows, size_t n_floats,
                                      int32_t layer_start, int32_t layer_end) except +translate_exception
@@ -146,9 +157,7 @@ cdef extern from "batcher.h" namespace "llamax" nogil:
         cbool ignore_eos
         int32_t n_logprobs
         vector[vector[llama_token]] stop_sequences
-        vector[CAdapter *] adapters
-        vector[float] scales
-        CControlVectorPtr cvec
+        CStatePtr state
 
     cdef cppclass CSeqEvent "llamax::SeqEvent":
         llama_token token
@@ -178,7 +187,6 @@ cdef extern from "batcher.h" namespace "llamax" nogil:
         CSeqPtr submit(llama_sampler * chain, llama_sampler * grammar, cbool plain_greedy,
                        CSeqParams params) except +translate_exception
         void close()
-        void reset_state() except +translate_exception
         CBatcherStats stats()
         int32_t n_active()
         int32_t n_slots()

@@ -297,24 +297,58 @@ def test_sampler_is_not_touched(model):
     assert r1 == r2
 
 
-def test_adapter_of_a_waiting_sequence_cannot_be_freed(model, lora_paths):
-    """A sequence waiting for its group's turn holds an adapter that is not
-    applied anywhere: closing it must raise, not free it under the sequence."""
+def test_closing_the_adapter_of_a_queued_sequence(model, lora_paths):
+    """A sequence holds its state (and so its adapters) until it is over:
+    closing the adapter while the sequence waits for its group's turn
+    changes nothing it computes, and the adapter is freed once the
+    sequence has ended and the idle batcher lets go of it."""
+    t = model.tokenize("Hello")
     a = llamax.LoraAdapter(model, lora_paths["a"])
     ctx, b = batcher(model, slots=2, quantum=1)
     with ctx, b:
-        t = model.tokenize("Hello")
+        want = b.submit(t, greedy(model), max_tokens=8, ignore_eos=True, adapters=[(a, 1.0)]).result()[0]
+        base_alone = b.submit(t, greedy(model), max_tokens=8, ignore_eos=True).result()[0]
+        assert want.tolist() != base_alone.tolist()
+        deadline = time.monotonic() + 10
+        n0 = llamax._core._n_interned_states()
         base = b.submit(t, greedy(model), max_tokens=-1, ignore_eos=True)
-        s = b.submit(t, greedy(model), max_tokens=-1, ignore_eos=True, adapters=[(a, 1.0)])
-        assert base.next() and s.next()
-        with pytest.raises(llamax.AdapterInUseError):
-            a.close()
-        s.cancel()
-        assert s.result()[1] == "cancelled"
-        b.reset_state()  # the base model applied between two steps: nothing holds the adapter now
-        a.close()
-        assert len(base.next()) >= 1
+        s = b.submit(t, greedy(model), max_tokens=8, ignore_eos=True, adapters=[(a, 1.0)])
+        a.close()  # never refused: the queued sequence holds it
+        assert s.result()[0].tolist() == want.tolist()
         base.cancel()
+        base.result()
+        # idle again, with a state whose adapter nothing else holds: the
+        # batcher applies the base model and the adapter is freed
+        while llamax._core._n_interned_states() != n0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert llamax._core._n_interned_states() == n0
+
+
+def test_idle_batcher_frees_an_unloaded_adapter(model, lora_paths):
+    """The context keeps the last state applied while idle (the next request
+    of that state pays no switch), unless nothing else holds its adapters:
+    then the idle batcher applies the base model so they are freed."""
+    t = model.tokenize("Hello")
+    a = llamax.LoraAdapter(model, lora_paths["a"])
+    ctx, b = batcher(model, slots=2)
+    with ctx, b:
+        n0 = llamax._core._n_interned_states()
+        b.submit(t, greedy(model), max_tokens=4, ignore_eos=True, adapters=[(a, 1.0)]).result()
+        time.sleep(0.2)
+        assert llamax._core._n_interned_states() == n0 + 1  # kept: `a` may be asked for again
+        switches = b.stats()["n_switches"]
+        b.submit(t, greedy(model), max_tokens=4, ignore_eos=True, adapters=[(a, 1.0)]).result()
+        assert b.stats()["n_switches"] == switches
+        s = b.submit(t, greedy(model), max_tokens=32, ignore_eos=True, adapters=[(a, 1.0)])
+        assert s.next()
+        a.close()  # unloaded while its request runs: that request still holds it
+        assert len(s.result()[0]) == 32
+        # the batcher goes idle after it, sees that nothing else holds the
+        # adapter, and applies the base model: the adapter is freed
+        deadline = time.monotonic() + 10
+        while llamax._core._n_interned_states() != n0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert llamax._core._n_interned_states() == n0
 
 
 def test_misuse_raises(model):

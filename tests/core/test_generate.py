@@ -220,8 +220,10 @@ def test_generate_from_saved_logits_repeats_exactly(model, ctx):
     saved after it: the same tokens as the first time, nothing decoded."""
     toks = model.tokenize(PROMPT)
     first, _ = ctx.generate(toks, greedy(model), max_tokens=12, ignore_eos=True)
-    ctx.kv_remove(0, len(toks), -1)  # keep exactly the prompt
-    again, _ = ctx.generate([], greedy(model), max_tokens=12, ignore_eos=True, from_saved_logits=True)
+    assert not ctx.has_saved_logits()      # the KV holds generated tokens after the prompt
+    ctx.kv_remove(0, len(toks), -1)        # keep exactly the prompt
+    assert ctx.has_saved_logits() and not ctx.has_saved_logits(1)
+    again, _ = ctx.generate([], greedy(model), max_tokens=12, ignore_eos=True)
     assert again.tolist() == first.tolist()
     # with a sampling chain (not the greedy shortcut) too
     ctx.kv_clear()
@@ -229,9 +231,56 @@ def test_generate_from_saved_logits_repeats_exactly(model, ctx):
     a, _ = ctx.generate(toks, s1, max_tokens=8, ignore_eos=True)
     ctx.kv_remove(0, len(toks), -1)
     s2 = llamax.Sampler(model, temperature=0.7, top_k=20, seed=7)
-    b, _ = ctx.generate([], s2, max_tokens=8, ignore_eos=True, from_saved_logits=True)
+    b, _ = ctx.generate([], s2, max_tokens=8, ignore_eos=True)
     assert a.tolist() == b.tolist()
     # an empty context has nothing to continue from
     ctx.kv_clear()
     with pytest.raises(llamax.InvalidArgumentError, match="empty prompt"):
-        ctx.generate([], greedy(model), from_saved_logits=True)
+        ctx.generate([], greedy(model))
+
+
+def test_saved_logits_are_used_only_while_they_describe_the_kv(model, lora_paths):
+    """The context, not the caller, decides whether saved logits still
+    describe the sequence: any edit below the prompt's end, another state,
+    or a decode there makes an empty prompt an error instead of a wrong
+    answer."""
+    ctx = llamax.Context(model, n_ctx=512, n_seq_max=2, n_threads=2)
+    toks = model.tokenize(PROMPT)
+    n = len(toks)
+
+    def primed():
+        ctx.kv_clear()
+        ctx.set_state(None)
+        ctx.generate(toks, greedy(model), max_tokens=4, ignore_eos=True)
+        ctx.kv_remove(0, n, -1)
+        assert ctx.has_saved_logits()
+
+    edits = [
+        lambda: ctx.kv_remove(0, n - 1, -1),                 # the prompt's last token goes
+        lambda: ctx.kv_remove(0, 2, 3),                      # a hole below the end
+        lambda: ctx.decode(model.tokenize(" more", add_special=False)),  # the sequence grew
+        lambda: ctx.kv_copy(1, 0),                           # another sequence copied over it
+        lambda: ctx.kv_keep(1),                              # only another sequence kept
+        lambda: ctx.kv_clear(),
+    ]
+    for i, edit in enumerate(edits):
+        primed()
+        edit()
+        assert not ctx.has_saved_logits(), i
+        with pytest.raises(llamax.InvalidArgumentError, match="empty prompt"):
+            ctx.generate([], greedy(model), max_tokens=2)
+    # another state applied: not valid; the same state back: valid again (the KV is unchanged)
+    a = llamax.LoraAdapter(model, lora_paths["a"])
+    primed()
+    ctx.set_adapters([(a, 1.0)])
+    assert not ctx.has_saved_logits()
+    with pytest.raises(llamax.InvalidArgumentError, match="empty prompt"):
+        ctx.generate([], greedy(model), max_tokens=2)
+    ctx.set_state(None)
+    assert ctx.has_saved_logits()
+    # removing only what came after the prompt keeps them
+    ctx.generate([], greedy(model), max_tokens=3, ignore_eos=True)
+    ctx.kv_remove(0, n, -1)
+    assert ctx.has_saved_logits()
+    ctx.close()
+    a.close()

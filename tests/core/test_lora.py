@@ -65,19 +65,58 @@ def test_same_set_is_a_noop(ctx, adapters):
     assert ctx.n_state_calls == n0 + 4
 
 
-def test_applied_adapter_cannot_be_freed(model, lora_paths):
+def test_closing_an_applied_adapter_keeps_it_until_the_context_lets_go(model, lora_paths):
+    """close() never refuses: the context's applied state holds the native
+    adapter, so what the context computes is unchanged until it applies
+    another state; then the adapter is freed."""
+    toks = model.tokenize("The adapter changes this")
     a = llamax.LoraAdapter(model, lora_paths["a"])
     with llamax.Context(model, n_ctx=64, n_threads=2) as c:
         c.set_adapters([(a, 1.0)])
-        assert a.n_attached == 1
-        with pytest.raises(llamax.AdapterInUseError):
-            a.close()
-        c.decode([1, 2, 3])  # still valid
-        c.set_adapters([])
-        assert a.n_attached == 0
-    a.close()
+        c.decode(toks)
+        want = np.array(c.get_logits()[-1])
+        n0 = llamax._core._n_interned_states()
+        a.close()
+        assert a.closed
+        with pytest.raises(llamax.ClosedError):
+            c.set_adapters([(a, 1.0)])          # a closed adapter can't be named again
+        with pytest.raises(llamax.ClosedError):
+            llamax.State(model, [(a, 1.0)])
+        c.kv_clear()
+        c.decode(toks)                          # still applied, still read
+        assert np.array_equal(c.get_logits()[-1], want)
+        assert llamax._core._n_interned_states() == n0
+        assert c.set_adapters([]) is True       # the last holder lets go: freed
+        assert llamax._core._n_interned_states() == n0 - 1
+        c.kv_clear()
+        c.decode(toks)
+        assert not np.array_equal(c.get_logits()[-1], want)
     a.close()
     assert a.closed
+
+
+def test_states_are_interned(model, adapters):
+    a, b = adapters
+    s1 = llamax.State(model, [(a, 0.5), (b, 1.0)])
+    s2 = llamax.State(model, [(a, 0.5), (b, 1.0)])
+    assert s1.id == s2.id and s1 == s2 and s1.id > 0
+    assert llamax.State(model, [(b, 1.0), (a, 0.5)]).id != s1.id   # order matters
+    assert llamax.State(model, [(a, 0.5), (b, 0.25)]).id != s1.id  # and scales
+    assert llamax.State(model).id == 0 and llamax.State(model).is_base
+    data = np.random.default_rng(0).standard_normal(model.n_embd * 3).astype(np.float32)
+    cv1 = llamax.ControlVector.from_padded(model, data, 2, 3)
+    cv2 = llamax.ControlVector.from_padded(model, data.copy(), 2, 3)   # equal contents, another object
+    assert llamax.State(model, control_vector=cv1).id == llamax.State(model, control_vector=cv2).id
+    assert llamax.State(model, [(a, 1.0)], cv1).id != llamax.State(model, [(a, 1.0)]).id
+    # ids are never reused: a state made again after its last holder went gets a new one
+    old = s1.id
+    del s1, s2
+    gc.collect()
+    assert llamax.State(model, [(a, 0.5), (b, 1.0)]).id > old
+    with pytest.raises(llamax.InvalidArgumentError, match="twice"):
+        llamax.State(model, [(a, 1.0), (a, 0.5)])
+    with pytest.raises(llamax.ArgumentTypeError):
+        llamax.State(model, [a])
 
 
 def test_context_keeps_applied_adapter_alive(model, lora_paths):
@@ -95,12 +134,15 @@ def test_context_keeps_applied_adapter_alive(model, lora_paths):
     assert wa() is None
 
 
-def test_closing_context_detaches(model, lora_paths):
+def test_closing_context_lets_go_of_its_state(model, lora_paths):
     a = llamax.LoraAdapter(model, lora_paths["a"])
     c = llamax.Context(model, n_ctx=64, n_threads=2)
+    n0 = llamax._core._n_interned_states()
     c.set_adapters([(a, 1.0)])
+    assert llamax._core._n_interned_states() == n0 + 1
     c.close()
-    assert a.n_attached == 0
+    gc.collect()
+    assert llamax._core._n_interned_states() == n0
     a.close()
 
 
