@@ -4,7 +4,7 @@
 #
 #   tools/sanitize.sh asan   # ASan+UBSan: tests/core and tests/hardening
 #   tools/sanitize.sh tsan   # TSan: the thread stress and the batcher (tests/hardening/test_stress.py,
-#                            # tests/core/test_batcher.py)
+#                            # tests/core/test_batcher.py, tests/core/test_threads.py)
 #
 # Builds are cached like the normal one (the build key includes the flags):
 # the first run of each mode compiles llama.cpp (~8 min on 2 cores).  Reports
@@ -29,7 +29,7 @@ case $mode in
         ;;
   tsan) flags=thread
         pre="$(gcc -print-file-name=libtsan.so)"
-        tests=("tests/hardening/test_stress.py" "tests/core/test_batcher.py")
+        tests=("tests/hardening/test_stress.py" "tests/core/test_batcher.py" "tests/core/test_threads.py")
         export TSAN_OPTIONS="log_path=$out/tsan:halt_on_error=0:report_signal_unsafe=0:second_deadlock_stack=1"
         ;;
   *) echo "usage: $0 asan|tsan [pytest args]" >&2; exit 2 ;;

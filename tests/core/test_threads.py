@@ -160,3 +160,44 @@ def test_sampler_in_use_is_refused(model):
             c2.generate([1, 2], s, max_tokens=2)
         release.set()
         th.join()
+
+
+def test_adapters_loaded_and_freed_while_other_contexts_size_graphs(model, lora_paths):
+    """Adapter loads and frees (which insert into and erase from the model's
+    adapter set) race with other contexts re-reserving their graphs (which
+    iterate that set) -- the race llama.cpp patch 0003 guards.  Runs for a
+    bounded time; TSan runs it in tools/sanitize.sh."""
+    stop = time.monotonic() + 3.0
+    errors = []
+    b = llamax.LoraAdapter(model, lora_paths["b"])
+
+    def churn():
+        try:
+            while time.monotonic() < stop:
+                a = llamax.LoraAdapter(model, lora_paths["a"])
+                st = llamax.State(model, [(a, 1.0)])
+                a.close()
+                del st  # the last holder: freed here, on this thread
+        except BaseException as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    def switch():
+        try:
+            with llamax.Context(model, n_ctx=64, n_threads=1) as c:
+                n = 0
+                while time.monotonic() < stop:
+                    c.set_adapters([(b, 0.5 + (n % 2))])  # each change re-reserves the graph
+                    c.kv_clear()
+                    c.decode([1, 2, 3])
+                    n += 1
+                assert n > 2
+        except BaseException as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    ts = [threading.Thread(target=churn), threading.Thread(target=switch)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert errors == []
+    b.close()
