@@ -46,7 +46,8 @@ void Seq::rethrow() const {
 // ---------------------------------------------------------------------------
 // Batcher
 
-Batcher::Batcher(Context * ctx, int32_t quantum) : ctx_(ctx), n_slots_(ctx->n_seq_max()), quantum_(quantum) {
+Batcher::Batcher(Context * ctx, int32_t quantum, int32_t prefix_chunk)
+    : ctx_(ctx), n_slots_(ctx->n_seq_max()), quantum_(quantum), prefix_chunk_(prefix_chunk) {
     if (!ctx->has_memory()) {
         throw Error(ErrorKind::InvalidArgument, "a Batcher needs a generating context (this model has no KV memory)");
     }
@@ -57,7 +58,14 @@ Batcher::Batcher(Context * ctx, int32_t quantum) : ctx_(ctx), n_slots_(ctx->n_se
     if (quantum < 1) {
         throw Error(ErrorKind::InvalidArgument, "quantum must be at least 1 step");
     }
+    if (prefix_chunk < 0 || prefix_chunk > ctx->n_batch()) {
+        throw Error(ErrorKind::InvalidArgument, "prefix_chunk must be in [0, n_batch=" +
+                                                    std::to_string(ctx->n_batch()) + "] (0: no prefix cache)");
+    }
     slots_.resize(n_slots_);
+    cache_.resize(n_slots_);
+    // whatever the context's cells held before is not the batcher's
+    llama_memory_clear(llama_get_memory(ctx->raw()), true);
     ctx_->saved_valid_ = false;  // its sequences' KV is the batcher's from here
     thread_ = std::thread([this] { run(); });
 }
@@ -166,23 +174,110 @@ void Batcher::admit(std::vector<SeqPtr> & gone) {
             ++it;
         }
     }
-    for (int32_t i = 0; i < n_slots_ && !pending_.empty(); ++i) {
-        if (slots_[i]) {
-            continue;
+    llama_memory_t mem = llama_get_memory(ctx_->raw());
+    if (forget_.exchange(false, std::memory_order_relaxed)) {
+        for (int32_t i = 0; i < n_slots_; ++i) {
+            if (slots_[i]) {
+                slots_[i]->shareable_ = false;
+            } else if (!cache_[i].tokens.empty()) {
+                llama_memory_seq_rm(mem, i, -1, -1);
+                cache_[i] = SlotCache();
+            }
+        }
+    }
+    while (!pending_.empty()) {
+        const int32_t i = place(pending_.front());
+        if (i < 0) {
+            break;  // every slot runs a sequence
         }
         SeqPtr s = pending_.front();
         pending_.pop_front();
         s->seq_ = i;
-        s->pos_ = 0;
         slots_[i] = s;
-        llama_memory_seq_rm(llama_get_memory(ctx_->raw()), i, -1, -1);
     }
 }
 
-void Batcher::release_slot(const SeqPtr & s) {
+namespace {
+int32_t common_prefix(const std::vector<llama_token> & a, const std::vector<llama_token> & b, int32_t limit) {
+    int32_t n = 0;
+    limit = std::min<int32_t>(limit, (int32_t) std::min(a.size(), b.size()));
+    while (n < limit && a[n] == b[n]) {
+        ++n;
+    }
+    return n;
+}
+}  // namespace
+
+// Under mu_, on the batcher's thread (the context's mutex held).
+int32_t Batcher::place(const SeqPtr & s) {
+    llama_memory_t mem = llama_get_memory(ctx_->raw());
+    const int32_t C = prefix_chunk_;
+    // the best source of cells for the prompt's first whole chunks
+    int32_t best_n = 0, best_slot = -1;
+    if (C > 0) {
+        const auto & P = s->p_.prompt;
+        const int32_t limit = ((int32_t) P.size() - 1) / C * C;  // the last token is always decoded
+        for (int32_t i = 0; i < n_slots_ && limit > 0; ++i) {
+            int32_t n = 0;
+            if (slots_[i]) {
+                const Seq & o = *slots_[i];
+                if (o.group_ == s->group_ && o.shareable_) {
+                    n = common_prefix(o.p_.prompt, P, std::min(limit, o.n_fed_)) / C * C;
+                }
+            } else if (!cache_[i].tokens.empty() && cache_[i].state == s->group_) {
+                n = common_prefix(cache_[i].tokens, P, limit) / C * C;
+            }
+            // on a tie, a free slot's own cells (no copy) win
+            if (n > best_n || (n > 0 && n == best_n && !slots_[i] && slots_[best_slot])) {
+                best_n = n;
+                best_slot = i;
+            }
+        }
+    }
+    int32_t target = -1;
+    if (best_slot >= 0 && !slots_[best_slot]) {
+        target = best_slot;
+    } else {
+        // a free slot: one that keeps nothing, else the least recently kept
+        for (int32_t i = 0; i < n_slots_; ++i) {
+            if (slots_[i]) {
+                continue;
+            }
+            if (target < 0 || (cache_[i].tokens.empty() && !cache_[target].tokens.empty()) ||
+                (cache_[i].tokens.empty() == cache_[target].tokens.empty() && cache_[i].used < cache_[target].used)) {
+                target = i;
+            }
+        }
+    }
+    if (target < 0) {
+        return -1;
+    }
+    if (best_n > 0 && best_slot != target) {
+        // whole streams only (kv_unified=false); llama.cpp copies the buffers
+        // before the next decode, which is exactly when they are final
+        llama_memory_seq_cp(mem, best_slot, target, -1, -1);
+        ++stats_.n_seq_copies;
+    }
+    llama_memory_seq_rm(mem, target, best_n > 0 ? best_n : -1, -1);
+    cache_[target] = SlotCache();
+    s->n_fed_ = best_n;
+    s->pos_ = best_n;
+    s->n_cached_.store(best_n, std::memory_order_relaxed);
+    stats_.n_cached_tokens += best_n;
+    return target;
+}
+
+void Batcher::release_slot(const SeqPtr & s, bool keep_prefix) {
     if (s->seq_ >= 0) {
-        llama_memory_seq_rm(llama_get_memory(ctx_->raw()), s->seq_, -1, -1);
+        const int32_t C = prefix_chunk_;
+        const int32_t keep = keep_prefix && C > 0 ? std::min(s->n_fed_, s->n_prompt_) / C * C : 0;
+        llama_memory_seq_rm(llama_get_memory(ctx_->raw()), s->seq_, keep > 0 ? keep : -1, -1);
         std::lock_guard<std::mutex> lk(mu_);
+        if (keep > 0) {
+            cache_[s->seq_].tokens.assign(s->p_.prompt.begin(), s->p_.prompt.begin() + keep);
+            cache_[s->seq_].state = s->group_;
+            cache_[s->seq_].used = ++tick_;
+        }
         slots_[s->seq_].reset();
         s->seq_ = -1;
         ++stats_.n_finished;
@@ -209,7 +304,7 @@ void Batcher::notify(const SeqPtr & s) {
 }
 
 void Batcher::end(const SeqPtr & s, Finish f) {
-    release_slot(s);
+    release_slot(s, true);
     s->p_.state.reset();  // its adapters may be freed now (if nothing else holds them)
     {
         std::lock_guard<std::mutex> lk(s->mu_);
@@ -220,7 +315,7 @@ void Batcher::end(const SeqPtr & s, Finish f) {
 }
 
 void Batcher::fail(const SeqPtr & s, ErrorKind k, const std::string & msg) {
-    release_slot(s);
+    release_slot(s, false);  // (its cells may be half-written)
     s->p_.state.reset();  // its adapters may be freed now (if nothing else holds them)
     {
         std::lock_guard<std::mutex> lk(s->mu_);
@@ -485,7 +580,10 @@ void Batcher::step(std::vector<SeqPtr> & running) {
             if (room <= 0) {
                 break;
             }
-            const int32_t n = std::min(room, s->n_prompt_ - s->n_fed_);
+            int32_t n = std::min(room, s->n_prompt_ - s->n_fed_);
+            if (prefix_chunk_ > 0) {  // end at the next multiple of the chunk (prefix cache)
+                n = std::min(n, prefix_chunk_ - (int32_t) (s->pos_ % prefix_chunk_));
+            }
             s->chunk_ = n;
             for (int32_t i = 0; i < n; ++i) {
                 tok_buf_.push_back(s->p_.prompt[s->n_fed_ + i]);

@@ -16,6 +16,15 @@
 // minority state is never starved (llama-server serves the lowest slot's
 // adapter set until it finishes).  n_mixed_decodes() counts decodes whose
 // sequences had different states: it stays 0, and tests assert it.
+//
+// Prefix cache (prefix_chunk = C > 0): prompts are decoded in chunks that
+// end at multiples of C positions.  A sequence that ends leaves the KV of
+// its prompt's whole chunks in its slot, tagged with its state; a new
+// sequence of the same state reuses the longest run of whole chunks its
+// prompt shares with such a slot, or with a running sequence of that state
+// (llama.cpp copies that sequence's cells into the new one's: concurrent
+// requests with one system prompt decode it once).  At least the prompt's
+// last token is always decoded.
 #pragma once
 
 #include "llamax.h"
@@ -55,6 +64,8 @@ public:
     void cancel();
     Finish finish() const { return finish_; }
     int32_t n_prompt() const { return n_prompt_; }
+    // Prompt tokens reused from the prefix cache (known once admitted).
+    int32_t n_cached() const { return n_cached_.load(std::memory_order_relaxed); }
     bool failed() const { return failed_; }
     void rethrow() const;  // the error that ended the sequence, if any
     // Also write a byte to the batcher's notify fd whenever this sequence
@@ -90,6 +101,8 @@ private:
     ErrorKind error_kind_ = ErrorKind::Decode;
     std::string error_;
     int32_t n_prompt_ = 0;
+    std::atomic<int32_t> n_cached_{0};
+    bool shareable_ = true;    // (batcher thread) its prompt's cells may seed another sequence
 };
 using SeqPtr = std::shared_ptr<Seq>;
 
@@ -99,14 +112,16 @@ struct BatcherStats {
     int64_t n_mixed_decodes = 0;  // decodes mixing states (must stay 0)
     int64_t n_switches = 0;       // state changes between decodes
     int64_t n_finished = 0;       // sequences ended (any way)
+    int64_t n_cached_tokens = 0;  // prompt tokens reused from the prefix cache
+    int64_t n_seq_copies = 0;     // prefixes copied from another slot's cells
 };
 
 class Batcher {
 public:
     // Takes over `ctx` (the caller must not use it until the Batcher is
     // gone); starts the thread.  quantum: steps a state group keeps the
-    // context while another group waits.
-    Batcher(Context * ctx, int32_t quantum);
+    // context while another group waits.  prefix_chunk: see above (0: off).
+    Batcher(Context * ctx, int32_t quantum, int32_t prefix_chunk = 0);
     ~Batcher();  // close()
     Batcher(const Batcher &) = delete;
     Batcher & operator=(const Batcher &) = delete;
@@ -117,6 +132,10 @@ public:
     // Ends every sequence (ErrorKind::Aborted, "closed") and joins the
     // thread.  Idempotent.
     void close();
+
+    // Forget every cached prefix: from the next admission on, no sequence
+    // reuses cells of one that came before this call.
+    void forget_cache() { forget_.store(true, std::memory_order_relaxed); }
 
     BatcherStats stats();
     int32_t n_active();   // admitted + queued, not yet finished
@@ -133,7 +152,8 @@ private:
     void admit(std::vector<SeqPtr> & gone);
     void end(const SeqPtr & s, Finish f);
     void fail(const SeqPtr & s, ErrorKind k, const std::string & msg);
-    void release_slot(const SeqPtr & s);
+    void release_slot(const SeqPtr & s, bool keep_prefix);
+    int32_t place(const SeqPtr & s);  // a free slot for s, with its cached prefix set up; -1: none free
     void fail_all(std::vector<SeqPtr> & seqs, ErrorKind k, const std::string & msg);
     void notify(const SeqPtr & s);
     void release_orphaned_state();
@@ -142,6 +162,17 @@ private:
     Context * ctx_;
     int32_t n_slots_;
     int32_t quantum_;
+    int32_t prefix_chunk_;
+    // per slot, while no sequence runs in it: the prompt tokens whose cells
+    // it kept, and their state (batcher thread; empty: nothing kept)
+    struct SlotCache {
+        std::vector<llama_token> tokens;
+        uint64_t state = 0;
+        int64_t used = 0;
+    };
+    std::vector<SlotCache> cache_;
+    int64_t tick_ = 0;
+    std::atomic<bool> forget_{false};
     std::thread thread_;
     std::atomic<int> notify_fd_{-1};
     std::mutex mu_;  // pending_, slots_, stop_, stats_

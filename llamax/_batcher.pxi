@@ -142,7 +142,7 @@ class _AsyncHub:
 cdef class Batcher:
     """Continuous batching on one context: concurrent sequences share decodes.
 
-    ``Batcher(context, quantum=4)`` takes over ``context`` (created with
+    ``Batcher(context, quantum=4, prefix_chunk=0)`` takes over ``context`` (created with
     ``n_seq_max=S`` and ``kv_unified=False``: S sequences at once, each with
     ``n_ctx / S`` cells of its own) and runs it on a native thread without
     the GIL.  ``submit()`` queues a sequence and returns a
@@ -153,6 +153,12 @@ cdef class Batcher:
     that group's new sequences, up to ``n_batch`` tokens.  A decode never
     mixes states; groups take turns, ``quantum`` steps each, so none starves.
     The context can't be used directly until :meth:`close`.
+
+    ``prefix_chunk=C > 0`` turns on the prefix cache: prompts are decoded in
+    chunks ending at multiples of C positions, and a new sequence reuses the
+    cells of the longest run of whole chunks its prompt shares with a
+    finished sequence of the same state (kept in that slot) or a running one
+    (copied), so concurrent requests with one system prompt decode it once.
     """
 
     cdef CBatcher * _b
@@ -163,11 +169,12 @@ cdef class Batcher:
     def __cinit__(self):
         self._b = NULL
 
-    def __init__(self, context, *, quantum=4):
+    def __init__(self, context, *, quantum=4, prefix_chunk=0):
         if self._b != NULL:
             raise InvalidArgumentError("this Batcher is already running")
         cdef Context ctx = _typed(context, Context, "context")
         _check_int(quantum, "quantum", 1, 1 << 20)
+        _check_int(prefix_chunk, "prefix_chunk", 0, INT32_MAX)
         cdef CContext * c = ctx._get()
         if ctx._driven():
             raise ContextBusyError("this context already has a Batcher")
@@ -180,7 +187,8 @@ cdef class Batcher:
         if _shutting_down:
             raise ClosedError("the interpreter is exiting")
         cdef int32_t q = quantum
-        self._b = new CBatcher(c, q)
+        cdef int32_t pc = prefix_chunk
+        self._b = new CBatcher(c, q, pc)
         ctx._driver = weakref.ref(self)
         self.context = ctx
         _LIVE_BATCHERS.add(self)
@@ -252,7 +260,13 @@ cdef class Batcher:
         state switches, sequences finished."""
         cdef CBatcherStats st = self._ptr().stats()
         return {"n_decodes": st.n_decodes, "n_tokens": st.n_tokens, "n_mixed_decodes": st.n_mixed_decodes,
-                "n_switches": st.n_switches, "n_finished": st.n_finished}
+                "n_switches": st.n_switches, "n_finished": st.n_finished,
+                "n_cached_tokens": st.n_cached_tokens, "n_seq_copies": st.n_seq_copies}
+
+    def forget_cache(self):
+        """Forget every cached prefix: sequences admitted from now on decode
+        their whole prompt."""
+        self._ptr().forget_cache()
 
     def submit(self, tokens, sampler, *, max_tokens=16, stop_sequences=(), ignore_eos=False, logprobs=None,
                adapters=(), control_vector=None, state=None):
@@ -355,6 +369,11 @@ cdef class BatchSequence:
     def __dealloc__(self):
         if self._s.get() != NULL and not self._finished:
             self._s.get().cancel()
+
+    @property
+    def n_cached(self):
+        """Prompt tokens reused from the batcher's prefix cache (0 until admitted)."""
+        return self._get().n_cached()
 
     def cancel(self):
         """End this sequence at the batcher's next step (finish_reason "cancelled")."""

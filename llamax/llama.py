@@ -64,6 +64,10 @@ class Llama:
     tokens (default: 256, or ``n_batch`` if smaller); every prompt is decoded in chunks ending at multiples of that
     size, so a cached run does the arithmetic of a cold one and its answer
     is the cold answer, bit for bit.  False: only an exact repeat is reused).
+    With ``n_parallel`` the batcher keeps the same whole chunks per slot and
+    also shares them between running requests of one state (see
+    :class:`llamax.Batcher`; batched arithmetic depends on the batch, so
+    there "bit for bit" holds as far as batching itself does).
     ``usage["prompt_tokens_details"]["cached_tokens"]`` says how many
     prompt tokens were reused.
     """
@@ -133,7 +137,9 @@ class Llama:
                     kw = dict(self._ctx_kwargs, n_ctx=n_ctx * n_parallel)
                     ctx = Context(self._model, n_seq_max=n_parallel, kv_unified=False, **kw)
                     try:
-                        slots.append(_BatchSlot(ctx, Batcher(ctx)))
+                        # (the batcher's prefix cache: whole chunks of prompts, per state)
+                        pc = self._prefix_chunk if prefix_cache else 0
+                        slots.append(_BatchSlot(ctx, Batcher(ctx, prefix_chunk=pc)))
                     except BaseException:
                         ctx.close()
                         raise

@@ -123,7 +123,11 @@ class _BatchPool:
             slot.n_requests -= 1
 
     def forget(self) -> None:
-        """Nothing to forget: a batched sequence's KV lives as long as it runs."""
+        """Forget every cached prefix (sequences admitted from now on decode
+        their whole prompt)."""
+        for s in self.slots:
+            if not s.batcher.closed:
+                s.batcher.forget_cache()
 
     def close(self):
         for s in self.slots:

@@ -268,6 +268,7 @@ class _Request:
                     pieces.clear()
             if self.user_token is not None and self.user_token.cancelled:
                 raise CancelledError("the request was cancelled")
+            res.n_cached = seq.n_cached
             if self.logprobs is not None:
                 res.logprobs = seq.logprobs[: len(res.tokens)]
             finish = "stop" if stopped else seq.finish_reason

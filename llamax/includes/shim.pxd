@@ -169,6 +169,7 @@ cdef extern from "batcher.h" namespace "llamax" nogil:
         void cancel()
         CFinish finish()
         int32_t n_prompt()
+        int32_t n_cached()
         cbool failed()
         void rethrow() except +translate_exception
         void set_notify(cbool on)
@@ -181,9 +182,12 @@ cdef extern from "batcher.h" namespace "llamax" nogil:
         int64_t n_mixed_decodes
         int64_t n_switches
         int64_t n_finished
+        int64_t n_cached_tokens
+        int64_t n_seq_copies
 
     cdef cppclass CBatcher "llamax::Batcher":
-        CBatcher(CContext * ctx, int32_t quantum) except +translate_exception
+        CBatcher(CContext * ctx, int32_t quantum, int32_t prefix_chunk) except +translate_exception
+        void forget_cache()
         CSeqPtr submit(llama_sampler * chain, llama_sampler * grammar, cbool plain_greedy,
                        CSeqParams params) except +translate_exception
         void close()

@@ -325,3 +325,23 @@ def test_thread_stress_on_batched_path(par):
     assert all(in_threads(run, 8))
     assert not par.busy
     assert all(s.batcher.stats()["n_mixed_decodes"] == 0 for s in par._pool.slots)
+
+
+def test_batched_prefix_cache_reuses_the_chat_prefix(par, serial):
+    """With n_parallel the batcher keeps whole prompt chunks per slot: a
+    second chat with the same system prompt reports the reused tokens and
+    gets the answer the uncached instance gets."""
+    par.reset_cache()
+    system = {"role": "system", "content": "You are a terse assistant who answers in a few words. " * 25}
+    q1 = [system, {"role": "user", "content": "Name a fruit."}]
+    q2 = [system, {"role": "user", "content": "Name a planet."}]
+    first = par.create_chat_completion(q1, max_tokens=8, **G)
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    again = par.create_chat_completion(q2, max_tokens=8, **G)
+    n = again["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert n > 0 and n % par._prefix_chunk == 0 and n < again["usage"]["prompt_tokens"]
+    assert again["choices"][0]["message"]["content"] == \
+        serial.create_chat_completion(q2, max_tokens=8, **G)["choices"][0]["message"]["content"]
+    par.reset_cache()
+    cold = par.create_chat_completion(q2, max_tokens=8, **G)
+    assert cold["usage"]["prompt_tokens_details"]["cached_tokens"] == 0

@@ -368,3 +368,70 @@ def test_misuse_raises(model):
     gc.collect()
     ctx.kv_clear()
     ctx.close()
+
+
+SYSTEM = ("You are a careful assistant. Answer in one short sentence, use plain words, and never "
+          "invent facts you are not sure about. If a question is unclear, say so. ")
+
+
+def test_prefix_cache_reuses_whole_chunks_of_the_same_state(model, lora_paths):
+    """A finished sequence leaves its prompt's whole chunks in its slot; the
+    next prompt of the same state that shares them decodes only the rest,
+    and gets the tokens a cold run with the same chunking gets."""
+    C = 16
+    p1 = model.tokenize(SYSTEM + "What is the capital of France?")
+    p2 = model.tokenize(SYSTEM + "How many legs does a spider have?")
+    common = next(i for i, (x, y) in enumerate(zip(p1, p2)) if x != y)
+    assert common >= 2 * C
+    ctx, b = batcher(model, slots=2, prefix_chunk=C)
+    cold_ctx, cold = batcher(model, slots=2, prefix_chunk=C)
+    a = llamax.LoraAdapter(model, lora_paths["a"])
+    with ctx, b, cold_ctx, cold:
+        def run(bb, p, **kw):
+            s = bb.submit(p, greedy(model), max_tokens=8, ignore_eos=True, **kw)
+            return s.result()[0].tolist(), s.n_cached
+
+        want2, n = run(cold, p2)
+        assert n == 0
+        cold.forget_cache()
+        _, n = run(b, p1)
+        assert n == 0
+        got2, n = run(b, p2)
+        assert n == common // C * C and b.stats()["n_cached_tokens"] == n
+        assert got2 == want2
+        # an exact repeat still decodes its last token (its chunk)
+        _, n = run(b, p2)
+        assert n == (len(p2) - 1) // C * C
+        # another state never reuses these cells
+        _, n = run(b, p2, adapters=[(a, 1.0)])
+        assert n == 0
+        # and after forget_cache() nothing is reused
+        b.forget_cache()
+        _, n = run(b, p2)
+        assert n == 0
+        assert b.stats()["n_mixed_decodes"] == 0
+    a.close()
+
+
+def test_prefix_cache_shares_a_running_sequences_prompt(model):
+    """Concurrent requests with one system prompt decode it once: a new
+    sequence copies the whole chunks from a running sequence of its state."""
+    C = 16
+    p1 = model.tokenize(SYSTEM + "Tell me a long story about a lighthouse.")
+    p2 = model.tokenize(SYSTEM + "Name three colours.")
+    common = next(i for i, (x, y) in enumerate(zip(p1, p2)) if x != y)
+    ctx, b = batcher(model, slots=2, prefix_chunk=C)
+    with ctx, b:
+        want2 = b.submit(p2, greedy(model), max_tokens=8, ignore_eos=True).result()[0].tolist()
+        b.forget_cache()
+        long = b.submit(p1, greedy(model), max_tokens=-1, ignore_eos=True)
+        assert long.next()  # its prompt is in its cells
+        s2 = b.submit(p2, greedy(model), max_tokens=8, ignore_eos=True)
+        got2 = s2.result()[0].tolist()
+        assert s2.n_cached == common // C * C > 0
+        assert b.stats()["n_seq_copies"] == 1
+        # decoded next to another sequence: batch-shape rounding may part it
+        # from its solo run late (see test_smollm2_batched_matches_alone), never early
+        assert got2[:4] == want2[:4]
+        long.cancel()
+        assert long.result()[1] == "cancelled"
