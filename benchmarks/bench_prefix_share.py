@@ -14,7 +14,8 @@ state) and ``prefix_cache=False``.  Each round starts cold
 others can reuse it.  Reports medians of: wall time for all requests, time
 to first token (mean over the clients), prompt tokens reused.
 
-Writes benchmarks/results/prefix_share.json and prints a Markdown table.
+Writes benchmarks/results/prefix_share.json (prefix_share_<N>.json for
+``--system-tokens N`` other than 512) and prints a Markdown table.
 """
 from __future__ import annotations
 
@@ -99,7 +100,8 @@ def main():
     on, off = out["results"]["prefix_cache=True"], out["results"]["prefix_cache=False"]
     out["speedup_wall"] = off["wall_s"] / on["wall_s"]
     out["speedup_ttft"] = off["ttft_mean_s"] / on["ttft_mean_s"]
-    (HERE / "results" / "prefix_share.json").write_text(json.dumps(out, indent=2) + "\n")
+    name = "prefix_share.json" if args.system_tokens == 512 else f"prefix_share_{args.system_tokens}.json"
+    (HERE / "results" / name).write_text(json.dumps(out, indent=2) + "\n")
     print(f"{args.clients} concurrent chats, shared system prompt of {n_sys} tokens, 32 tokens each, "
           f"{args.threads} threads, medians of {args.runs} rounds\n")
     print("| | wall s | mean TTFT s | prompt tokens reused |")

@@ -234,6 +234,30 @@ int32_t Batcher::place(const SeqPtr & s) {
             }
         }
     }
+    // a running sequence of this state still decoding a longer shared prefix:
+    // follow it (wait, then copy) rather than decode that prefix again
+    SeqPtr leader;
+    int32_t lead_n = 0;
+    if (C > 0) {
+        const auto & P = s->p_.prompt;
+        const int32_t limit = ((int32_t) P.size() - 1) / C * C;
+        for (int32_t i = 0; i < n_slots_ && limit > 0; ++i) {
+            if (!slots_[i] || slots_[i]->group_ != s->group_ || !slots_[i]->shareable_) {
+                continue;
+            }
+            const Seq & o = *slots_[i];
+            // what o will hold: its own prompt, and (while it follows) no more
+            const int32_t n = common_prefix(o.p_.prompt, P, limit) / C * C;
+            if (n > best_n && n > lead_n && o.n_fed_ < n) {
+                leader = slots_[i];
+                lead_n = n;
+            }
+        }
+    }
+    if (leader) {
+        best_n = 0;  // one copy, of the longer prefix, once the leader has it
+        best_slot = -1;
+    }
     int32_t target = -1;
     if (best_slot >= 0 && !slots_[best_slot]) {
         target = best_slot;
@@ -264,7 +288,41 @@ int32_t Batcher::place(const SeqPtr & s) {
     s->pos_ = best_n;
     s->n_cached_.store(best_n, std::memory_order_relaxed);
     stats_.n_cached_tokens += best_n;
+    if (leader) {
+        s->leader_ = leader;
+        s->share_n_ = lead_n;
+    }
     return target;
+}
+
+// On the batcher's thread, before s's prompt chunk goes into a batch.
+bool Batcher::follow(const SeqPtr & s) {
+    if (s->share_n_ <= 0) {
+        return true;
+    }
+    SeqPtr L = s->leader_.lock();
+    if (!L || L->seq_ < 0 || !L->shareable_ || L->group_ != s->group_) {
+        // the leader is gone (ended, cancelled, forgotten): decode it ourselves
+        s->leader_.reset();
+        s->share_n_ = 0;
+        return true;
+    }
+    if (L->n_fed_ < s->share_n_) {
+        return false;  // not decoded yet: wait a step
+    }
+    if (s->n_fed_ < s->share_n_) {
+        llama_memory_t mem = llama_get_memory(ctx_->raw());
+        llama_memory_seq_cp(mem, L->seq_, s->seq_, -1, -1);
+        llama_memory_seq_rm(mem, s->seq_, s->share_n_, -1);
+        std::lock_guard<std::mutex> lk(mu_);
+        stats_.n_cached_tokens += s->share_n_ - s->n_fed_;
+        ++stats_.n_seq_copies;
+        s->n_fed_ = s->pos_ = s->share_n_;
+        s->n_cached_.store(s->share_n_, std::memory_order_relaxed);
+    }
+    s->leader_.reset();
+    s->share_n_ = 0;
+    return true;
 }
 
 void Batcher::release_slot(const SeqPtr & s, bool keep_prefix) {
@@ -575,7 +633,7 @@ void Batcher::step(std::vector<SeqPtr> & running) {
         }
     }
     for (const auto & s : group) {
-        if (s->n_fed_ < s->n_prompt_) {
+        if (s->n_fed_ < s->n_prompt_ && follow(s)) {
             const int32_t room = budget - (int32_t) tok_buf_.size();
             if (room <= 0) {
                 break;

@@ -22,8 +22,10 @@
 // its prompt's whole chunks in its slot, tagged with its state; a new
 // sequence of the same state reuses the longest run of whole chunks its
 // prompt shares with such a slot, or with a running sequence of that state
-// (llama.cpp copies that sequence's cells into the new one's: concurrent
-// requests with one system prompt decode it once).  At least the prompt's
+// (llama.cpp copies that sequence's cells into the new one's).  A sequence
+// admitted while such a shared prefix is still being decoded by an earlier
+// one waits for it and then copies it, so concurrent requests with one
+// system prompt decode it once.  At least the prompt's
 // last token is always decoded.
 #pragma once
 
@@ -103,6 +105,11 @@ private:
     int32_t n_prompt_ = 0;
     std::atomic<int32_t> n_cached_{0};
     bool shareable_ = true;    // (batcher thread) its prompt's cells may seed another sequence
+    // (batcher thread) admitted while an earlier sequence of its state was
+    // still decoding a prefix they share: it waits for those share_n_
+    // positions and copies them instead of decoding them again
+    std::weak_ptr<Seq> leader_;
+    int32_t share_n_ = 0;
 };
 using SeqPtr = std::shared_ptr<Seq>;
 
@@ -154,6 +161,7 @@ private:
     void fail(const SeqPtr & s, ErrorKind k, const std::string & msg);
     void release_slot(const SeqPtr & s, bool keep_prefix);
     int32_t place(const SeqPtr & s);  // a free slot for s, with its cached prefix set up; -1: none free
+    bool follow(const SeqPtr & s);    // false: s waits for its leader this step
     void fail_all(std::vector<SeqPtr> & seqs, ErrorKind k, const std::string & msg);
     void notify(const SeqPtr & s);
     void release_orphaned_state();

@@ -435,3 +435,26 @@ def test_prefix_cache_shares_a_running_sequences_prompt(model):
         assert got2[:4] == want2[:4]
         long.cancel()
         assert long.result()[1] == "cancelled"
+
+
+def test_prefix_cache_concurrent_arrivals_decode_the_shared_prefix_once(model):
+    """Sequences admitted together, sharing a system prompt: the first
+    decodes it, the others wait for those chunks and copy them."""
+    C = 16
+    qs = ["Name three colours.", "What is two plus two?", "Say hello politely."]
+    prompts = [model.tokenize(SYSTEM + q) for q in qs]
+    common = min(next(i for i, (x, y) in enumerate(zip(prompts[0], p)) if x != y) for p in prompts[1:])
+    shared = common // C * C
+    assert shared >= 2 * C
+    want = alone(model, prompts, 8, ignore_eos=True)
+    ctx, b = batcher(model, slots=4, prefix_chunk=C)
+    with ctx, b:
+        seqs = [b.submit(p, greedy(model), max_tokens=8, ignore_eos=True) for p in prompts]
+        got = [s.result()[0].tolist() for s in seqs]
+        st = b.stats()
+        cached = sorted(s.n_cached for s in seqs)
+    assert cached == [0, shared, shared]
+    assert st["n_seq_copies"] == 2 and st["n_cached_tokens"] == 2 * shared
+    # decoded prompt tokens: the shared prefix once, then every suffix, then the generated ones
+    assert st["n_tokens"] == sum(len(p) for p in prompts) - 2 * shared + 3 * 7
+    assert all(g[:4] == w[:4] for g, w in zip(got, want))
