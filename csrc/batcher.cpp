@@ -46,8 +46,8 @@ void Seq::rethrow() const {
 // ---------------------------------------------------------------------------
 // Batcher
 
-Batcher::Batcher(Context * ctx, int32_t quantum, int32_t prefix_chunk)
-    : ctx_(ctx), n_slots_(ctx->n_seq_max()), quantum_(quantum), prefix_chunk_(prefix_chunk) {
+Batcher::Batcher(Context * ctx, int32_t quantum, int32_t prefix_chunk, bool mix_adapters)
+    : ctx_(ctx), n_slots_(ctx->n_seq_max()), quantum_(quantum), prefix_chunk_(prefix_chunk), mix_(mix_adapters) {
     if (!ctx->has_memory()) {
         throw Error(ErrorKind::InvalidArgument, "a Batcher needs a generating context (this model has no KV memory)");
     }
@@ -148,6 +148,7 @@ SeqPtr Batcher::submit(llama_sampler * chain, llama_sampler * grammar, bool plai
     // Its state (and so its adapters) lives as long as the sequence; equal
     // states are one interned State, whose id is the group.
     s->group_ = s->p_.state->id;
+    s->cv_state_ = s->p_.state->cvec ? state_intern(ctx_->model_, {}, {}, s->p_.state->cvec) : state_base();
     s->n_prompt_ = n_prompt;
     for (const auto & st : s->p_.stop_sequences) {
         s->max_stop_ = std::max(s->max_stop_, st.size());
@@ -293,6 +294,43 @@ int32_t Batcher::place(const SeqPtr & s) {
         s->share_n_ = lead_n;
     }
     return target;
+}
+
+// Applies what `group` needs; true if that is several adapter sets in one
+// decode (patch 0004).  The union of the group's adapters is taken over all
+// its running sequences (not only this batch's), so it changes only as
+// sequences come and go.
+bool Batcher::apply_group_state(const std::vector<SeqPtr> & group) {
+    const StatePtr & first = group.front()->p_.state;
+    bool same = true;
+    for (const auto & s : group) {
+        same = same && s->p_.state == first;
+    }
+    if (same || !mix_) {
+        ctx_->set_state(first);
+        return false;
+    }
+    std::vector<AdapterPtr> ads;
+    for (const auto & s : group) {
+        for (const auto & p : s->p_.state->adapters) {
+            if (std::find(ads.begin(), ads.end(), p.first) == ads.end()) {
+                ads.push_back(p.first);
+            }
+        }
+    }
+    if (ads.empty()) {  // (equal control vectors, no adapters: one state after all)
+        ctx_->set_state(group.front()->cv_state_);
+        return false;
+    }
+    scale_buf_.assign(ads.size() * (size_t) n_slots_, 0.0f);
+    for (const auto & s : group) {
+        for (const auto & p : s->p_.state->adapters) {
+            const size_t a = (size_t) (std::find(ads.begin(), ads.end(), p.first) - ads.begin());
+            scale_buf_[a * (size_t) n_slots_ + (size_t) s->seq_] = p.second;
+        }
+    }
+    ctx_->set_state_per_seq(group.front()->cv_state_, ads, scale_buf_);
+    return true;
 }
 
 // On the batcher's thread, before s's prompt chunk goes into a batch.
@@ -566,7 +604,7 @@ void Batcher::step(std::vector<SeqPtr> & running) {
     // one served (round robin), so every group gets the context in turn.
     bool cur_alive = false, other_waits = false;
     for (const auto & s : running) {
-        (have_group_ && s->group_ == cur_group_ ? cur_alive : other_waits) = true;
+        (have_group_ && sched_key(*s) == cur_group_ ? cur_alive : other_waits) = true;
     }
     if (!cur_alive || (other_waits && quantum_left_ <= 0)) {
         // the first sequence at or after rr_ (cyclically) of another group
@@ -574,7 +612,7 @@ void Batcher::step(std::vector<SeqPtr> & running) {
         for (int32_t k = 0; k < n_slots_ && pick == nullptr; ++k) {
             const int32_t slot = (int32_t) ((rr_ + k) % n_slots_);
             for (const auto & s : running) {
-                if (s->seq_ == slot && (!have_group_ || s->group_ != cur_group_)) {
+                if (s->seq_ == slot && (!have_group_ || sched_key(*s) != cur_group_)) {
                     pick = &s;
                     break;
                 }
@@ -583,11 +621,11 @@ void Batcher::step(std::vector<SeqPtr> & running) {
         if (pick == nullptr) {
             pick = &running.front();
         }
-        if (have_group_ && (*pick)->group_ != cur_group_) {
+        if (have_group_ && sched_key(**pick) != cur_group_) {
             std::lock_guard<std::mutex> lk(mu_);
             ++stats_.n_switches;
         }
-        cur_group_ = (*pick)->group_;
+        cur_group_ = sched_key(**pick);
         have_group_ = true;
         rr_ = (size_t) ((*pick)->seq_ + 1) % (size_t) n_slots_;
         quantum_left_ = quantum_;
@@ -595,14 +633,15 @@ void Batcher::step(std::vector<SeqPtr> & running) {
     --quantum_left_;
 
     std::vector<SeqPtr> group;
+    bool multi = false;  // this decode serves several adapter sets
     for (const auto & s : running) {
-        if (s->group_ == cur_group_) {
+        if (sched_key(*s) == cur_group_) {
             group.push_back(s);
         }
     }
     try {
         // no-ops when the context has this state applied already
-        ctx_->set_state(group.front()->p_.state);
+        multi = apply_group_state(group);
     } catch (const Error & e) {
         fail_all(group, e.kind, e.what());
         have_group_ = false;
@@ -674,16 +713,27 @@ void Batcher::step(std::vector<SeqPtr> & running) {
     ctx_->abort_.store(false, std::memory_order_relaxed);
     try {
         ctx_->raw_decode(b, n_out);
-    } catch (const Error & e) {
-        fail_all(in_batch, e.kind, e.what());
-        return;
-    } catch (const std::bad_alloc &) {
-        fail_all(in_batch, ErrorKind::OutOfMemory, "out of memory in llama_decode");
-        return;
     } catch (const std::exception & e) {
-        // llama.cpp throws from its graph reserve (e.g. "failed to allocate
-        // compute pp buffers" after a state switch under memory pressure)
-        fail_all(in_batch, classify_log(e.what(), ErrorKind::Decode), e.what());
+        if (multi) {
+            // the mixed graph failed (patch 0004 met rows it can't attribute
+            // to sequences): drop what this batch may have written, stop
+            // mixing adapter sets, and run the step again by whole state
+            for (const auto & s : in_batch) {
+                llama_memory_seq_rm(llama_get_memory(ctx_->raw()), s->seq_, s->pos_, -1);
+            }
+            mix_ = false;
+            have_group_ = false;
+            return;
+        }
+        if (const auto * err = dynamic_cast<const Error *>(&e)) {
+            fail_all(in_batch, err->kind, e.what());
+        } else if (dynamic_cast<const std::bad_alloc *>(&e) != nullptr) {
+            fail_all(in_batch, ErrorKind::OutOfMemory, "out of memory in llama_decode");
+        } else {
+            // llama.cpp throws from its graph reserve (e.g. "failed to allocate
+            // compute pp buffers" after a state switch under memory pressure)
+            fail_all(in_batch, classify_log(e.what(), ErrorKind::Decode), e.what());
+        }
         return;
     }
     {
@@ -691,9 +741,14 @@ void Batcher::step(std::vector<SeqPtr> & running) {
         ++stats_.n_decodes;
         stats_.n_tokens += n_tok;
         // an independent check of the grouping: every sequence's own state
-        // is the one the context has applied
+        // is the one the context has applied -- with adapter sets mixed, its
+        // control vector is, and every adapter it names is in the applied union
+        if (multi) {
+            ++stats_.n_multi_adapter_decodes;
+        }
         for (const auto & s : in_batch) {
-            if (s->p_.state != ctx_->state()) {
+            if (multi ? s->cv_state_ != ctx_->state() || !ctx_->per_seq_covers(*s->p_.state, s->seq_)
+                      : s->p_.state != ctx_->state() || ctx_->per_seq()) {
                 ++stats_.n_mixed_decodes;
                 break;
             }

@@ -11,11 +11,17 @@
 // each sequence and hands its token to the sequence's consumer (woken by a
 // condition variable, never polled).
 //
-// One decode never mixes states: llama.cpp applies adapters and control
-// vectors per context.  Groups take turns, `quantum` steps each, so a
-// minority state is never starved (llama-server serves the lowest slot's
-// adapter set until it finishes).  n_mixed_decodes() counts decodes whose
-// sequences had different states: it stays 0, and tests assert it.
+// Adapter sets mix; control vectors don't.  llama.cpp applies adapters and
+// control vectors per context; with its patch 0004 (per-sequence LoRA
+// scales) one decode serves sequences with different adapter sets: the
+// union of their adapters is applied to every token, each scaled per token
+// by its sequence's scale (0 where the sequence doesn't use it).  Sequences
+// with different control vectors still never share a decode: groups (by
+// control vector; by whole state with mix_adapters off) take turns,
+// `quantum` steps each, so a minority group is never starved (llama-server
+// serves the lowest slot's adapter set until it finishes).
+// n_mixed_decodes() counts decodes that mixed what they must not: it stays
+// 0, and tests assert it.
 //
 // Prefix cache (prefix_chunk = C > 0): prompts are decoded in chunks that
 // end at multiples of C positions.  A sequence that ends leaves the KV of
@@ -84,6 +90,7 @@ private:
     llama_seq_id seq_ = -1;
     llama_pos pos_ = 0;
     uint64_t group_ = 0;       // its state's id: equal states are one interned State
+    StatePtr cv_state_;        // its control vector alone (no adapters): the scheduling group with mixing
     size_t max_stop_ = 0;      // the longest stop sequence (tail_ keeps that many tokens)
     int32_t n_fed_ = 0;        // prompt tokens decoded
     int32_t chunk_ = 0;        // prompt tokens in this step's batch
@@ -121,6 +128,7 @@ struct BatcherStats {
     int64_t n_finished = 0;       // sequences ended (any way)
     int64_t n_cached_tokens = 0;  // prompt tokens reused from the prefix cache
     int64_t n_seq_copies = 0;     // prefixes copied from another slot's cells
+    int64_t n_multi_adapter_decodes = 0;  // decodes that served several adapter sets (patch 0004)
 };
 
 class Batcher {
@@ -128,7 +136,8 @@ public:
     // Takes over `ctx` (the caller must not use it until the Batcher is
     // gone); starts the thread.  quantum: steps a state group keeps the
     // context while another group waits.  prefix_chunk: see above (0: off).
-    Batcher(Context * ctx, int32_t quantum, int32_t prefix_chunk = 0);
+    // mix_adapters: one decode may serve several adapter sets (see above).
+    Batcher(Context * ctx, int32_t quantum, int32_t prefix_chunk = 0, bool mix_adapters = true);
     ~Batcher();  // close()
     Batcher(const Batcher &) = delete;
     Batcher & operator=(const Batcher &) = delete;
@@ -162,6 +171,7 @@ private:
     void release_slot(const SeqPtr & s, bool keep_prefix);
     int32_t place(const SeqPtr & s);  // a free slot for s, with its cached prefix set up; -1: none free
     bool follow(const SeqPtr & s);    // false: s waits for its leader this step
+    bool apply_group_state(const std::vector<SeqPtr> & group);
     void fail_all(std::vector<SeqPtr> & seqs, ErrorKind k, const std::string & msg);
     void notify(const SeqPtr & s);
     void release_orphaned_state();
@@ -171,6 +181,8 @@ private:
     int32_t n_slots_;
     int32_t quantum_;
     int32_t prefix_chunk_;
+    bool mix_;  // batcher thread after start: mix adapter sets in one decode
+    uint64_t sched_key(const Seq & s) const { return mix_ ? s.cv_state_->id : s.group_; }
     // per slot, while no sequence runs in it: the prompt tokens whose cells
     // it kept, and their state (batcher thread; empty: nothing kept)
     struct SlotCache {
@@ -201,6 +213,7 @@ private:
     std::vector<llama_seq_id *> seqp_buf_;
     std::vector<int8_t> out_buf_;
     std::vector<std::pair<float, llama_token>> lp_buf_;
+    std::vector<float> scale_buf_;
 };
 
 }  // namespace llamax

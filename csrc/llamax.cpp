@@ -1047,7 +1047,7 @@ void Context::set_threads(int32_t n_threads, int32_t n_threads_batch) {
 
 bool Context::set_state(const StatePtr & want_in) {
     const StatePtr & want = want_in ? want_in : state_base();
-    if (want == state_) {
+    if (want == state_ && !per_seq_) {
         return false;
     }
     for (const auto & p : want->adapters) {
@@ -1061,7 +1061,7 @@ bool Context::set_state(const StatePtr & want_in) {
                                                   " != model n_embd " + std::to_string(llama_model_n_embd(model_)));
     }
     // Only what differs reaches llama.cpp (each call re-reserves its graph).
-    bool same_adapters = want->adapters.size() == state_->adapters.size();
+    bool same_adapters = !per_seq_ && want->adapters.size() == state_->adapters.size();
     for (size_t i = 0; same_adapters && i < want->adapters.size(); ++i) {
         same_adapters = want->adapters[i].first == state_->adapters[i].first &&
                         std::memcmp(&want->adapters[i].second, &state_->adapters[i].second, sizeof(float)) == 0;
@@ -1084,6 +1084,8 @@ bool Context::set_state(const StatePtr & want_in) {
             state_ = state_->cvec ? state_intern(model_, {}, {}, state_->cvec) : state_base();
             throw Error(ErrorKind::AdapterMismatch, with_reason("llama.cpp refused the adapter set"), rc);
         }
+        per_seq_ = false;  // (llama_set_adapters_lora ends per-sequence scales too)
+        per_seq_adapters_.clear();
     }
     if (!same_cvec) {
         int32_t rc = cv ? llama_set_adapter_cvec(ctx_, cv->data.data(), cv->data.size(), cv->n_embd,
@@ -1109,8 +1111,83 @@ bool Context::set_state(const StatePtr & want_in) {
     return true;
 }
 
+void Context::set_state_per_seq(const StatePtr & cv_state, const std::vector<AdapterPtr> & adapters,
+                                const std::vector<float> & scales) {
+    if (!cv_state->adapters.empty()) {
+        throw Error(ErrorKind::InvalidArgument, "set_state_per_seq: the base state must have no adapters");
+    }
+    if (scales.size() != adapters.size() * (size_t) n_seq_max_) {
+        throw Error(ErrorKind::InvalidArgument, "set_state_per_seq: one scale per adapter and sequence is needed");
+    }
+    for (const auto & a : adapters) {
+        if (!a || a->model.get() != model_) {
+            throw Error(ErrorKind::AdapterMismatch, "an adapter was loaded for another model than this context's");
+        }
+    }
+    for (float f : scales) {
+        if (!std::isfinite(f)) {
+            throw Error(ErrorKind::InvalidArgument, "adapter scale must be finite");
+        }
+    }
+    // the control vector: as set_state would, keeping whatever adapters are applied
+    const ControlVectorPtr & cv = cv_state->cvec;
+    if (!(cv == state_->cvec || (cv && state_->cvec && cv->same_as(*state_->cvec)))) {
+        int32_t rc = cv ? llama_set_adapter_cvec(ctx_, cv->data.data(), cv->data.size(), cv->n_embd,
+                                                 cv->layer_start, cv->layer_end)
+                        : llama_set_adapter_cvec(ctx_, nullptr, 0, 0, 0, 0);
+        ++n_state_calls_;
+        if (rc != 0) {
+            llama_set_adapter_cvec(ctx_, nullptr, 0, 0, 0, 0);
+            llama_set_adapters_lora(ctx_, nullptr, 0, nullptr);
+            state_ = state_base();
+            per_seq_ = false;
+            per_seq_adapters_.clear();
+            throw Error(ErrorKind::ControlVector, with_reason("llama.cpp refused the control vector"), rc);
+        }
+    }
+    std::vector<llama_adapter_lora *> ptrs;
+    for (const auto & a : adapters) {
+        ptrs.push_back(a->ptr);
+    }
+    // (the same set with other scales re-reserves nothing: the scales are graph inputs)
+    if (!per_seq_ || adapters != per_seq_adapters_) {
+        ++n_state_calls_;
+    }
+    if (llama_set_adapters_lora_seq(ctx_, ptrs.data(), ptrs.size(), scales.data(), n_seq_max_) != 0) {
+        throw Error(ErrorKind::InvalidArgument, "llama.cpp refused the per-sequence adapter scales");
+    }
+    per_seq_ = !adapters.empty();
+    per_seq_adapters_ = adapters;  // held while applied
+    per_seq_scales_ = scales;
+    state_ = cv_state;
+}
+
+bool Context::per_seq_covers(const State & st, llama_seq_id seq) const {
+    if (!per_seq_ || seq < 0 || seq >= n_seq_max_) {
+        return false;
+    }
+    for (size_t a = 0; a < per_seq_adapters_.size(); ++a) {
+        const float got = per_seq_scales_[a * (size_t) n_seq_max_ + (size_t) seq];
+        float want = 0.0f;
+        for (const auto & p : st.adapters) {
+            if (p.first == per_seq_adapters_[a]) {
+                want = p.second;
+            }
+        }
+        if (std::memcmp(&got, &want, sizeof(float)) != 0) {
+            return false;
+        }
+    }
+    for (const auto & p : st.adapters) {  // none of its adapters missing from the union
+        if (std::find(per_seq_adapters_.begin(), per_seq_adapters_.end(), p.first) == per_seq_adapters_.end()) {
+            return false;
+        }
+    }
+    return true;
+}
+
 bool Context::has_saved_logits(llama_seq_id seq) const {
-    return saved_valid_ && seq == saved_seq_ && saved_state_ == state_->id && !prompt_logits_.empty() &&
+    return saved_valid_ && !per_seq_ && seq == saved_seq_ && saved_state_ == state_->id && !prompt_logits_.empty() &&
            llama_memory_seq_pos_max(llama_get_memory(ctx_), seq) + 1 == saved_pos_;
 }
 

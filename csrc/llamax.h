@@ -251,6 +251,16 @@ public:
     // llama.cpp.  The context holds the applied state (and so its adapters).
     bool set_state(const StatePtr & state);
     const StatePtr & state() const { return state_; }
+    // Several adapter sets in one decode (llama.cpp patch 0004): the control
+    // vector of `cv_state` (a state without adapters) for every token, and
+    // adapters[a] at scales[a * n_seq_max + seq] for the tokens of sequence
+    // seq (0: not for it).  state() is then `cv_state`, and per_seq() is
+    // true until set_state() applies a plain state again.
+    void set_state_per_seq(const StatePtr & cv_state, const std::vector<AdapterPtr> & adapters,
+                           const std::vector<float> & scales);
+    bool per_seq() const { return per_seq_; }
+    // With per_seq(): sequence `seq` gets exactly `st`'s adapters at its scales.
+    bool per_seq_covers(const State & st, llama_seq_id seq) const;
 
     // Validated llama_decode.  pos/seq/logits may be null (then: positions
     // continue each sequence, seq 0, only the last token outputs).
@@ -349,6 +359,9 @@ private:
     bool watch_sigint_ = false;
     uint64_t sigint_start_ = 0;
     StatePtr state_;  // applied; never null (the base state at first)
+    bool per_seq_ = false;                  // set_state_per_seq is in effect
+    std::vector<AdapterPtr> per_seq_adapters_;  // ... with these adapters (held while applied)
+    std::vector<float> per_seq_scales_;         // ... at these scales (adapter-major)
     int64_t out_capacity_ = 0;
     int32_t last_n_outputs_ = 0;
     int64_t n_state_calls_ = 0;

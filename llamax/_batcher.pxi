@@ -142,16 +142,20 @@ class _AsyncHub:
 cdef class Batcher:
     """Continuous batching on one context: concurrent sequences share decodes.
 
-    ``Batcher(context, quantum=4, prefix_chunk=0)`` takes over ``context`` (created with
+    ``Batcher(context, quantum=4, prefix_chunk=0, mix_adapters=True)`` takes over ``context`` (created with
     ``n_seq_max=S`` and ``kv_unified=False``: S sequences at once, each with
     ``n_ctx / S`` cells of its own) and runs it on a native thread without
     the GIL.  ``submit()`` queues a sequence and returns a
     :class:`BatchSequence` to read its tokens from, from any thread.
 
     Every step decodes one batch: a token for each generating sequence of one
-    state group (same adapters and control vector) plus prompt chunks of
-    that group's new sequences, up to ``n_batch`` tokens.  A decode never
-    mixes states; groups take turns, ``quantum`` steps each, so none starves.
+    group plus prompt chunks of that group's new sequences, up to
+    ``n_batch`` tokens.  A group is the sequences with one control vector:
+    their adapter sets may differ, and one decode serves them all (each
+    token gets exactly its own sequence's adapters and scales: llama.cpp
+    patch 0004; ``mix_adapters=False`` groups by whole state instead).
+    Control vectors never mix; groups take turns, ``quantum`` steps each,
+    so none starves.
     The context can't be used directly until :meth:`close`.
 
     ``prefix_chunk=C > 0`` turns on the prefix cache: prompts are decoded in
@@ -169,7 +173,7 @@ cdef class Batcher:
     def __cinit__(self):
         self._b = NULL
 
-    def __init__(self, context, *, quantum=4, prefix_chunk=0):
+    def __init__(self, context, *, quantum=4, prefix_chunk=0, mix_adapters=True):
         if self._b != NULL:
             raise InvalidArgumentError("this Batcher is already running")
         cdef Context ctx = _typed(context, Context, "context")
@@ -188,7 +192,8 @@ cdef class Batcher:
             raise ClosedError("the interpreter is exiting")
         cdef int32_t q = quantum
         cdef int32_t pc = prefix_chunk
-        self._b = new CBatcher(c, q, pc)
+        cdef cbool mix = bool(mix_adapters)
+        self._b = new CBatcher(c, q, pc, mix)
         ctx._driver = weakref.ref(self)
         self.context = ctx
         _LIVE_BATCHERS.add(self)
@@ -261,7 +266,8 @@ cdef class Batcher:
         cdef CBatcherStats st = self._ptr().stats()
         return {"n_decodes": st.n_decodes, "n_tokens": st.n_tokens, "n_mixed_decodes": st.n_mixed_decodes,
                 "n_switches": st.n_switches, "n_finished": st.n_finished,
-                "n_cached_tokens": st.n_cached_tokens, "n_seq_copies": st.n_seq_copies}
+                "n_cached_tokens": st.n_cached_tokens, "n_seq_copies": st.n_seq_copies,
+                "n_multi_adapter_decodes": st.n_multi_adapter_decodes}
 
     def forget_cache(self):
         """Forget every cached prefix: sequences admitted from now on decode

@@ -370,12 +370,15 @@ class _BatcherStats(TypedDict):
     n_finished: int
     n_cached_tokens: int
     n_seq_copies: int
+    n_multi_adapter_decodes: int
 
 _SeqFinish: TypeAlias = Literal["stop", "length", "stop_sequence", "cancelled", "error"]
 
 @disjoint_base
 class Batcher:
-    def __init__(self, context: Context, *, quantum: int = 4, prefix_chunk: int = 0) -> None: ...
+    def __init__(
+        self, context: Context, *, quantum: int = 4, prefix_chunk: int = 0, mix_adapters: bool = True
+    ) -> None: ...
     @property
     def context(self) -> Context: ...
     def close(self) -> None: ...

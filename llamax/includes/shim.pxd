@@ -184,9 +184,10 @@ cdef extern from "batcher.h" namespace "llamax" nogil:
         int64_t n_finished
         int64_t n_cached_tokens
         int64_t n_seq_copies
+        int64_t n_multi_adapter_decodes
 
     cdef cppclass CBatcher "llamax::Batcher":
-        CBatcher(CContext * ctx, int32_t quantum, int32_t prefix_chunk) except +translate_exception
+        CBatcher(CContext * ctx, int32_t quantum, int32_t prefix_chunk, cbool mix_adapters) except +translate_exception
         void forget_cache()
         CSeqPtr submit(llama_sampler * chain, llama_sampler * grammar, cbool plain_greedy,
                        CSeqParams params) except +translate_exception

@@ -98,11 +98,13 @@ def distance(a, b):
     return max(abs(a[t] - b[t]) for t in common) if common else float("inf")
 
 
-def test_states_never_mix(model, lora_paths):
-    """3 adapter sets + a control vector + base, mixed in one batcher: no
-    decode mixes states, and every sequence's first-token distribution is
-    the one its own state gives alone (nearest of the five, which all
-    differ)."""
+@pytest.mark.parametrize("mix", [True, False], ids=["adapters-mixed", "by-state"])
+def test_states_never_mix(model, lora_paths, mix):
+    """3 adapter sets + a control vector + base in one batcher: every
+    sequence's first-token distribution is the one its own state gives
+    alone (nearest of the five, which all differ).  Mixed: the adapter sets
+    and base share decodes (per-sequence scales, llama.cpp patch 0004), the
+    control vector never does; by state: no decode mixes states."""
     a = llamax.LoraAdapter(model, lora_paths["a"])
     bb = llamax.LoraAdapter(model, lora_paths["b"])
     rows = (np.random.default_rng(3).standard_normal((10, 576)) * 0.5).astype(np.float32)
@@ -114,7 +116,7 @@ def test_states_never_mix(model, lora_paths):
     for i in range(len(states)):
         for j in range(i):
             assert distance(ref[i], ref[j]) > 0.01, (i, j)  # or this test could not fail
-    ctx, b = batcher(model, slots=8, quantum=2)
+    ctx, b = batcher(model, slots=8, quantum=2, mix_adapters=mix)
     with b:
         seqs = [(i, b.submit(t, greedy(model), max_tokens=8, logprobs=20, **states[i]))
                 for rep in range(3) for i in range(len(states))]
@@ -125,7 +127,12 @@ def test_states_never_mix(model, lora_paths):
             assert int(np.argmin(d)) == i, (i, d)
         st = b.stats()
     assert st["n_mixed_decodes"] == 0
-    assert st["n_switches"] >= len(states) - 1
+    if mix:
+        assert st["n_multi_adapter_decodes"] > 0
+        assert st["n_switches"] >= 1  # the control vector's group and the rest take turns
+    else:
+        assert st["n_multi_adapter_decodes"] == 0
+        assert st["n_switches"] >= len(states) - 1
     # after close the context is back to the base model and usable directly
     assert ctx.adapters == () and ctx.control_vector is None
     ctx.kv_clear()
@@ -137,7 +144,8 @@ def test_minority_state_is_not_starved(model, lora_paths):
     token comes within a bounded number of A's decode steps (one quantum of
     A, then B's turn), not after A's 12 sequences finish."""
     a = llamax.LoraAdapter(model, lora_paths["a"])
-    ctx, b = batcher(model, slots=13, quantum=4)
+    # (by state: mixed, adapter sets share decodes and there are no turns to take)
+    ctx, b = batcher(model, slots=13, quantum=4, mix_adapters=False)
     with ctx, b:
         t = model.tokenize("Tell me a long story about a dragon")
         many = [b.submit(t, greedy(model), max_tokens=64, ignore_eos=True, adapters=[(a, 1.0)]) for _ in range(12)]
@@ -458,3 +466,39 @@ def test_prefix_cache_concurrent_arrivals_decode_the_shared_prefix_once(model):
     # decoded prompt tokens: the shared prefix once, then every suffix, then the generated ones
     assert st["n_tokens"] == sum(len(p) for p in prompts) - 2 * shared + 3 * 7
     assert all(g[:4] == w[:4] for g, w in zip(got, want))
+
+
+def test_mixed_adapter_sets_match_alone(model, lora_paths):
+    """Sequences of base, A, B and A+B decoded together (one group: no
+    control vector) get the tokens each gets alone under its own state --
+    as exactly as batching itself allows (test_smollm2_batched_matches_alone)."""
+    a = llamax.LoraAdapter(model, lora_paths["a"])
+    bb = llamax.LoraAdapter(model, lora_paths["b"])
+    states = [(), ((a, 1.0),), ((bb, 0.85),), ((a, 0.5), (bb, 1.0))]
+    prompts = [model.tokenize(p) for p in PROMPTS[:4]]
+    want = []
+    c = llamax.Context(model, n_ctx=512, n_threads=2)
+    try:
+        for st in states:
+            c.set_adapters(st)
+            for t in prompts:
+                c.kv_clear()
+                want.append(c.generate(t, greedy(model), max_tokens=12, ignore_eos=True)[0].tolist())
+    finally:
+        c.close()
+    ctx, b = batcher(model, slots=16)
+    with ctx, b:
+        seqs = [b.submit(t, greedy(model), max_tokens=12, ignore_eos=True, adapters=st)
+                for st in states for t in prompts]
+        got = [s.result()[0].tolist() for s in seqs]
+        st = b.stats()
+    assert st["n_mixed_decodes"] == 0 and st["n_switches"] == 0
+    assert st["n_multi_adapter_decodes"] >= 11  # all 16 in every decode
+    same = sum(g == w for g, w in zip(got, want))
+    assert same >= len(want) - 2, (same, got, want)
+    for g, w in zip(got, want):
+        assert g[:2] == w[:2]
+    # the states really differ, or this test could not fail
+    assert len({tuple(w) for w in want[::4]}) == len(states)
+    a.close()
+    bb.close()
