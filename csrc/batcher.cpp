@@ -47,7 +47,8 @@ void Seq::rethrow() const {
 // Batcher
 
 Batcher::Batcher(Context * ctx, int32_t quantum, int32_t prefix_chunk, bool mix_adapters)
-    : ctx_(ctx), n_slots_(ctx->n_seq_max()), quantum_(quantum), prefix_chunk_(prefix_chunk), mix_(mix_adapters) {
+    : ctx_(ctx), n_slots_(ctx->n_seq_max()), quantum_(quantum), prefix_chunk_(prefix_chunk),
+      mix_(mix_adapters && Context::kHasPerSeq) {
     if (!ctx->has_memory()) {
         throw Error(ErrorKind::InvalidArgument, "a Batcher needs a generating context (this model has no KV memory)");
     }

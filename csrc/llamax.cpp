@@ -1153,9 +1153,14 @@ void Context::set_state_per_seq(const StatePtr & cv_state, const std::vector<Ada
     if (!per_seq_ || adapters != per_seq_adapters_) {
         ++n_state_calls_;
     }
+#ifdef LLAMA_HAS_ADAPTERS_LORA_SEQ
     if (llama_set_adapters_lora_seq(ctx_, ptrs.data(), ptrs.size(), scales.data(), n_seq_max_) != 0) {
         throw Error(ErrorKind::InvalidArgument, "llama.cpp refused the per-sequence adapter scales");
     }
+#else
+    throw Error(ErrorKind::InvalidArgument,
+                "this llama.cpp was built without llamax's patch 0004 (per-sequence LoRA scales)");
+#endif
     per_seq_ = !adapters.empty();
     per_seq_adapters_ = adapters;  // held while applied
     per_seq_scales_ = scales;

@@ -259,6 +259,14 @@ public:
     void set_state_per_seq(const StatePtr & cv_state, const std::vector<AdapterPtr> & adapters,
                            const std::vector<float> & scales);
     bool per_seq() const { return per_seq_; }
+    // Whether llama.cpp has per-sequence LoRA scales (patch 0004; a tree
+    // given with LLAMAX_LLAMA_CPP_DIR is built unpatched).
+    static constexpr bool kHasPerSeq =
+#ifdef LLAMA_HAS_ADAPTERS_LORA_SEQ
+        true;
+#else
+        false;
+#endif
     // With per_seq(): sequence `seq` gets exactly `st`'s adapters at its scales.
     bool per_seq_covers(const State & st, llama_seq_id seq) const;
 
