@@ -63,6 +63,11 @@ Batcher::Batcher(Context * ctx, int32_t quantum, int32_t prefix_chunk, bool mix_
         throw Error(ErrorKind::InvalidArgument, "prefix_chunk must be in [0, n_batch=" +
                                                     std::to_string(ctx->n_batch()) + "] (0: no prefix cache)");
     }
+    // Recurrent and hybrid memories can't drop the tail of a sequence, which
+    // the prefix cache needs: no prefix cache there.
+    if (llama_model_is_recurrent(ctx->model_) || llama_model_is_hybrid(ctx->model_)) {
+        prefix_chunk_ = 0;
+    }
     slots_.resize(n_slots_);
     cache_.resize(n_slots_);
     // whatever the context's cells held before is not the batcher's
@@ -284,7 +289,10 @@ int32_t Batcher::place(const SeqPtr & s) {
         llama_memory_seq_cp(mem, best_slot, target, -1, -1);
         ++stats_.n_seq_copies;
     }
-    llama_memory_seq_rm(mem, target, best_n > 0 ? best_n : -1, -1);
+    if (!llama_memory_seq_rm(mem, target, best_n > 0 ? best_n : -1, -1)) {
+        llama_memory_seq_rm(mem, target, -1, -1);
+        best_n = 0;
+    }
     cache_[target] = SlotCache();
     s->n_fed_ = best_n;
     s->pos_ = best_n;
@@ -307,7 +315,7 @@ bool Batcher::apply_group_state(const std::vector<SeqPtr> & group) {
     for (const auto & s : group) {
         same = same && s->p_.state == first;
     }
-    if (same || !mix_) {
+    if (same || !mix_active()) {
         ctx_->set_state(first);
         return false;
     }
@@ -352,7 +360,12 @@ bool Batcher::follow(const SeqPtr & s) {
     if (s->n_fed_ < s->share_n_) {
         llama_memory_t mem = llama_get_memory(ctx_->raw());
         llama_memory_seq_cp(mem, L->seq_, s->seq_, -1, -1);
-        llama_memory_seq_rm(mem, s->seq_, s->share_n_, -1);
+        if (!llama_memory_seq_rm(mem, s->seq_, s->share_n_, -1)) {
+            llama_memory_seq_rm(mem, s->seq_, -1, -1);  // (decode it ourselves)
+            s->leader_.reset();
+            s->share_n_ = 0;
+            return true;
+        }
         std::lock_guard<std::mutex> lk(mu_);
         stats_.n_cached_tokens += s->share_n_ - s->n_fed_;
         ++stats_.n_seq_copies;
@@ -367,8 +380,12 @@ bool Batcher::follow(const SeqPtr & s) {
 void Batcher::release_slot(const SeqPtr & s, bool keep_prefix) {
     if (s->seq_ >= 0) {
         const int32_t C = prefix_chunk_;
-        const int32_t keep = keep_prefix && C > 0 ? std::min(s->n_fed_, s->n_prompt_) / C * C : 0;
-        llama_memory_seq_rm(llama_get_memory(ctx_->raw()), s->seq_, keep > 0 ? keep : -1, -1);
+        int32_t keep = keep_prefix && C > 0 && s->shareable_ ? std::min(s->n_fed_, s->n_prompt_) / C * C : 0;
+        llama_memory_t mem = llama_get_memory(ctx_->raw());
+        if (!llama_memory_seq_rm(mem, s->seq_, keep > 0 ? keep : -1, -1)) {
+            llama_memory_seq_rm(mem, s->seq_, -1, -1);
+            keep = 0;
+        }
         std::lock_guard<std::mutex> lk(mu_);
         if (keep > 0) {
             cache_[s->seq_].tokens.assign(s->p_.prompt.begin(), s->p_.prompt.begin() + keep);
@@ -574,6 +591,15 @@ void Batcher::run() {
         ctx_->set_state(nullptr);  // the context goes back with the base model applied
     } catch (...) {
     }
+    // ... and with no cells: what the prefix cache kept is nobody's now
+    llama_memory_clear(llama_get_memory(ctx_->raw()), true);
+    ctx_->saved_valid_ = false;
+    {
+        std::lock_guard<std::mutex> lk(mu_);
+        for (auto & c : cache_) {
+            c = SlotCache();
+        }
+    }
     have_group_ = false;
 }
 
@@ -582,13 +608,21 @@ void Batcher::release_orphaned_state() {
     // were unloaded, and their last sequence has ended): apply the base
     // state so that they are freed now rather than at the next switch.
     std::lock_guard<std::mutex> ctx_lock(ctx_->mutex());
-    const StatePtr & st = ctx_->state();
-    if (st->adapters.empty() || st.use_count() != 1) {
-        return;
-    }
-    for (const auto & p : st->adapters) {
-        if (p.first.use_count() != 1) {
+    if (ctx_->per_seq()) {
+        for (const auto & a : ctx_->per_seq_adapters_) {
+            if (a.use_count() != 1) {
+                return;
+            }
+        }
+    } else {
+        const StatePtr & st = ctx_->state();
+        if (st->adapters.empty() || st.use_count() != 1) {
             return;
+        }
+        for (const auto & p : st->adapters) {
+            if (p.first.use_count() != 1) {
+                return;
+            }
         }
     }
     try {
@@ -600,6 +634,11 @@ void Batcher::release_orphaned_state() {
 }
 
 void Batcher::step(std::vector<SeqPtr> & running) {
+    struct ClearSkip {  // skip_mix_ holds for one step
+        bool & flag;
+        bool was;
+        ~ClearSkip() { if (was) flag = false; }
+    } clear_skip{skip_mix_, skip_mix_};
     // Which state group runs: the current one while its quantum lasts and it
     // has sequences; otherwise the next group in slot order after the last
     // one served (round robin), so every group gets the context in turn.
@@ -716,13 +755,18 @@ void Batcher::step(std::vector<SeqPtr> & running) {
         ctx_->raw_decode(b, n_out);
     } catch (const std::exception & e) {
         if (multi) {
-            // the mixed graph failed (patch 0004 met rows it can't attribute
-            // to sequences): drop what this batch may have written, stop
-            // mixing adapter sets, and run the step again by whole state
+            // A mixed decode failed: drop what this batch may have written and
+            // run the next step by whole state (a real error then fails the
+            // sequences there).  Twice in a row without a mixed decode that
+            // worked between: the graph can't mix adapter sets (patch 0004
+            // met rows it can't attribute to sequences): stop mixing.
             for (const auto & s : in_batch) {
                 llama_memory_seq_rm(llama_get_memory(ctx_->raw()), s->seq_, s->pos_, -1);
             }
-            mix_ = false;
+            if (++mix_failures_ >= 2) {
+                mix_ = false;
+            }
+            skip_mix_ = true;
             have_group_ = false;
             return;
         }
@@ -746,6 +790,7 @@ void Batcher::step(std::vector<SeqPtr> & running) {
         // control vector is, and every adapter it names is in the applied union
         if (multi) {
             ++stats_.n_multi_adapter_decodes;
+            mix_failures_ = 0;
         }
         for (const auto & s : in_batch) {
             if (multi ? s->cv_state_ != ctx_->state() || !ctx_->per_seq_covers(*s->p_.state, s->seq_)

@@ -180,9 +180,12 @@ private:
     Context * ctx_;
     int32_t n_slots_;
     int32_t quantum_;
-    int32_t prefix_chunk_;
+    int32_t prefix_chunk_;  // 0: no prefix cache (also forced for recurrent/hybrid models)
     bool mix_;  // batcher thread after start: mix adapter sets in one decode
-    uint64_t sched_key(const Seq & s) const { return mix_ ? s.cv_state_->id : s.group_; }
+    int32_t mix_failures_ = 0;  // mixed decodes failed since the last one that worked
+    bool skip_mix_ = false;     // this step groups by whole state (after a failed mixed decode)
+    bool mix_active() const { return mix_ && !skip_mix_; }
+    uint64_t sched_key(const Seq & s) const { return mix_active() ? s.cv_state_->id : s.group_; }
     // per slot, while no sequence runs in it: the prompt tokens whose cells
     // it kept, and their state (batcher thread; empty: nothing kept)
     struct SlotCache {

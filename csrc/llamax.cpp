@@ -1082,6 +1082,8 @@ bool Context::set_state(const StatePtr & want_in) {
             // llama.cpp replaced its set before refusing: nothing is applied now
             llama_set_adapters_lora(ctx_, nullptr, 0, nullptr);
             state_ = state_->cvec ? state_intern(model_, {}, {}, state_->cvec) : state_base();
+            per_seq_ = false;
+            per_seq_adapters_.clear();
             throw Error(ErrorKind::AdapterMismatch, with_reason("llama.cpp refused the adapter set"), rc);
         }
         per_seq_ = false;  // (llama_set_adapters_lora ends per-sequence scales too)
@@ -1116,6 +1118,7 @@ void Context::set_state_per_seq(const StatePtr & cv_state, const std::vector<Ada
     if (!cv_state->adapters.empty()) {
         throw Error(ErrorKind::InvalidArgument, "set_state_per_seq: the base state must have no adapters");
     }
+    saved_valid_ = false;  // (logits under per-sequence adapters describe no plain state)
     if (scales.size() != adapters.size() * (size_t) n_seq_max_) {
         throw Error(ErrorKind::InvalidArgument, "set_state_per_seq: one scale per adapter and sequence is needed");
     }

@@ -418,6 +418,9 @@ def test_prefix_cache_reuses_whole_chunks_of_the_same_state(model, lora_paths):
         _, n = run(b, p2)
         assert n == 0
         assert b.stats()["n_mixed_decodes"] == 0
+        b.close()
+        # the context comes back without the cells the cache kept
+        assert all(ctx.seq_pos_max(i) == -1 for i in range(ctx.n_seq_max))
     a.close()
 
 
