@@ -315,8 +315,8 @@ def test_closing_the_adapter_of_a_queued_sequence(model, lora_paths):
     ctx, b = batcher(model, slots=2, quantum=1)
     with ctx, b:
         want = b.submit(t, greedy(model), max_tokens=8, ignore_eos=True, adapters=[(a, 1.0)]).result()[0]
-        base_alone = b.submit(t, greedy(model), max_tokens=8, ignore_eos=True).result()[0]
-        assert want.tolist() != base_alone.tolist()
+        # (the adapter changes the logits, whatever it does to a greedy answer)
+        assert distance(first_top(model, t, {"adapters": [(a, 1.0)]}), first_top(model, t, {})) > 0.01
         deadline = time.monotonic() + 10
         n0 = llamax._core._n_interned_states()
         base = b.submit(t, greedy(model), max_tokens=-1, ignore_eos=True)
@@ -501,8 +501,11 @@ def test_mixed_adapter_sets_match_alone(model, lora_paths):
     assert same >= len(want) - 2, (same, got, want)
     for g, w in zip(got, want):
         assert g[:2] == w[:2]
-    # the states really differ, or this test could not fail
-    per_state = [tuple(map(tuple, want[i:i + len(prompts)])) for i in range(0, len(want), len(prompts))]
-    assert len(set(per_state)) >= len(states) - 1  # (measured here: all 4 differ)
+    # the states really differ (in their logits: greedy answers may coincide
+    # on some CPUs), or this test could not fail
+    tops = [first_top(model, prompts[0], {"adapters": st}) for st in states]
+    for i in range(len(states)):
+        for j in range(i):
+            assert distance(tops[i], tops[j]) > 0.01, (i, j)
     a.close()
     bb.close()
