@@ -221,7 +221,8 @@ int32_t Batcher::place(const SeqPtr & s) {
     const int32_t C = prefix_chunk_;
     // the best source of cells for the prompt's first whole chunks
     int32_t best_n = 0, best_slot = -1;
-    if (C > 0) {
+    const bool reuse = C > 0 && s->p_.cache_prompt;
+    if (reuse) {
         const auto & P = s->p_.prompt;
         const int32_t limit = ((int32_t) P.size() - 1) / C * C;  // the last token is always decoded
         for (int32_t i = 0; i < n_slots_ && limit > 0; ++i) {
@@ -245,7 +246,7 @@ int32_t Batcher::place(const SeqPtr & s) {
     // follow it (wait, then copy) rather than decode that prefix again
     SeqPtr leader;
     int32_t lead_n = 0;
-    if (C > 0) {
+    if (reuse) {
         const auto & P = s->p_.prompt;
         const int32_t limit = ((int32_t) P.size() - 1) / C * C;
         for (int32_t i = 0; i < n_slots_ && limit > 0; ++i) {
@@ -785,6 +786,7 @@ void Batcher::step(std::vector<SeqPtr> & running) {
         std::lock_guard<std::mutex> lk(mu_);
         ++stats_.n_decodes;
         stats_.n_tokens += n_tok;
+        stats_.n_seq_decoded += (int64_t) in_batch.size();
         // an independent check of the grouping: every sequence's own state
         // is the one the context has applied -- with adapter sets mixed, its
         // control vector is, and every adapter it names is in the applied union

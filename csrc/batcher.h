@@ -50,6 +50,7 @@ struct SeqParams {
     int32_t n_logprobs = -1;  // < 0: none; k >= 0: the token's logprob and the k most likely
     std::vector<std::vector<llama_token>> stop_sequences;
     StatePtr state;  // null: the base model.  Held until the sequence is over.
+    bool cache_prompt = true;  // false: decode the whole prompt (no cached or shared prefix)
 };
 
 struct SeqEvent {
@@ -129,6 +130,7 @@ struct BatcherStats {
     int64_t n_cached_tokens = 0;  // prompt tokens reused from the prefix cache
     int64_t n_seq_copies = 0;     // prefixes copied from another slot's cells
     int64_t n_multi_adapter_decodes = 0;  // decodes that served several adapter sets (patch 0004)
+    int64_t n_seq_decoded = 0;    // sum over decodes of the sequences in each (/ n_decodes: sequences per decode)
 };
 
 class Batcher {

@@ -1,4 +1,4 @@
-"""``python -m llamax``: the demo (and, later, the benchmarks)."""
+"""``python -m llamax``: the demo, the benchmarks and the server."""
 from __future__ import annotations
 
 import argparse
@@ -117,7 +117,14 @@ def main(argv=None) -> int:
                    help="also run llama-cpp-python 0.3.36 built from the same sdist and CPU flags (cached venv) "
                         "and, for embeddings, sentence-transformers (torch 2.13.0 CPU, cached venv)")
     b.add_argument("--repo", help="the llamax checkout (default: the current folder)")
+    from llamax.server import cli as server_cli
+    s = sub.add_parser("serve", help="an OpenAI-compatible server with per-request adapters (extra: server)",
+                       description="Serve MODEL.gguf over HTTP: OpenAI's chat, completion, embedding and model "
+                                   "routes, llama-server's and vLLM's adapter routes, Prometheus metrics.")
+    server_cli.add_arguments(s)
     args = p.parse_args(argv)
+    if args.cmd == "serve":
+        return server_cli.run(args)
     if args.cmd == "demo":
         return _demo(args)
     if args.cmd == "bench":

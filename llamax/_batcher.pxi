@@ -262,12 +262,14 @@ cdef class Batcher:
 
     def stats(self):
         """Counters: decodes, tokens decoded, decodes that mixed states (0),
-        state switches, sequences finished."""
+        state switches, sequences finished, prefix-cache reuse, decodes that
+        served several adapter sets, and the sum over decodes of the
+        sequences in each (``n_seq_decoded / n_decodes``: sequences per decode)."""
         cdef CBatcherStats st = self._ptr().stats()
         return {"n_decodes": st.n_decodes, "n_tokens": st.n_tokens, "n_mixed_decodes": st.n_mixed_decodes,
                 "n_switches": st.n_switches, "n_finished": st.n_finished,
                 "n_cached_tokens": st.n_cached_tokens, "n_seq_copies": st.n_seq_copies,
-                "n_multi_adapter_decodes": st.n_multi_adapter_decodes}
+                "n_multi_adapter_decodes": st.n_multi_adapter_decodes, "n_seq_decoded": st.n_seq_decoded}
 
     def forget_cache(self):
         """Forget every cached prefix: sequences admitted from now on decode
@@ -275,7 +277,7 @@ cdef class Batcher:
         self._ptr().forget_cache()
 
     def submit(self, tokens, sampler, *, max_tokens=16, stop_sequences=(), ignore_eos=False, logprobs=None,
-               adapters=(), control_vector=None, state=None):
+               adapters=(), control_vector=None, state=None, cache_prompt=True):
         """Queue a sequence: ``tokens`` is its prompt; ``sampler`` is cloned
         (its seed, penalties and grammar state are copied, and it is not
         used again); ``max_tokens < 0`` runs until the sequence's context is
@@ -283,7 +285,8 @@ cdef class Batcher:
         ``logprobs=k`` reports each token's log-probability and the ``k``
         most likely tokens; its state is ``state`` (a :class:`State`), or
         ``adapters`` ``[(LoraAdapter, scale), ...]`` and ``control_vector``.
-        The sequence holds its state until it is over.  Returns a
+        The sequence holds its state until it is over.  ``cache_prompt=False``:
+        decode the whole prompt, reusing no cached or shared prefix.  Returns a
         :class:`BatchSequence`."""
         cdef CBatcher * b = self._ptr()
         cdef Sampler smp = _typed(sampler, Sampler, "sampler")
@@ -294,6 +297,9 @@ cdef class Batcher:
         cdef CSeqParams p
         p.max_tokens = max_tokens
         p.ignore_eos = bool(ignore_eos)
+        if not isinstance(cache_prompt, bool):
+            raise ArgumentTypeError("cache_prompt must be True or False")
+        p.cache_prompt = cache_prompt
         p.n_logprobs = -1
         if logprobs is not None:
             _check_int(logprobs, "logprobs", 0, INT32_MAX)

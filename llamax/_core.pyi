@@ -371,6 +371,7 @@ class _BatcherStats(TypedDict):
     n_cached_tokens: int
     n_seq_copies: int
     n_multi_adapter_decodes: int
+    n_seq_decoded: int
 
 _SeqFinish: TypeAlias = Literal["stop", "length", "stop_sequence", "cancelled", "error"]
 
@@ -407,6 +408,7 @@ class Batcher:
         adapters: Iterable[tuple[LoraAdapter, float]] = ...,
         control_vector: ControlVector | None = None,
         state: State | None = None,
+        cache_prompt: bool = True,
     ) -> BatchSequence: ...
 
 @disjoint_base

@@ -19,7 +19,7 @@ import numpy as np
 
 from llamax._core import Batcher, Context, ControlVector, Model, Sampler, State
 from llamax._errors import (
-    ArgumentTypeError, ContextBusyError, ControlVectorError, InvalidArgumentError, TokenError, UnknownAdapterError,
+    ArgumentTypeError, ContextBusyError, ContextOverflowError, ControlVectorError, InvalidArgumentError, TokenError, UnknownAdapterError,
 )
 from llamax.adapters import AdapterRegistry
 from llamax.cancel import CancelToken
@@ -46,6 +46,19 @@ def _check_bools(**kw):
     for k, v in kw.items():
         if not isinstance(v, bool):
             raise ArgumentTypeError(f"{k} must be True or False, not {type(v).__name__}")
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
+def _single(input) -> bool:
+    """One embedding input: a str, or one list of token ids."""
+    return isinstance(input, str) or (isinstance(input, (list, tuple)) and bool(input) and _is_int(input[0]))
+
+
+def _is_token_input(texts) -> bool:
+    return bool(texts) and all(isinstance(t, (list, tuple)) for t in texts)
 
 
 class Llama:
@@ -387,14 +400,15 @@ class Llama:
                           repeat_penalty: float = 1.0, top_k: int = 40, stream: bool = False,
                           seed: int | None = None, model: str | None = None, logit_bias=None,
                           grammar=None, active_loras=None, control_vector=None, control_vectors=None,
-                          cancel: CancelToken | None = None):
+                          cancel: CancelToken | None = None, cache_prompt: bool = True):
         """OpenAI-style text completion (``stream=True`` gives chunks).
 
         ``cancel``: a :class:`CancelToken`; ``cancel.cancel()`` from another
-        thread stops this request with ``CancelledError``.
+        thread stops this request with ``CancelledError``.  ``cache_prompt=False``:
+        reuse no cached prompt prefix (decode the whole prompt).
         """
         self._check_open()
-        _check_bools(stream=stream, echo=echo)
+        _check_bools(stream=stream, echo=echo, cache_prompt=cache_prompt)
         if suffix is not None:
             raise InvalidArgumentError("suffix (fill-in-the-middle) is not supported")
         if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int) or logprobs < 0
@@ -407,7 +421,7 @@ class Llama:
             top_k=top_k, repeat_penalty=repeat_penalty, frequency_penalty=frequency_penalty,
             presence_penalty=presence_penalty, stop=stop, seed=seed, logit_bias=logit_bias, grammar=grammar,
             active_loras=active_loras, control_vector=control_vector, control_vectors=control_vectors,
-            cancel=cancel))
+            cancel=cancel, cache_prompt=cache_prompt))
         cid = f"cmpl-{uuid.uuid4()}"
         created = int(time.time())
         name = model or self.model_path
@@ -438,14 +452,15 @@ class Llama:
                                repeat_penalty: float = 1.0, model: str | None = None, logit_bias=None,
                                logprobs: bool | None = None, top_logprobs: int | None = None, grammar=None,
                                active_loras=None, control_vector=None, control_vectors=None,
-                               assistant_prefill: bool = False, cancel: CancelToken | None = None):
+                               assistant_prefill: bool = False, cancel: CancelToken | None = None,
+                               cache_prompt: bool = True):
         """OpenAI-style chat completion through the model's chat template.
 
         ``assistant_prefill=True`` continues the final, partial assistant
         message: the reply's content is the continuation only.
         """
         self._check_open()
-        _check_bools(stream=stream, assistant_prefill=assistant_prefill)
+        _check_bools(stream=stream, assistant_prefill=assistant_prefill, cache_prompt=cache_prompt)
         if functions is not None or function_call is not None:
             raise InvalidArgumentError("functions/function_call are not supported; pass tools= to the template")
         if tool_choice not in (None, "none", "auto"):
@@ -471,7 +486,7 @@ class Llama:
             top_k=top_k, repeat_penalty=repeat_penalty, frequency_penalty=frequency_penalty,
             presence_penalty=presence_penalty, stop=stop, seed=seed, logit_bias=logit_bias, grammar=grammar,
             active_loras=active_loras, control_vector=control_vector, control_vectors=control_vectors,
-            cancel=cancel))
+            cancel=cancel, cache_prompt=cache_prompt))
         cid = f"chatcmpl-{uuid.uuid4()}"
         created = int(time.time())
         name = model or self.model_path
@@ -549,7 +564,7 @@ class Llama:
         one float32 array without a Python float per number.)
         """
         vecs, _ = self._embed(input, normalize, truncate, active_loras, control_vector, control_vectors)
-        return vecs[0].tolist() if isinstance(input, str) else vecs.tolist()
+        return vecs[0].tolist() if _single(input) else vecs.tolist()
 
     def embed_array(self, input, *, normalize: bool = False, truncate: bool = True, max_tokens: int | None = None,
                     active_loras=None, control_vector=None, control_vectors=None) -> np.ndarray:
@@ -562,7 +577,7 @@ class Llama:
         """
         vecs, _ = self._embed(input, normalize, truncate, active_loras, control_vector, control_vectors,
                               max_tokens)
-        return vecs[0] if isinstance(input, str) else vecs
+        return vecs[0] if _single(input) else vecs
 
     def create_embedding(self, input, model: str | None = None, normalize: bool = False, truncate: bool = True,
                          active_loras=None, control_vector=None, control_vectors=None):
@@ -575,7 +590,8 @@ class Llama:
     def _embed(self, input, normalize, truncate, active_loras, control_vector, control_vectors,
                max_tokens=None):
         self._check_open()
-        texts = [input] if isinstance(input, str) else input
+        # a str, a list of str, one token list, or a list of token lists
+        texts = [input] if _single(input) else input
         if not isinstance(texts, (list, tuple)):
             raise ArgumentTypeError(f"input must be a str or a list of str, not {type(input).__name__}")
         if not texts:
@@ -588,9 +604,12 @@ class Llama:
                 raise InvalidArgumentError(f"max_tokens={max_tokens} must be in [1, {limit}] (n_ctx, and the "
                                            f"model's trained length for learned positions)")
             limit = max_tokens
-        # Tokenized without the GIL and before any lock: the vocabulary is read-only.
-        tokens, offsets = self._model.tokenize_batch(list(texts), add_special=True, max_tokens=limit,
-                                                     truncate=bool(truncate))
+        if _is_token_input(texts):
+            tokens, offsets = self._token_inputs(texts, limit, truncate)
+        else:
+            # Tokenized without the GIL and before any lock: the vocabulary is read-only.
+            tokens, offsets = self._model.tokenize_batch(list(texts), add_special=True, max_tokens=limit,
+                                                         truncate=bool(truncate))
         state, names = self._state(active_loras, control_vector, control_vectors)
         try:
             with self._embed_lock:
@@ -600,6 +619,26 @@ class Llama:
         finally:
             self._adapters.release(names)
         return out, int(len(tokens))
+
+    def _token_inputs(self, inputs, limit, truncate):
+        """Pre-tokenized embedding inputs (taken as they are: no BOS/SEP
+        added) in the layout Context.embed takes."""
+        arrays = []
+        for i, t in enumerate(inputs):
+            if not isinstance(t, (list, tuple)) or not t or not all(_is_int(x) for x in t):
+                raise ArgumentTypeError(f"input[{i}] must be a non-empty list of token ids")
+            if len(t) > limit:
+                if not truncate:
+                    raise ContextOverflowError(f"input[{i}] has {len(t)} tokens, more than {limit} (n_ctx, and "
+                                               "the model's trained length for learned positions)")
+                t = t[:limit]
+            a = np.asarray(t, dtype=np.int64)
+            if a.min() < 0 or a.max() >= self._model.n_vocab:
+                raise TokenError(f"input[{i}] has a token id outside [0, n_vocab={self._model.n_vocab})")
+            arrays.append(a.astype(np.int32))
+        offsets = np.zeros(len(arrays) + 1, np.int64)
+        np.cumsum([len(a) for a in arrays], out=offsets[1:])
+        return np.concatenate(arrays), offsets
 
     # -- the request engine ---------------------------------------------------------
 
@@ -657,4 +696,4 @@ class Llama:
                           seed=self._next_seed(p.seed), grammar=grammar, logit_bias=p.logit_bias)
         # Resolved last: it pins adapters, which the request must release.
         state, names = self._state(p.active_loras, p.control_vector, p.control_vectors)
-        return _Request(self, tokens, sampler, max_tokens, stops, logprobs, state, names, cancel)
+        return _Request(self, tokens, sampler, max_tokens, stops, logprobs, state, names, cancel, p.cache_prompt)

@@ -41,15 +41,20 @@ class _Chunks:
         yield self.tail(res) | {"usage": res.usage()}
 
     async def aio(self, pieces):
-        for c in self.head:
-            yield c
-        res = None
-        async for p in pieces:
-            if isinstance(p, _Result):
-                res = p
-            elif p:
-                yield self.piece(p)
-        yield self.tail(res) | {"usage": res.usage()}
+        try:
+            for c in self.head:
+                yield c
+            res = None
+            async for p in pieces:
+                if isinstance(p, _Result):
+                    res = p
+                elif p:
+                    yield self.piece(p)
+            yield self.tail(res) | {"usage": res.usage()}
+        finally:
+            # a consumer that stops early (a server's client went away) ends
+            # the request now, not when the garbage collector finds `pieces`
+            await pieces.aclose()
 
 
 class _Plan:
@@ -72,17 +77,28 @@ def _deliver(req, stream, result, chunks):
     return result(req.run())
 
 
-async def _adeliver(endpoint, *args, **kwargs):
-    """Run the sync endpoint only to validate and build its request (cheap,
-    on the loop's thread), then run the request the async way."""
+def _plan(endpoint, *args, **kwargs) -> _Plan:
+    """Run a sync endpoint only to validate and build its request (on this
+    thread: the server runs it in a worker thread, since naming an on-demand
+    adapter may load it)."""
     _PLANNING.on = True
     try:
-        plan = endpoint(*args, **kwargs)
+        return endpoint(*args, **kwargs)
     finally:
         _PLANNING.on = False
+
+
+async def _run_plan(plan: _Plan):
+    """Run a planned request the async way: the result, or an async iterator
+    of chunks."""
     if plan.stream:
         return plan.chunks.aio(plan.req.astream(True))
     return plan.result(await plan.req.arun())
+
+
+async def _adeliver(endpoint, *args, **kwargs):
+    """Plan on the loop's thread (cheap), then run the request the async way."""
+    return await _run_plan(_plan(endpoint, *args, **kwargs))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,6 +125,7 @@ class RequestParams:
     control_vector: Any
     control_vectors: Any
     cancel: CancelToken | None
+    cache_prompt: bool
 
 
 _WAIT = object()  # _batched_steps: "send me the sequence's next tokens"
@@ -160,7 +177,7 @@ class _Request:
     (only under the same state), run the C++ loop, assemble text."""
 
     def __init__(self, llm: Llama, tokens, sampler, max_tokens, stops, logprobs, state, names,
-                 token: CancelToken | None = None):
+                 token: CancelToken | None = None, cache_prompt: bool = True):
         self.llm = llm
         self.user_token = token
         self.own_token = CancelToken()  # the stream's consumer going away aborts a long prompt decode
@@ -172,6 +189,7 @@ class _Request:
         self.state = state  # a llamax.State: holds its adapters while the request lives
         self.names = names
         self.key = state.id
+        self.cache_prompt = cache_prompt  # False: reuse no cached prefix
         self.cancel = threading.Event()
         self._released = False
         self._slot = None  # batched requests: the context's slot and the sequence
@@ -246,7 +264,8 @@ class _Request:
         text = _TextAssembler(model, self.stops, pieces.append if streaming else None)
         self._slot = llm._pool.acquire()
         self._seq = seq = self._slot.batcher.submit(
-            self.tokens, self.sampler, max_tokens=self.max_tokens, logprobs=self.logprobs, state=self.state)
+            self.tokens, self.sampler, max_tokens=self.max_tokens, logprobs=self.logprobs, state=self.state,
+            cache_prompt=self.cache_prompt)
         attached = []
         try:
             if self.user_token is not None:
@@ -409,7 +428,7 @@ class _Request:
             # chunks of `chunk` positions (every prompt is decoded in chunks
             # ending at multiples of it), so a cached answer is the cold one.
             chunk = llm._prefix_chunk
-            lcp = _lcp(slot.tokens, self.tokens) if slot.key == self.key else 0
+            lcp = _lcp(slot.tokens, self.tokens) if slot.key == self.key and self.cache_prompt else 0
             n = len(self.tokens)
             # A repeat whose final logits were saved: sample from them (the
             # same numbers as the first time), unless logprobs need the live
@@ -418,7 +437,7 @@ class _Request:
             saved = lcp == n and slot.logits_n == n and self.logprobs is None
             if saved:
                 n_keep = n
-            elif llm._prefix_cache:
+            elif llm._prefix_cache and self.cache_prompt:
                 n_keep = min(lcp, slot.exact_n, n - 1) // chunk * chunk
             else:
                 n_keep = 0  # only an exact repeat reuses the KV (see Llama's prefix_cache)

@@ -158,6 +158,7 @@ cdef extern from "batcher.h" namespace "llamax" nogil:
         int32_t n_logprobs
         vector[vector[llama_token]] stop_sequences
         CStatePtr state
+        cbool cache_prompt
 
     cdef cppclass CSeqEvent "llamax::SeqEvent":
         llama_token token
@@ -185,6 +186,7 @@ cdef extern from "batcher.h" namespace "llamax" nogil:
         int64_t n_cached_tokens
         int64_t n_seq_copies
         int64_t n_multi_adapter_decodes
+        int64_t n_seq_decoded
 
     cdef cppclass CBatcher "llamax::Batcher":
         CBatcher(CContext * ctx, int32_t quantum, int32_t prefix_chunk, cbool mix_adapters) except +translate_exception

@@ -1,0 +1,2 @@
+"""llamax's OpenAI-compatible server (``pip install "llamax[server]"``,
+``python -m llamax serve MODEL.gguf``).  See README, "Serve"."""

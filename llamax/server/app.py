@@ -1,0 +1,940 @@
+"""The OpenAI-compatible HTTP server: one ``llamax.Llama`` (batched, many
+adapter sets per decode) behind FastAPI.
+
+Layers: :class:`ServerConfig` (what the command line says) →
+:class:`Engine` (the model, the adapter table with stable ids, the default
+adapter set, admission and counters) → :func:`build_app` (routes, auth,
+errors, streaming).  Generation runs in the native batcher; the event loop
+only plans requests (in worker threads: naming an on-demand adapter may
+load it) and relays tokens.
+"""
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import dataclasses
+import hmac
+import json
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from sse_starlette.sse import EventSourceResponse
+from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+import llamax
+from llamax.request import _plan, _run_plan
+from llamax.server import protocol as P
+from llamax.server.errors import APIError, from_exception
+
+logger = logging.getLogger("llamax.server")
+
+
+@dataclasses.dataclass
+class ServerConfig:
+    model: str
+    host: str = "127.0.0.1"
+    port: int = 8080
+    alias: str | None = None
+    n_contexts: int = 1
+    parallel: int = 4
+    n_ctx: int = 4096
+    n_batch: int = 512
+    threads: int | None = None
+    loras: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+    lora_dir: str | None = None
+    max_loaded_adapters: int | None = None
+    control_vectors: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+    api_keys: list[str] = dataclasses.field(default_factory=list)
+    admin_api_keys: list[str] = dataclasses.field(default_factory=list)
+    allow_runtime_lora: bool = False
+    max_queue: int = 64
+    metrics: bool = False
+    max_body_bytes: int = 8 << 20
+    request_timeout: float = 600.0
+    shutdown_timeout: float = 10.0
+    chat_format: str | None = None
+    chat_template: str | None = None
+    verbose: bool = False
+
+    def __post_init__(self):
+        if self.alias is None:
+            self.alias = Path(self.model).stem
+        if self.allow_runtime_lora and not self.admin_api_keys:
+            raise ValueError("--allow-runtime-lora needs --admin-api-key: loading files at runtime is an "
+                             "admin action, never open to anyone who can reach the port")
+        if self.allow_runtime_lora and not self.lora_dir:
+            raise ValueError("--allow-runtime-lora needs --lora-dir: the only folder runtime loads may read")
+        if self.lora_dir is not None and not os.path.isdir(self.lora_dir):
+            raise ValueError(f"--lora-dir {self.lora_dir}: not a directory")
+        names = [n for n, _ in self.loras]
+        dup = {n for n in names if names.count(n) > 1}
+        if dup:
+            raise ValueError(f"--lora names appear twice: {sorted(dup)}")
+        if self.alias in names:
+            raise ValueError(f"an adapter may not be named like the model alias {self.alias!r}")
+
+
+class _Counters:
+    """What /metrics reports beyond the batchers' own statistics."""
+
+    def __init__(self):
+        self.prompt_tokens = 0
+        self.predicted_tokens = 0
+        self.cached_tokens = 0
+        self.requests: dict[tuple[str, int], int] = {}
+        self.processing = 0
+        self.lock = threading.Lock()
+
+    def usage(self, u: dict) -> None:
+        with self.lock:
+            self.prompt_tokens += u.get("prompt_tokens", 0)
+            self.predicted_tokens += u.get("completion_tokens", 0)
+            self.cached_tokens += (u.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+
+    def request(self, endpoint: str, status: int) -> None:
+        with self.lock:
+            k = (endpoint, status)
+            self.requests[k] = self.requests.get(k, 0) + 1
+
+
+class Engine:
+    """The model and what the server keeps about it."""
+
+    def __init__(self, cfg: ServerConfig):
+        self.cfg = cfg
+        self.llm: llamax.Llama | None = None
+        self.load_error: BaseException | None = None
+        self.loaded = threading.Event()
+        self.created = int(time.time())
+        self.lora_ids: dict[str, int] = {}     # offered adapters: name -> id (never reused)
+        self.lora_paths: dict[str, str] = {}
+        self._next_id = 0
+        self.default_set: list[dict] = []      # POST /lora-adapters: [{name, scale}]
+        self.admin_lock = threading.Lock()
+        self.in_flight = 0
+        self.counters = _Counters()
+
+    # -- lifetime -------------------------------------------------------------
+
+    def load(self) -> None:
+        cfg = self.cfg
+        try:
+            llm = llamax.Llama(cfg.model, n_ctx=cfg.n_ctx, n_batch=max(cfg.n_batch, cfg.parallel),
+                               n_threads=cfg.threads, n_contexts=cfg.n_contexts, n_parallel=cfg.parallel,
+                               max_loaded_adapters=cfg.max_loaded_adapters, chat_format=cfg.chat_format,
+                               chat_template=cfg.chat_template, verbose=cfg.verbose)
+            try:
+                for name, path in cfg.loras:
+                    self._add_lora(llm, name, path)
+                for name, path in cfg.control_vectors:
+                    llm.load_control_vector(name, path)
+            except BaseException:
+                llm.close()
+                raise
+            self.llm = llm
+        except BaseException as e:
+            self.load_error = e
+        finally:
+            self.loaded.set()
+
+    def _add_lora(self, llm, name: str, path: str) -> None:
+        if self.cfg.max_loaded_adapters is None:
+            llm.load_lora(name, path)
+        else:
+            # checked against the model now (a bad file fails here), loaded on demand later
+            llamax.LoraAdapter(llm.model, path).close()
+            llm.register_lora(name, path)
+        self.lora_ids[name] = self._next_id
+        self.lora_paths[name] = path
+        self._next_id += 1
+
+    def close(self, wait: float = 5.0) -> None:
+        llm = self.llm
+        if llm is None:
+            return
+        deadline = time.monotonic() + wait
+        while llm.busy and time.monotonic() < deadline:
+            time.sleep(0.02)
+        try:
+            llm.close()
+        except llamax.ContextBusyError:
+            logger.warning("requests still running at shutdown: the model is left to the process exit")
+
+    @property
+    def capacity(self) -> int:
+        return self.cfg.n_contexts * self.cfg.parallel
+
+    # -- adapters -------------------------------------------------------------
+
+    def resolve(self, body: P._Adapters) -> tuple[list[dict] | None, list[dict] | None]:
+        """(active_loras, control_vectors) for a request: by ``model``, by
+        ``active_loras`` or llama-server's ``lora``, else the default set."""
+        alias = self.cfg.alias
+        target = None
+        m = body.model
+        if m is not None and m != alias:
+            name = m[len(alias) + 1:] if m.startswith(alias + ":") else m
+            if name not in self.lora_ids:
+                raise APIError(404, f"the model {m!r} does not exist: this server serves {alias!r} and "
+                               f"the adapters {sorted(self.lora_ids)} (GET /v1/models lists them)",
+                               param="model", code="model_not_found")
+            target = name
+        if body.active_loras is not None and body.lora is not None:
+            raise APIError(400, "pass active_loras (by name) or lora (by id), not both", param="lora")
+        explicit = None
+        if body.active_loras is not None:
+            explicit = []
+            for i, a in enumerate(body.active_loras):
+                if a.name not in self.lora_ids:
+                    raise APIError(404, f"active_loras[{i}]: no adapter named {a.name!r} (known: "
+                                   f"{sorted(self.lora_ids)})", param="active_loras", code="adapter_not_found")
+                explicit.append({"name": a.name, "scale": a.scale})
+        elif body.lora is not None:
+            by_id = {v: k for k, v in self.lora_ids.items()}
+            explicit = []
+            for i, a in enumerate(body.lora):
+                if a.id not in by_id:
+                    raise APIError(404, f"lora[{i}]: no adapter with id {a.id} (GET /lora-adapters lists them)",
+                                   param="lora", code="adapter_not_found")
+                explicit.append({"name": by_id[a.id], "scale": a.scale})
+        for spec in explicit or ():
+            if not np.isfinite(spec["scale"]):
+                raise APIError(400, "adapter scales must be finite numbers", param="active_loras")
+        if target is not None:
+            if explicit is None:
+                loras = [{"name": target, "scale": 1.0}]
+            elif target not in {s["name"] for s in explicit}:
+                raise APIError(400, f"model names the adapter {target!r} but the adapter list does not "
+                               "include it: name it in both, or use model={alias!r} with the list",
+                               param="model", code="adapter_mismatch")
+            else:
+                loras = explicit
+        elif explicit is not None:
+            loras = explicit
+        else:
+            loras = list(self.default_set)
+        cvecs = None
+        if body.control_vectors is not None:
+            known = set(self.llm.list_control_vectors())
+            cvecs = []
+            for i, c in enumerate(body.control_vectors):
+                if c.name not in known:
+                    raise APIError(404, f"control_vectors[{i}]: no control vector named {c.name!r} (known: "
+                                   f"{sorted(known)})", param="control_vectors", code="control_vector_not_found")
+                if not np.isfinite(c.scale):
+                    raise APIError(400, "control vector scales must be finite numbers", param="control_vectors")
+                cvecs.append({"name": c.name, "scale": c.scale})
+        return [s for s in loras if s["scale"] != 0.0] or None, cvecs
+
+    def loras_listing(self) -> list[dict]:
+        info = {e["name"]: e for e in self.llm.list_loras()}
+        default = {s["name"]: s["scale"] for s in self.default_set}
+        out = []
+        for name, i in sorted(self.lora_ids.items(), key=lambda kv: kv[1]):
+            e = info.get(name, {})
+            out.append({"id": i, "name": name, "path": self.lora_paths[name], "scale": default.get(name, 0.0),
+                        "loaded": bool(e.get("loaded")), "in_use": int(e.get("in_use", 0))})
+        return out
+
+    # -- admission ------------------------------------------------------------
+
+    def admit(self, n: int) -> None:
+        if self.in_flight + n > self.capacity + self.cfg.max_queue:
+            raise APIError(503, f"the server is at capacity ({self.in_flight} requests running or queued, "
+                           f"--max-queue {self.cfg.max_queue}): retry later", code="queue_full",
+                           headers={"Retry-After": "1"})
+        self.in_flight += n
+
+    def done(self, n: int) -> None:
+        self.in_flight -= n
+
+
+# -- helpers -------------------------------------------------------------------------
+
+def _error_response(err: APIError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+
+def _text_content(messages: list[dict]) -> list[dict]:
+    """OpenAI content parts ([{type: text, text}]) joined to one string, for
+    the chat template; a copy (the request's objects are not changed)."""
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m.get("role"), str):
+            raise APIError(400, f"messages[{i}] needs a 'role' string", param="messages")
+        c = m.get("content")
+        if isinstance(c, list):
+            texts = []
+            for j, part in enumerate(c):
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise APIError(400, f"messages[{i}].content[{j}]: only text parts are supported",
+                                   param="messages")
+                texts.append(part["text"])
+            m = dict(m, content="".join(texts))
+        elif c is not None and not isinstance(c, str):
+            raise APIError(400, f"messages[{i}].content must be a string, a list of text parts or null",
+                           param="messages")
+        out.append(m)
+    return out
+
+
+def _stops(stop) -> list[str] | None:
+    if stop is None:
+        return None
+    stops = [stop] if isinstance(stop, str) else stop
+    if len(stops) > P.MAX_STOPS or any(len(s) > P.MAX_STOP_LEN for s in stops):
+        raise APIError(400, f"at most {P.MAX_STOPS} stop strings of at most {P.MAX_STOP_LEN} characters",
+                       param="stop")
+    return stops
+
+
+def _logit_bias(lb):
+    if lb is None:
+        return None
+    try:
+        return {int(k): float(v) for k, v in lb.items()}
+    except ValueError:
+        raise APIError(400, "logit_bias keys must be token ids (as strings)", param="logit_bias") from None
+
+
+def _sampling(body: P._Sampling, engine: Engine, max_tokens) -> dict:
+    """Engine keywords from the OpenAI fields; unset ones get llama-server's
+    defaults (temperature 0.8, top_k 40, top_p 0.95, min_p 0.05)."""
+    n_ctx = engine.cfg.n_ctx
+    if max_tokens is not None and max_tokens > n_ctx:
+        raise APIError(400, f"max_tokens={max_tokens} is more than the context of {n_ctx} tokens",
+                       param="max_tokens")
+    d = lambda v, default: default if v is None else v  # noqa: E731
+    return dict(max_tokens=max_tokens, temperature=d(body.temperature, 0.8), top_p=d(body.top_p, 0.95),
+                top_k=d(body.top_k, 40), min_p=d(body.min_p, 0.05), typical_p=d(body.typical_p, 1.0),
+                repeat_penalty=d(body.repeat_penalty, 1.0), frequency_penalty=d(body.frequency_penalty, 0.0),
+                presence_penalty=d(body.presence_penalty, 0.0), stop=_stops(body.stop),
+                logit_bias=_logit_bias(body.logit_bias), grammar=body.grammar, cache_prompt=body.cache_prompt)
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while True:
+        msg = await request.receive()
+        if msg["type"] == "http.disconnect":
+            return
+
+
+class _ClientGone(Exception):
+    pass
+
+
+async def _guarded(request: Request, aw, timeout: float):
+    """Await ``aw``, cancelling it when the client disconnects or the time is up."""
+    task = asyncio.ensure_future(aw)
+    watch = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({task, watch}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            return task.result()
+        task.cancel()
+        with contextlib.suppress(BaseException):
+            await task
+        if watch in done:
+            raise _ClientGone()
+        raise APIError(408, f"the request took longer than {timeout:g} s (--request-timeout)",
+                       code="request_timeout")
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+
+
+def _usage_sum(usages: list[dict]) -> dict:
+    out = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0,
+           "prompt_tokens_details": {"cached_tokens": 0}}
+    for u in usages:
+        for k in ("prompt_tokens", "completion_tokens", "total_tokens"):
+            out[k] += u.get(k, 0)
+        out["prompt_tokens_details"]["cached_tokens"] += (u.get("prompt_tokens_details") or {}).get(
+            "cached_tokens", 0)
+    return out
+
+
+# -- the app ----------------------------------------------------------------------------
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+class _BodyLimit:
+    """ASGI middleware: bodies over ``limit`` bytes get 413 (by their
+    Content-Length up front, or while a chunked body is read)."""
+
+    def __init__(self, app, limit: int):
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        for k, v in scope.get("headers", ()):
+            if k == b"content-length":
+                try:
+                    too_big = int(v) > self.limit
+                except ValueError:
+                    too_big = False
+                if too_big:
+                    resp = _error_response(APIError(413, f"the request body is over {self.limit} bytes",
+                                                    code="body_too_large"))
+                    return await resp(scope, receive, send)
+        seen = 0
+
+        async def limited():
+            nonlocal seen
+            msg = await receive()
+            if msg["type"] == "http.request":
+                seen += len(msg.get("body", b""))
+                if seen > self.limit:
+                    raise _BodyTooLarge()
+            return msg
+
+        return await self.app(scope, limited, send)
+
+
+def build_app(engine: Engine) -> FastAPI:
+    cfg = engine.cfg
+    keys = [k.encode() for k in cfg.api_keys + cfg.admin_api_keys]
+    admin_keys = [k.encode() for k in cfg.admin_api_keys]
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        if engine.llm is None and not engine.loaded.is_set():
+            threading.Thread(target=engine.load, name="llamax-load", daemon=True).start()
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(engine.close)
+
+    app = FastAPI(title="llamax", version=llamax.__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    app.add_middleware(_BodyLimit, limit=cfg.max_body_bytes)
+    app.state.engine = engine
+
+    # -- errors -----------------------------------------------------------------
+
+    @app.exception_handler(APIError)
+    async def _api_error(request, exc: APIError):
+        return _error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request, exc: RequestValidationError):
+        errs = exc.errors()
+        first = errs[0] if errs else {}
+        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        param = ".".join(loc) or None
+        if first.get("type") == "json_invalid":
+            msg = "the body is not valid JSON"
+        elif first.get("type") == "extra_forbidden":
+            msg = f"unknown field {param!r}: this server refuses fields it would not honour"
+        else:
+            msg = f"{param or 'body'}: {first.get('msg', 'invalid')}"
+        return _error_response(APIError(400, msg, param=param, code="invalid_request"))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request, exc: StarletteHTTPException):
+        err = APIError(exc.status_code, str(exc.detail), code=None,
+                       headers=getattr(exc, "headers", None))
+        return _error_response(err)
+
+    @app.exception_handler(_BodyTooLarge)
+    async def _too_large(request, exc):
+        return _error_response(APIError(413, f"the request body is over {cfg.max_body_bytes} bytes",
+                                        code="body_too_large"))
+
+    @app.exception_handler(llamax.LlamaxError)
+    async def _llamax(request, exc):
+        err = from_exception(exc)
+        if err is None:
+            logger.exception("llamax error", exc_info=exc)
+            err = APIError(500, f"{type(exc).__name__}: {exc}")
+        return _error_response(err)
+
+    @app.exception_handler(Exception)
+    async def _bug(request, exc):
+        logger.exception("unhandled error", exc_info=exc)
+        return _error_response(APIError(500, f"internal error: {type(exc).__name__}"))
+
+    # -- auth -------------------------------------------------------------------
+
+    def _presented(request: Request) -> bytes | None:
+        h = request.headers.get("authorization")
+        if h and h[:7].lower() == "bearer ":
+            return h[7:].strip().encode()
+        x = request.headers.get("x-api-key")
+        return x.encode() if x else None
+
+    def _matches(given: bytes, allowed: list[bytes]) -> bool:
+        ok = False
+        for k in allowed:  # every key compared, in constant time each
+            ok |= hmac.compare_digest(given, k)
+        return ok
+
+    def need_key(request: Request) -> None:
+        if not keys:
+            return
+        given = _presented(request)
+        if given is None or not _matches(given, keys):
+            raise APIError(401, "a valid API key is needed: 'Authorization: Bearer KEY' or 'X-Api-Key: KEY'",
+                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+    def need_admin(request: Request) -> None:
+        given = _presented(request)
+        if not admin_keys:
+            raise APIError(403, "management routes need an admin key, and this server has none "
+                           "(start it with --admin-api-key)", code="admin_disabled")
+        if given is None or not _matches(given, keys):
+            raise APIError(401, "a valid API key is needed: 'Authorization: Bearer KEY' or 'X-Api-Key: KEY'",
+                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        if not _matches(given, admin_keys):
+            raise APIError(403, "this route needs the admin key", code="admin_only")
+
+    def need_model(request: Request) -> Engine:
+        if not engine.loaded.is_set():
+            raise APIError(503, "the model is loading", code="loading", headers={"Retry-After": "1"})
+        if engine.llm is None:
+            raise APIError(503, f"the model failed to load: {engine.load_error}", code="load_failed")
+        return engine
+
+    user = [Depends(need_key)]
+    admin = [Depends(need_admin)]
+
+    # -- public ----------------------------------------------------------------
+
+    @app.get("/health")
+    async def health():
+        if not engine.loaded.is_set():
+            return _error_response(APIError(503, "Loading model", code="loading", headers={"Retry-After": "1"}))
+        if engine.llm is None:
+            return _error_response(APIError(503, f"the model failed to load: {engine.load_error}",
+                                            code="load_failed"))
+        return {"status": "ok"}
+
+    # -- models -----------------------------------------------------------------
+
+    def _cards() -> list[dict]:
+        base = {"id": cfg.alias, "object": "model", "created": engine.created, "owned_by": "llamax",
+                "root": cfg.model, "parent": None, "max_model_len": cfg.n_ctx}
+        cards = [base]
+        for e in engine.loras_listing():
+            cards.append({"id": e["name"], "object": "model", "created": engine.created, "owned_by": "llamax",
+                          "root": e["path"], "parent": cfg.alias, "max_model_len": cfg.n_ctx,
+                          "loaded": e["loaded"]})
+        return cards
+
+    @app.get("/v1/models", dependencies=user)
+    @app.get("/models", dependencies=user, include_in_schema=False)
+    async def models(e: Engine = Depends(need_model)):
+        return {"object": "list", "data": _cards()}
+
+    @app.get("/v1/models/{model_id:path}", dependencies=user)
+    async def model_card(model_id: str, e: Engine = Depends(need_model)):
+        for c in _cards():
+            if c["id"] == model_id:
+                return c
+        raise APIError(404, f"the model {model_id!r} does not exist", param="model", code="model_not_found")
+
+    # -- generation ---------------------------------------------------------------
+
+    async def _plans(endpoint, n: int, kwargs_for) -> list:
+        """Plan n requests (validated, adapters resolved and held) in worker
+        threads, counted in the admission bound."""
+        engine.admit(n)
+        try:
+            plans = []
+            for i in range(n):
+                plans.append(await asyncio.to_thread(_plan, endpoint, **kwargs_for(i)))
+            return plans
+        except BaseException:
+            engine.done(n)
+            raise
+
+    def _check_fits(plans) -> None:
+        n_ctx = engine.llm.n_ctx()
+        for p in plans:
+            if len(p.req.tokens) > n_ctx:
+                raise APIError(400, f"the prompt is {len(p.req.tokens)} tokens, more than the context of "
+                               f"{n_ctx}: shorten it", param="messages", code="context_length_exceeded")
+
+    async def _respond(request: Request, name: str, plans, stream: bool, stream_options, merge):
+        n = len(plans)
+        released = False
+
+        def release():
+            nonlocal released
+            if not released:
+                released = True
+                engine.done(n)
+
+        if not stream:
+            try:
+                results = await _guarded(request, asyncio.gather(*(_run_plan(p) for p in plans)),
+                                         cfg.request_timeout)
+            except _ClientGone:
+                engine.counters.request(name, 499)
+                return Response(status_code=499)
+            finally:
+                release()
+            out = merge(results)
+            engine.counters.usage(out["usage"])
+            engine.counters.request(name, 200)
+            return out
+        include_usage = bool(stream_options and stream_options.include_usage)
+        continuous = bool(stream_options and stream_options.continuous_usage_stats)
+
+        async def events():
+            iters = []
+            queue: asyncio.Queue = asyncio.Queue()
+            end = object()
+            usages: list[dict] = []
+            cid = None
+            deadline = time.monotonic() + cfg.request_timeout
+
+            async def pump(i, it):
+                try:
+                    async for chunk in it:
+                        await queue.put((i, chunk))
+                except BaseException as e:  # handed to the stream
+                    await queue.put((i, e))
+                finally:
+                    await queue.put((i, end))
+
+            tasks = []
+            try:
+                for p in plans:
+                    iters.append(await _run_plan(p))
+                tasks = [asyncio.ensure_future(pump(i, it)) for i, it in enumerate(iters)]
+                left = len(tasks)
+                while left:
+                    remaining = deadline - time.monotonic()
+                    try:
+                        i, item = await asyncio.wait_for(queue.get(), max(remaining, 0.001))
+                    except asyncio.TimeoutError:
+                        raise APIError(408, f"the request took longer than {cfg.request_timeout:g} s "
+                                       "(--request-timeout)", code="request_timeout") from None
+                    if item is end:
+                        left -= 1
+                        continue
+                    if isinstance(item, BaseException):
+                        raise item
+                    chunk = item
+                    cid = cid or chunk["id"]
+                    chunk["id"] = cid
+                    chunk["model"] = request_model
+                    for c in chunk["choices"]:
+                        c["index"] = i
+                    u = chunk.pop("usage", None)
+                    if u is not None:
+                        usages.append(u)
+                        if continuous:
+                            chunk["usage"] = u
+                    yield json.dumps(chunk, ensure_ascii=False)
+                total = _usage_sum(usages)
+                engine.counters.usage(total)
+                if include_usage:
+                    yield json.dumps({"id": cid, "object": plans_object, "created": int(time.time()),
+                                      "model": request_model, "choices": [], "usage": total})
+                yield "[DONE]"
+                engine.counters.request(name, 200)
+            except asyncio.CancelledError:
+                engine.counters.request(name, 499)
+                raise
+            except Exception as exc:
+                err = from_exception(exc)
+                if err is None:
+                    logger.exception("error in a stream", exc_info=exc)
+                    err = APIError(500, f"internal error: {type(exc).__name__}")
+                engine.counters.request(name, err.status)
+                yield json.dumps(err.body())
+            finally:
+                for t in tasks:
+                    t.cancel()
+                for it in iters:
+                    with contextlib.suppress(BaseException):
+                        await it.aclose()
+                release()
+
+        request_model = request.state.model_name
+        plans_object = "chat.completion.chunk" if name == "chat" else "text_completion"
+        return EventSourceResponse(events(), send_timeout=30, ping=15, background=BackgroundTask(release),
+                                   headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    def _merge(results: list[dict], model_name: str) -> dict:
+        out = dict(results[0])
+        out["model"] = model_name
+        choices = []
+        for i, r in enumerate(results):
+            for c in r["choices"]:
+                choices.append(dict(c, index=i))
+        out["choices"] = choices
+        out["usage"] = _usage_sum([r["usage"] for r in results])
+        if len(results) > 1:  # n > 1: the prompt is counted once, as OpenAI does
+            out["usage"]["prompt_tokens"] = results[0]["usage"]["prompt_tokens"]
+            out["usage"]["total_tokens"] = out["usage"]["prompt_tokens"] + out["usage"]["completion_tokens"]
+        return out
+
+    @app.post("/v1/chat/completions", dependencies=user)
+    @app.post("/chat/completions", dependencies=user, include_in_schema=False)
+    async def chat(body: P.ChatCompletionRequest, request: Request, e: Engine = Depends(need_model)):
+        loras, cvecs = engine.resolve(body)
+        messages = _text_content(body.messages)
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        base = _sampling(body, engine, max_tokens)
+        rf = body.response_format
+        if rf is not None and rf.get("type") == "text":
+            rf = None
+        if body.tool_choice not in (None, "none", "auto"):
+            raise APIError(400, "tool_choice other than 'none' or 'auto' is not supported", param="tool_choice")
+        base.update(messages=messages, stream=body.stream, logprobs=body.logprobs, top_logprobs=body.top_logprobs,
+                    response_format=rf, tools=body.tools, tool_choice=body.tool_choice,
+                    active_loras=loras, control_vectors=cvecs, assistant_prefill=body.assistant_prefill)
+        request.state.model_name = body.model or cfg.alias
+        seed = body.seed
+        plans = await _plans(engine.llm.create_chat_completion, body.n,
+                             lambda i: dict(base, seed=None if seed is None else seed + i))
+        try:
+            _check_fits(plans)
+        except BaseException:
+            engine.done(len(plans))
+            raise
+        return await _respond(request, "chat", plans, body.stream, body.stream_options,
+                              lambda rs: _merge(rs, request.state.model_name))
+
+    @app.post("/v1/completions", dependencies=user)
+    @app.post("/completions", dependencies=user, include_in_schema=False)
+    async def completions(body: P.CompletionRequest, request: Request, e: Engine = Depends(need_model)):
+        loras, cvecs = engine.resolve(body)
+        if body.best_of is not None and body.best_of != body.n:
+            raise APIError(400, "best_of other than n is not supported", param="best_of")
+        model = engine.llm.model
+        pr = body.prompt
+        if isinstance(pr, str) or (pr and isinstance(pr[0], int)):
+            prompts = [pr]
+        else:
+            prompts = list(pr)
+        if not prompts:
+            raise APIError(400, "prompt is empty", param="prompt")
+        token_prompts = []
+        for p in prompts:
+            if isinstance(p, str):
+                # special tokens in the text are parsed, as llama-server does
+                toks = await asyncio.to_thread(model.tokenize, p, add_special=True, parse_special=True)
+                token_prompts.append(toks)
+            else:
+                if any(t < 0 or t >= model.n_vocab for t in p):
+                    raise APIError(400, f"a prompt token id is outside [0, {model.n_vocab})", param="prompt",
+                                   code="invalid_token")
+                token_prompts.append(p)
+        base = _sampling(body, engine, body.max_tokens if body.max_tokens is not None else 16)
+        base.update(stream=body.stream, echo=body.echo, logprobs=body.logprobs, suffix=body.suffix,
+                    active_loras=loras, control_vectors=cvecs)
+        request.state.model_name = body.model or cfg.alias
+        n = body.n
+        order = [(pi, j) for pi in range(len(token_prompts)) for j in range(n)]
+        seed = body.seed
+        plans = await _plans(engine.llm.create_completion, len(order),
+                             lambda i: dict(base, prompt=token_prompts[order[i][0]],
+                                            seed=None if seed is None else seed + order[i][1]))
+        try:
+            _check_fits(plans)
+        except BaseException:
+            engine.done(len(plans))
+            raise
+        return await _respond(request, "completions", plans, body.stream, body.stream_options,
+                              lambda rs: _merge_completions(rs, len(token_prompts), request.state.model_name))
+
+    def _merge_completions(results, n_prompts, model_name):
+        out = _merge(results, model_name)
+        # every prompt counts once
+        per = len(results) // n_prompts
+        prompt_tokens = sum(results[i * per]["usage"]["prompt_tokens"] for i in range(n_prompts))
+        out["usage"]["prompt_tokens"] = prompt_tokens
+        out["usage"]["total_tokens"] = prompt_tokens + out["usage"]["completion_tokens"]
+        return out
+
+    # -- embeddings ---------------------------------------------------------------
+
+    @app.post("/v1/embeddings", dependencies=user)
+    @app.post("/embeddings", dependencies=user, include_in_schema=False)
+    async def embeddings(body: P.EmbeddingRequest, e: Engine = Depends(need_model)):
+        loras, cvecs = engine.resolve(body)
+        llm = engine.llm
+        if body.dimensions is not None and body.dimensions != llm.n_embd():
+            raise APIError(400, f"dimensions must be the model's {llm.n_embd()} (no truncation)",
+                           param="dimensions")
+        inp = body.input
+        if isinstance(inp, list) and not inp:
+            raise APIError(400, "input is empty", param="input")
+        if isinstance(inp, list) and len(inp) > 2048:
+            raise APIError(400, "at most 2048 inputs per request", param="input")
+        engine.admit(1)
+        try:
+            vecs, n_tokens = await asyncio.to_thread(llm._embed, inp, True, True, loras, None, cvecs)
+        finally:
+            engine.done(1)
+        if vecs.ndim == 1:
+            vecs = vecs[None, :]
+        data = []
+        for i, v in enumerate(vecs):
+            if body.encoding_format == "base64":
+                emb: Any = base64.b64encode(np.ascontiguousarray(v, dtype="<f4").tobytes()).decode()
+            else:
+                emb = v.tolist()
+            data.append({"object": "embedding", "index": i, "embedding": emb})
+        usage = {"prompt_tokens": n_tokens, "total_tokens": n_tokens}
+        engine.counters.usage(usage)
+        engine.counters.request("embeddings", 200)
+        return {"object": "list", "model": body.model or cfg.alias, "data": data, "usage": usage}
+
+    # -- llama-server's utility routes ------------------------------------------------
+
+    @app.post("/tokenize", dependencies=user)
+    async def tokenize(body: P.TokenizeRequest, e: Engine = Depends(need_model)):
+        model = engine.llm.model
+        toks = await asyncio.to_thread(model.tokenize, body.content, add_special=body.add_special,
+                                       parse_special=body.parse_special)
+        toks = [int(t) for t in toks]
+        if body.with_pieces:
+            return {"tokens": [{"id": t, "piece": model.token_text(t)} for t in toks]}
+        return {"tokens": toks}
+
+    @app.post("/detokenize", dependencies=user)
+    async def detokenize(body: P.DetokenizeRequest, e: Engine = Depends(need_model)):
+        model = engine.llm.model
+        if any(t < 0 or t >= model.n_vocab for t in body.tokens):
+            raise APIError(400, f"a token id is outside [0, {model.n_vocab})", param="tokens", code="invalid_token")
+        return {"content": model.detokenize_text(np.asarray(body.tokens, np.int32), errors="replace")}
+
+    @app.post("/apply-template", dependencies=user)
+    async def apply_template(body: P.ApplyTemplateRequest, e: Engine = Depends(need_model)):
+        text = await asyncio.to_thread(engine.llm.apply_chat_template, _text_content(body.messages),
+                                       add_generation_prompt=body.add_generation_prompt, tools=body.tools)
+        return {"prompt": text}
+
+    @app.get("/slots", dependencies=user)
+    async def slots(e: Engine = Depends(need_model)):
+        out = []
+        for i, s in enumerate(engine.llm._pool.slots):
+            b = getattr(s, "batcher", None)
+            d = {"id": i, "n_ctx": engine.cfg.n_ctx, "n_parallel": cfg.parallel,
+                 "is_processing": bool(s.busy)}
+            if b is not None and not b.closed:
+                d.update(n_requests=s.n_requests, n_active=b.n_active(), **b.stats())
+            out.append(d)
+        return out
+
+    # -- adapters (llama-server's and vLLM's routes) -----------------------------------
+
+    @app.get("/lora-adapters", dependencies=user)
+    async def lora_adapters(e: Engine = Depends(need_model)):
+        return engine.loras_listing()
+
+    @app.post("/lora-adapters", dependencies=admin)
+    async def set_lora_adapters(request: Request, e: Engine = Depends(need_model)):
+        try:
+            raw = await request.json()
+        except ValueError:
+            raise APIError(400, "the body is not valid JSON", code="invalid_request") from None
+        if not isinstance(raw, list):
+            raise APIError(400, "the body must be a list of {id, scale}", code="invalid_request")
+        by_id = {v: k for k, v in engine.lora_ids.items()}
+        new = []
+        seen = set()
+        for i, item in enumerate(raw):
+            try:
+                spec = P.LoraById.model_validate(item)
+            except Exception:
+                raise APIError(400, f"[{i}] must be {{'id': int, 'scale': number}}", param=str(i)) from None
+            if spec.id not in by_id:
+                raise APIError(404, f"[{i}]: no adapter with id {spec.id}", param=str(i), code="adapter_not_found")
+            if spec.id in seen:
+                raise APIError(400, f"[{i}]: adapter id {spec.id} appears twice", param=str(i))
+            if not np.isfinite(spec.scale):
+                raise APIError(400, f"[{i}]: the scale must be a finite number", param=str(i))
+            seen.add(spec.id)
+            if spec.scale != 0.0:
+                new.append({"name": by_id[spec.id], "scale": spec.scale})
+        engine.default_set = new
+        return engine.loras_listing()
+
+    def _lora_path(p: str) -> str:
+        base = os.path.realpath(cfg.lora_dir)
+        cand = os.path.realpath(p if os.path.isabs(p) else os.path.join(base, p))
+        if os.path.commonpath([cand, base]) != base:
+            raise APIError(400, f"lora_path must be inside --lora-dir ({cfg.lora_dir})", param="lora_path",
+                           code="path_not_allowed")
+        if not os.path.isfile(cand):
+            raise APIError(404, f"no adapter file {p!r} in --lora-dir", param="lora_path", code="file_not_found")
+        return cand
+
+    def _runtime_allowed():
+        if not cfg.allow_runtime_lora:
+            raise APIError(403, "runtime adapter loading is off (start the server with --allow-runtime-lora)",
+                           code="runtime_lora_disabled")
+
+    @app.post("/v1/load_lora_adapter", dependencies=admin)
+    async def load_lora(body: P.LoadLoraRequest, e: Engine = Depends(need_model)):
+        _runtime_allowed()
+        name = body.lora_name
+        if name == cfg.alias:
+            raise APIError(400, f"an adapter may not be named like the model alias {cfg.alias!r}",
+                           param="lora_name")
+        path = _lora_path(body.lora_path)
+
+        def work():
+            with engine.admin_lock:
+                if name in engine.lora_ids:
+                    if not body.load_inplace:
+                        raise APIError(409, f"an adapter named {name!r} is already loaded (unload it first, or "
+                                       "pass load_inplace=true)", param="lora_name", code="adapter_exists")
+                    _unload(name)
+                engine._add_lora(engine.llm, name, path)
+
+        await asyncio.to_thread(work)
+        return Response(f"Success: LoRA adapter '{name}' added successfully.", media_type="text/plain")
+
+    def _unload(name: str) -> None:
+        engine.llm.unload_lora(name)
+        del engine.lora_ids[name]
+        del engine.lora_paths[name]
+        engine.default_set = [s for s in engine.default_set if s["name"] != name]
+
+    @app.post("/v1/unload_lora_adapter", dependencies=admin)
+    async def unload_lora(body: P.UnloadLoraRequest, e: Engine = Depends(need_model)):
+        _runtime_allowed()
+        name = body.lora_name
+
+        def work():
+            with engine.admin_lock:
+                if name not in engine.lora_ids:
+                    raise APIError(404, f"no adapter named {name!r}", param="lora_name", code="adapter_not_found")
+                _unload(name)
+
+        await asyncio.to_thread(work)
+        return Response(f"Success: LoRA adapter '{name}' removed successfully.", media_type="text/plain")
+
+    # -- metrics ----------------------------------------------------------------------
+
+    @app.get("/metrics", dependencies=user)
+    async def metrics(e: Engine = Depends(need_model)):
+        if not cfg.metrics:
+            raise APIError(404, "metrics are off (start the server with --metrics)", code="metrics_disabled")
+        from llamax.server.metrics import render
+        body, ctype = render(engine)
+        return Response(body, media_type=ctype)
+
+    return app

@@ -1,0 +1,106 @@
+"""``python -m llamax serve MODEL.gguf [options]``.
+
+Imports only the standard library until it runs, so ``python -m llamax
+--help`` works without the ``server`` extra."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+
+def _named(value: str) -> tuple[str, str]:
+    """NAME=PATH, or a bare PATH named by its file's stem (llama-server's --lora)."""
+    if "=" in value:
+        name, path = value.split("=", 1)
+        if not name:
+            raise argparse.ArgumentTypeError(f"{value!r}: the name before '=' is empty")
+    else:
+        name, path = Path(value).stem, value
+    if not os.path.isfile(path):
+        raise argparse.ArgumentTypeError(f"{path}: no such file")
+    return name, path
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="the GGUF model to serve")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8080, help="port (default 8080; 0: any free port)")
+    p.add_argument("--alias", help="the model's name in the API (default: the file's stem)")
+    p.add_argument("--n-contexts", type=int, default=1, help="contexts (each with its own batcher; default 1)")
+    p.add_argument("--parallel", "-np", type=int, default=4,
+                   help="sequences per context, decoded together (default 4)")
+    p.add_argument("--n-ctx", "-c", type=int, default=4096, help="context tokens per request (default 4096)")
+    p.add_argument("--n-batch", type=int, default=512, help="tokens per decode (default 512)")
+    p.add_argument("--threads", "-t", type=int, default=None, help="CPU threads (default: llama.cpp's choice)")
+    p.add_argument("--lora", action="append", type=_named, default=[], metavar="[NAME=]PATH",
+                   help="an adapter, loaded at start (repeatable; a bare PATH is named by its stem)")
+    p.add_argument("--lora-dir", help="the only folder runtime loads may read adapters from")
+    p.add_argument("--max-loaded-adapters", type=int, default=None,
+                   help="adapters in memory at once; others load on demand, least recently used unloaded")
+    p.add_argument("--control-vector", action="append", type=_named, default=[], metavar="NAME=PATH",
+                   help="a control vector GGUF, named (repeatable)")
+    p.add_argument("--api-key", action="append", default=[], help="an API key (repeatable; also LLAMAX_API_KEY)")
+    p.add_argument("--api-key-file", help="a file with one API key per line")
+    p.add_argument("--admin-api-key", action="append", default=[],
+                   help="a key for management routes (repeatable; also LLAMAX_ADMIN_API_KEY)")
+    p.add_argument("--allow-runtime-lora", action="store_true",
+                   help="enable /v1/load_lora_adapter and /v1/unload_lora_adapter (admin key, --lora-dir)")
+    p.add_argument("--max-queue", type=int, default=64,
+                   help="requests that may wait beyond the running ones; more get 503 (default 64)")
+    p.add_argument("--metrics", action="store_true", help="enable GET /metrics (Prometheus)")
+    p.add_argument("--max-body-bytes", type=int, default=8 << 20, help="request body limit (default 8 MiB)")
+    p.add_argument("--request-timeout", type=float, default=600.0,
+                   help="seconds a request may run before it is cancelled (default 600)")
+    p.add_argument("--shutdown-timeout", type=float, default=10.0,
+                   help="on SIGINT/SIGTERM, seconds running requests get to finish before they are "
+                        "cancelled (default 10)")
+    p.add_argument("--chat-format", help="a built-in chat format instead of the GGUF's template")
+    p.add_argument("--chat-template", help="a Jinja2 chat template file instead of the GGUF's")
+    p.add_argument("--verbose", action="store_true", help="llama.cpp's log and an access log")
+
+
+def _keys(args) -> tuple[list[str], list[str]]:
+    keys = list(args.api_key)
+    if os.environ.get("LLAMAX_API_KEY"):
+        keys.append(os.environ["LLAMAX_API_KEY"])
+    if args.api_key_file:
+        with open(args.api_key_file, encoding="utf-8") as f:
+            keys += [line.strip() for line in f if line.strip() and not line.startswith("#")]
+    admin = list(args.admin_api_key)
+    if os.environ.get("LLAMAX_ADMIN_API_KEY"):
+        admin.append(os.environ["LLAMAX_ADMIN_API_KEY"])
+    return keys, admin
+
+
+def run(args) -> int:
+    try:
+        import fastapi  # noqa: F401
+        import prometheus_client  # noqa: F401
+        import sse_starlette  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as e:
+        print(f"python -m llamax serve needs the server extra ({e.name} is missing): "
+              "pip install 'llamax[server]'", file=sys.stderr)
+        return 2
+    from llamax.server.app import ServerConfig
+    from llamax.server.run import serve
+    keys, admin = _keys(args)
+    template = None
+    if args.chat_template:
+        with open(args.chat_template, encoding="utf-8") as f:
+            template = f.read()
+    try:
+        cfg = ServerConfig(model=args.model, host=args.host, port=args.port, alias=args.alias,
+                           n_contexts=args.n_contexts, parallel=args.parallel, n_ctx=args.n_ctx,
+                           n_batch=args.n_batch, threads=args.threads, loras=args.lora, lora_dir=args.lora_dir,
+                           max_loaded_adapters=args.max_loaded_adapters, control_vectors=args.control_vector,
+                           api_keys=keys, admin_api_keys=admin, allow_runtime_lora=args.allow_runtime_lora,
+                           max_queue=args.max_queue, metrics=args.metrics, max_body_bytes=args.max_body_bytes,
+                           request_timeout=args.request_timeout, shutdown_timeout=args.shutdown_timeout,
+                           chat_format=args.chat_format, chat_template=template, verbose=args.verbose)
+    except ValueError as e:
+        print(f"python -m llamax serve: {e}", file=sys.stderr)
+        return 2
+    return serve(cfg)

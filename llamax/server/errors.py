@@ -1,0 +1,64 @@
+"""OpenAI-shaped errors: ``{"error": {"message", "type", "param", "code"}}``
+with the status code that fits, and the mapping from llamax's exceptions."""
+from __future__ import annotations
+
+from llamax import _errors as E
+from llamax.chat import ChatTemplateError
+
+_TYPES = {
+    400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+    404: "not_found_error", 405: "invalid_request_error", 408: "timeout_error",
+    409: "conflict_error", 413: "invalid_request_error", 429: "rate_limit_error",
+    500: "server_error", 503: "unavailable_error",
+}
+
+
+class APIError(Exception):
+    """An error the server answers with: status code, message, param, code."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 headers: dict | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = headers
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": _TYPES.get(self.status, "server_error"),
+                          "param": self.param, "code": self.code}}
+
+
+# llamax exception -> (status, code); the first matching class wins
+_MAP = [
+    (E.UnknownAdapterError, 404, "adapter_not_found"),
+    (E.ContextOverflowError, 400, "context_length_exceeded"),
+    (E.AdapterInUseError, 503, "adapters_busy"),
+    (E.AdapterMismatchError, 400, "adapter_mismatch"),
+    (E.InvalidGGUFError, 400, "invalid_file"),
+    (E.LoadError, 400, "load_failed"),
+    (ChatTemplateError, 400, "chat_template_error"),
+    (E.GrammarError, 400, "grammar_error"),
+    (E.ControlVectorError, 400, "invalid_control_vector"),
+    (E.TokenError, 400, "invalid_token"),
+    (E.InvalidUtf8Error, 400, "invalid_utf8"),
+    (E.ArgumentTypeError, 400, "invalid_type"),
+    (E.InvalidArgumentError, 400, "invalid_value"),
+    (E.OutOfMemoryError, 503, "out_of_memory"),
+    (E.KVCacheFullError, 503, "kv_cache_full"),
+]
+
+
+def from_exception(exc: BaseException) -> APIError | None:
+    """The APIError for an exception llamax raises on purpose, else None."""
+    if isinstance(exc, APIError):
+        return exc
+    for cls, status, code in _MAP:
+        if isinstance(exc, cls):
+            msg = str(exc)
+            if isinstance(exc, KeyError) and exc.args:
+                msg = str(exc.args[0])  # KeyError's str() adds quotes
+            headers = {"Retry-After": "1"} if status == 503 else None
+            return APIError(status, msg, code=code, headers=headers)
+    return None

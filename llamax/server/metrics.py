@@ -1,0 +1,80 @@
+"""``GET /metrics``: Prometheus text, read at scrape time from the server's
+counters and the batchers' statistics (no per-token bookkeeping).
+
+llama-server's ``llamacpp:`` names where they mean the same thing, plus
+llamax's own under ``llamax:``.
+"""
+from __future__ import annotations
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+
+class _Collector:
+    def __init__(self, engine):
+        self.engine = engine
+
+    def collect(self):
+        e = self.engine
+        c = e.counters
+        stats = {"n_decodes": 0, "n_tokens": 0, "n_switches": 0, "n_cached_tokens": 0, "n_seq_copies": 0,
+                 "n_multi_adapter_decodes": 0, "n_seq_decoded": 0}
+        for s in e.llm._pool.slots:
+            b = getattr(s, "batcher", None)
+            if b is not None and not b.closed:
+                for k, v in b.stats().items():
+                    if k in stats:
+                        stats[k] += v
+        with c.lock:
+            prompt, predicted, cached = c.prompt_tokens, c.predicted_tokens, c.cached_tokens
+            requests = dict(c.requests)
+        running = min(e.in_flight, e.capacity)
+        waiting = max(0, e.in_flight - e.capacity)
+
+        def counter(name, doc, value):
+            m = CounterMetricFamily(name, doc)
+            m.add_metric([], value)
+            return m
+
+        def gauge(name, doc, value):
+            m = GaugeMetricFamily(name, doc)
+            m.add_metric([], value)
+            return m
+
+        yield counter("llamacpp:prompt_tokens", "Prompt tokens of finished requests (cached ones included).",
+                      prompt)
+        yield counter("llamacpp:tokens_predicted", "Generated tokens of finished requests.", predicted)
+        yield counter("llamacpp:n_decode", "llama_decode calls of the batchers.", stats["n_decodes"])
+        yield gauge("llamacpp:requests_processing", "Requests running.", running)
+        yield gauge("llamacpp:requests_deferred", "Requests waiting for a sequence slot.", waiting)
+        yield gauge("llamax:queue_depth", "Requests admitted and not yet running.", waiting)
+        yield counter("llamax:prefix_cache_hit_tokens", "Prompt tokens reused from the prefix cache.", cached)
+        yield counter("llamax:prefix_copies", "Prefixes copied from a running sequence's cells.",
+                      stats["n_seq_copies"])
+        yield counter("llamax:adapter_set_switches", "State changes between decodes (adapter set or control "
+                      "vector applied anew).", stats["n_switches"])
+        yield counter("llamax:multi_adapter_decodes", "Decodes that served several adapter sets at once.",
+                      stats["n_multi_adapter_decodes"])
+        yield counter("llamax:decoded_tokens", "Tokens decoded by the batchers (prompt and generated).",
+                      stats["n_tokens"])
+        yield counter("llamax:sequence_steps", "Sum over decodes of the sequences in each.",
+                      stats["n_seq_decoded"])
+        yield gauge("llamax:sequences_per_decode", "Mean sequences per decode since start.",
+                    stats["n_seq_decoded"] / stats["n_decodes"] if stats["n_decodes"] else 0.0)
+        loras = e.llm.list_loras()
+        yield gauge("llamax:adapters_loaded", "LoRA adapters in memory.", sum(1 for x in loras if x["loaded"]))
+        yield gauge("llamax:adapters_registered", "LoRA adapters offered (loaded or on demand).", len(loras))
+        m = CounterMetricFamily("llamax:requests", "Requests answered, by endpoint and status code.",
+                                labels=["endpoint", "code"])
+        for (endpoint, code), v in sorted(requests.items()):
+            m.add_metric([endpoint, str(code)], v)
+        yield m
+
+
+def render(engine) -> tuple[bytes, str]:
+    reg = getattr(engine, "_registry", None)
+    if reg is None:
+        reg = CollectorRegistry(auto_describe=False)
+        reg.register(_Collector(engine))
+        engine._registry = reg
+    return generate_latest(reg), CONTENT_TYPE_LATEST

@@ -1,0 +1,130 @@
+"""Request bodies of the OpenAI-compatible server, as pydantic models.
+
+Policy on fields (README, "Serve"): every OpenAI field listed here is
+honoured, except the few marked *accepted, no effect* (``user``,
+``metadata``, ``store``, ``service_tier``, ``parallel_tool_calls``), which
+change nothing an open-weights server computes.  Any other field is refused
+with 400 naming it: a misspelt ``active_lora`` must not silently run the
+base model.  Types are strict (``"1"`` is not an int).
+"""
+from __future__ import annotations
+
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+MAX_N = 16          # choices per request
+MAX_STOPS = 16      # stop strings per request
+MAX_STOP_LEN = 1024
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class LoraByName(_Strict):
+    name: str = Field(min_length=1)
+    scale: float = 1.0
+
+
+class LoraById(_Strict):
+    """llama-server's per-request ``lora`` entry."""
+    id: int = Field(ge=0)
+    scale: float = 1.0
+
+
+class ControlVectorByName(_Strict):
+    name: str = Field(min_length=1)
+    scale: float = 1.0
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM: usage in every chunk
+
+
+class _Adapters(_Strict):
+    """The llamax fields every model endpoint takes."""
+    model: Optional[str] = None
+    active_loras: Optional[list[LoraByName]] = None
+    lora: Optional[list[LoraById]] = None
+    control_vectors: Optional[list[ControlVectorByName]] = None
+    user: Optional[str] = None  # accepted, no effect
+
+
+class _Sampling(_Adapters):
+    max_tokens: Optional[int] = Field(default=None, ge=1)
+    temperature: Optional[float] = Field(default=None, ge=0.0, le=2.0)
+    top_p: Optional[float] = Field(default=None, ge=0.0, le=1.0)
+    top_k: Optional[int] = Field(default=None, ge=0)
+    min_p: Optional[float] = Field(default=None, ge=0.0, le=1.0)
+    typical_p: Optional[float] = Field(default=None, ge=0.0, le=1.0)
+    repeat_penalty: Optional[float] = Field(default=None, ge=0.0)
+    frequency_penalty: Optional[float] = Field(default=None, ge=-2.0, le=2.0)
+    presence_penalty: Optional[float] = Field(default=None, ge=-2.0, le=2.0)
+    stop: Union[str, list[str], None] = None
+    seed: Optional[int] = None
+    n: int = Field(default=1, ge=1, le=MAX_N)
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    logit_bias: Optional[dict[str, float]] = None
+    grammar: Optional[str] = None
+    cache_prompt: bool = True
+    metadata: Optional[dict[str, Any]] = None        # accepted, no effect
+    store: Optional[bool] = None                      # accepted, no effect
+    service_tier: Optional[str] = None                # accepted, no effect
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    max_completion_tokens: Optional[int] = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: Optional[int] = Field(default=None, ge=0, le=20)
+    response_format: Optional[dict[str, Any]] = None
+    tools: Optional[list[dict[str, Any]]] = None
+    tool_choice: Union[str, dict[str, Any], None] = None
+    parallel_tool_calls: Optional[bool] = None       # accepted, no effect
+    assistant_prefill: bool = False
+
+
+class CompletionRequest(_Sampling):
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    echo: bool = False
+    logprobs: Optional[int] = Field(default=None, ge=0, le=20)
+    suffix: Optional[str] = None
+    best_of: Optional[int] = Field(default=None, ge=1, le=MAX_N)
+
+
+class EmbeddingRequest(_Adapters):
+    input: Union[str, list[str], list[int], list[list[int]]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Optional[int] = Field(default=None, ge=1)
+
+
+class TokenizeRequest(_Strict):
+    content: str
+    add_special: bool = False
+    parse_special: bool = True
+    with_pieces: bool = False
+
+
+class DetokenizeRequest(_Strict):
+    tokens: list[int]
+
+
+class ApplyTemplateRequest(_Strict):
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    tools: Optional[list[dict[str, Any]]] = None
+    add_generation_prompt: bool = True
+
+
+class LoadLoraRequest(_Strict):
+    """vLLM's body."""
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_path: str = Field(min_length=1)
+    load_inplace: bool = False
+
+
+class UnloadLoraRequest(_Strict):
+    lora_name: str = Field(min_length=1)
+    lora_int_id: Optional[int] = None

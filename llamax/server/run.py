@@ -1,0 +1,54 @@
+"""Run the server: uvicorn on the app, the model loaded in a thread while
+``/health`` says 503, one line on stdout when it is ready, clean stops on
+SIGINT/SIGTERM."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+
+import uvicorn
+
+from llamax.server.app import Engine, ServerConfig, build_app
+
+
+async def _announce(server: uvicorn.Server, engine: Engine, cfg: ServerConfig) -> None:
+    while not (server.started and engine.loaded.is_set()):
+        if server.should_exit:
+            return
+        await asyncio.sleep(0.02)
+    if engine.llm is None:
+        print(f"llamax: the model failed to load: {engine.load_error}", file=sys.stderr, flush=True)
+        server.should_exit = True
+        return
+    port = cfg.port
+    for s in server.servers:
+        for sock in s.sockets:
+            port = sock.getsockname()[1]
+            break
+    print(f"llamax: serving {cfg.alias!r} at http://{cfg.host}:{port}/v1 "
+          f"({cfg.n_contexts} context(s) x {cfg.parallel} sequences, {len(engine.lora_ids)} adapter(s))",
+          flush=True)
+
+
+def serve(cfg: ServerConfig) -> int:
+    engine = Engine(cfg)
+    app = build_app(engine)
+    if not cfg.verbose:
+        logging.getLogger("llamax").setLevel(logging.WARNING)
+    ucfg = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="info" if cfg.verbose else "warning",
+                          access_log=cfg.verbose, timeout_graceful_shutdown=cfg.shutdown_timeout,
+                          lifespan="on")
+    server = uvicorn.Server(ucfg)
+
+    async def main():
+        watch = asyncio.ensure_future(_announce(server, engine, cfg))
+        try:
+            await server.serve()
+        finally:
+            watch.cancel()
+
+    asyncio.run(main())
+    if engine.loaded.is_set() and engine.llm is None:
+        return 1
+    return 0 if server.started else 1
