@@ -367,10 +367,6 @@ def _usage_sum(usages: list[dict]) -> dict:
 
 # -- the app ----------------------------------------------------------------------------
 
-class _BodyTooLarge(Exception):
-    pass
-
-
 class _BodyLimit:
     """ASGI middleware: bodies over ``limit`` bytes get 413 (by their
     Content-Length up front, or while a chunked body is read)."""
@@ -392,18 +388,31 @@ class _BodyLimit:
                     resp = _error_response(APIError(413, f"the request body is over {self.limit} bytes",
                                                     code="body_too_large"))
                     return await resp(scope, receive, send)
+        # Read the whole body first (at most `limit` bytes are held), so
+        # that an oversized chunked body is refused before any route runs.
+        parts = []
         seen = 0
-
-        async def limited():
-            nonlocal seen
+        while True:
             msg = await receive()
-            if msg["type"] == "http.request":
-                seen += len(msg.get("body", b""))
-                if seen > self.limit:
-                    raise _BodyTooLarge()
-            return msg
+            if msg["type"] != "http.request":  # the client went away
+                return
+            body = msg.get("body", b"")
+            seen += len(body)
+            if seen > self.limit:
+                resp = _error_response(APIError(413, f"the request body is over {self.limit} bytes",
+                                                code="body_too_large"))
+                return await resp(scope, receive, send)
+            parts.append(body)
+            if not msg.get("more_body", False):
+                break
+        replay = [{"type": "http.request", "body": b"".join(parts), "more_body": False}]
 
-        return await self.app(scope, limited, send)
+        async def replayed():
+            if replay:
+                return replay.pop()
+            return await receive()  # later: http.disconnect
+
+        return await self.app(scope, replayed, send)
 
 
 def build_app(engine: Engine) -> FastAPI:
@@ -450,11 +459,6 @@ def build_app(engine: Engine) -> FastAPI:
         err = APIError(exc.status_code, str(exc.detail), code=None,
                        headers=getattr(exc, "headers", None))
         return _error_response(err)
-
-    @app.exception_handler(_BodyTooLarge)
-    async def _too_large(request, exc):
-        return _error_response(APIError(413, f"the request body is over {cfg.max_body_bytes} bytes",
-                                        code="body_too_large"))
 
     @app.exception_handler(llamax.LlamaxError)
     async def _llamax(request, exc):
@@ -809,7 +813,16 @@ def build_app(engine: Engine) -> FastAPI:
                                        parse_special=body.parse_special)
         toks = [int(t) for t in toks]
         if body.with_pieces:
-            return {"tokens": [{"id": t, "piece": model.token_text(t)} for t in toks]}
+            # llama-server's shape: the piece as text when it is valid UTF-8 alone, else its bytes
+            out = []
+            for t in toks:
+                b = model.token_to_piece(t, special=True)
+                try:
+                    piece: Any = b.decode("utf-8")
+                except UnicodeDecodeError:
+                    piece = list(b)
+                out.append({"id": t, "piece": piece})
+            return {"tokens": out}
         return {"tokens": toks}
 
     @app.post("/detokenize", dependencies=user)
@@ -833,7 +846,7 @@ def build_app(engine: Engine) -> FastAPI:
             d = {"id": i, "n_ctx": engine.cfg.n_ctx, "n_parallel": cfg.parallel,
                  "is_processing": bool(s.busy)}
             if b is not None and not b.closed:
-                d.update(n_requests=s.n_requests, n_active=b.n_active(), **b.stats())
+                d.update(n_requests=s.n_requests, n_active=b.n_active, **b.stats())
             out.append(d)
         return out
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 import sys
 
 import uvicorn
@@ -48,7 +49,18 @@ def serve(cfg: ServerConfig) -> int:
         finally:
             watch.cancel()
 
-    asyncio.run(main())
+    # uvicorn re-raises the signal that stopped it once it has shut down
+    # gracefully, through the handler that was there before it: make that
+    # one quiet, so that a clean stop exits with status 0
+    stops = []
+    previous = {sig: signal.signal(sig, lambda s, f: stops.append(s)) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        asyncio.run(main())
+    finally:
+        for sig, h in previous.items():
+            signal.signal(sig, h)
     if engine.loaded.is_set() and engine.llm is None:
         return 1
+    if stops:
+        print(f"llamax: stopped ({signal.Signals(stops[0]).name})", flush=True)
     return 0 if server.started else 1

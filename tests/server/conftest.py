@@ -120,7 +120,7 @@ KEYS = ("user-key-1", "user-key-2")
 
 @pytest.fixture(scope="session")
 def locked(smollm2_path, adapters):
-    s = Server([smollm2_path, "--alias", "smol", "--parallel", "2", "--n-ctx", "512", "--max-queue", "1",
+    s = Server([smollm2_path, "--alias", "smol", "--parallel", "2", "--n-ctx", "2048", "--max-queue", "1",
                 "--api-key", KEYS[0], "--admin-api-key", ADMIN, "--allow-runtime-lora",
                 "--lora-dir", adapters["lora_dir"], "--request-timeout", "4", "--max-body-bytes", "65536"],
                env={"LLAMAX_API_KEY": KEYS[1]})
