@@ -120,7 +120,7 @@ class Engine:
         self.lora_paths: dict[str, str] = {}
         self._next_id = 0
         self.default_set: list[dict] = []      # POST /lora-adapters: [{name, scale}]
-        self.admin_lock = threading.Lock()
+        self.admin_lock: asyncio.Lock | None = None  # made on the loop: runtime loads one at a time
         self.in_flight = 0
         self.counters = _Counters()
 
@@ -148,12 +148,21 @@ class Engine:
             self.loaded.set()
 
     def _add_lora(self, llm, name: str, path: str) -> None:
+        self._load_lora_file(llm, name, path)
+        self._record_lora(name, path)
+
+    def _load_lora_file(self, llm, name: str, path: str) -> None:
+        """(a worker thread: reads the file)"""
         if self.cfg.max_loaded_adapters is None:
             llm.load_lora(name, path)
         else:
             # checked against the model now (a bad file fails here), loaded on demand later
             llamax.LoraAdapter(llm.model, path).close()
             llm.register_lora(name, path)
+
+    def _record_lora(self, name: str, path: str) -> None:
+        """(the event loop's thread, or the loader before serving: the
+        tables are only changed where requests read them)"""
         self.lora_ids[name] = self._next_id
         self.lora_paths[name] = path
         self._next_id += 1
@@ -907,17 +916,18 @@ def build_app(engine: Engine) -> FastAPI:
             raise APIError(400, f"an adapter may not be named like the model alias {cfg.alias!r}",
                            param="lora_name")
         path = _lora_path(body.lora_path)
-
-        def work():
-            with engine.admin_lock:
-                if name in engine.lora_ids:
-                    if not body.load_inplace:
-                        raise APIError(409, f"an adapter named {name!r} is already loaded (unload it first, or "
-                                       "pass load_inplace=true)", param="lora_name", code="adapter_exists")
-                    _unload(name)
-                engine._add_lora(engine.llm, name, path)
-
-        await asyncio.to_thread(work)
+        if engine.admin_lock is None:
+            engine.admin_lock = asyncio.Lock()
+        async with engine.admin_lock:
+            if name in engine.lora_ids:
+                if not body.load_inplace:
+                    raise APIError(409, f"an adapter named {name!r} is already loaded (unload it first, or "
+                                   "pass load_inplace=true)", param="lora_name", code="adapter_exists")
+                # the new file is checked before the old adapter goes
+                await asyncio.to_thread(lambda: llamax.LoraAdapter(engine.llm.model, path).close())
+                _unload(name)
+            await asyncio.to_thread(engine._load_lora_file, engine.llm, name, path)
+            engine._record_lora(name, path)
         return Response(f"Success: LoRA adapter '{name}' added successfully.", media_type="text/plain")
 
     def _unload(name: str) -> None:
@@ -930,14 +940,9 @@ def build_app(engine: Engine) -> FastAPI:
     async def unload_lora(body: P.UnloadLoraRequest, e: Engine = Depends(need_model)):
         _runtime_allowed()
         name = body.lora_name
-
-        def work():
-            with engine.admin_lock:
-                if name not in engine.lora_ids:
-                    raise APIError(404, f"no adapter named {name!r}", param="lora_name", code="adapter_not_found")
-                _unload(name)
-
-        await asyncio.to_thread(work)
+        if name not in engine.lora_ids:
+            raise APIError(404, f"no adapter named {name!r}", param="lora_name", code="adapter_not_found")
+        _unload(name)  # never waits: running requests keep the adapter until they end
         return Response(f"Success: LoRA adapter '{name}' removed successfully.", media_type="text/plain")
 
     # -- metrics ----------------------------------------------------------------------

@@ -47,6 +47,8 @@ _MAP = [
     (E.InvalidArgumentError, 400, "invalid_value"),
     (E.OutOfMemoryError, 503, "out_of_memory"),
     (E.KVCacheFullError, 503, "kv_cache_full"),
+    (E.CancelledError, 503, "cancelled"),      # the server is stopping
+    (E.ClosedError, 503, "cancelled"),
 ]
 
 

@@ -155,6 +155,11 @@ def test_auth_matrix(locked, adapters):
         try:
             assert "rt" in [m["id"] for m in c.get("/v1/models", headers=u).json()["data"]]
             err(c.post("/v1/load_lora_adapter", json=load, headers=a), 409, "adapter_exists")
+            r = c.post("/v1/load_lora_adapter", json=dict(load, load_inplace=True), headers=a)
+            assert r.status_code == 200, r.text
+            bad = dict(load, lora_path="foreign.gguf", load_inplace=True)  # refused: the old one stays
+            err(c.post("/v1/load_lora_adapter", json=bad, headers=a), 400)
+            assert c.post("/v1/chat/completions", json=dict(CHAT, model="rt"), headers=u).status_code == 200
             err(c.post("/v1/unload_lora_adapter", json={"lora_name": "rt"}, headers=u), 403)
         finally:
             assert c.post("/v1/unload_lora_adapter", json={"lora_name": "rt"}, headers=a).status_code == 200
@@ -332,3 +337,22 @@ def test_health_and_metrics(http):
 def test_metrics_off(locked):
     r = httpx.get(locked.url + "/metrics", headers={"X-Api-Key": KEYS[0]})
     err(r, 404, "metrics_disabled")
+
+
+def test_adapters_on_demand(smollm2_path, adapters):
+    """--max-loaded-adapters 1: adapters load when a request names them, the
+    least recently used one is unloaded, answers stay each adapter's own."""
+    from .conftest import Server
+    s = Server([smollm2_path, "--alias", "smol", "--max-loaded-adapters", "1",
+                "--lora", f"coder={adapters['coder']}", "--lora", f"writer={adapters['writer']}"])
+    try:
+        with httpx.Client(base_url=s.url, timeout=60) as c:
+            loaded = lambda: {e["name"]: e["loaded"] for e in c.get("/lora-adapters").json()}  # noqa: E731
+            assert loaded() == {"coder": False, "writer": False}
+            first = lp(c, model="coder")
+            assert loaded() == {"coder": True, "writer": False}
+            lp(c, model="writer")
+            assert loaded() == {"coder": False, "writer": True}
+            assert lp(c, model="coder") == first
+    finally:
+        assert s.stop() == 0

@@ -1,0 +1,59 @@
+"""``python -m llamax serve``: its options and the configurations it refuses."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def serve(*args, timeout=120):
+    return subprocess.run([sys.executable, "-m", "llamax", "serve", *map(str, args)], capture_output=True,
+                          text=True, timeout=timeout, cwd=str(HERE))
+
+
+def test_help_lists_the_options():
+    r = serve("--help")
+    assert r.returncode == 0
+    for opt in ("--host", "--port", "--alias", "--n-contexts", "--parallel", "--n-ctx", "--threads", "--lora",
+                "--lora-dir", "--max-loaded-adapters", "--control-vector", "--api-key", "--api-key-file",
+                "--admin-api-key", "--allow-runtime-lora", "--max-queue", "--metrics"):
+        assert opt in r.stdout, opt
+
+
+def test_refused_configurations(smollm2_path, tmp_path):
+    r = serve(smollm2_path, "--allow-runtime-lora", "--lora-dir", tmp_path)
+    assert r.returncode == 2 and "--admin-api-key" in r.stderr
+    r = serve(smollm2_path, "--allow-runtime-lora", "--admin-api-key", "k")
+    assert r.returncode == 2 and "--lora-dir" in r.stderr
+    r = serve(smollm2_path, "--lora", tmp_path / "missing.gguf")
+    assert r.returncode == 2 and "no such file" in r.stderr
+    r = serve(tmp_path / "missing.gguf", "--port", "0")
+    assert r.returncode == 1 and "failed to load" in r.stderr
+
+
+def test_bad_adapter_at_start_fails_the_start(smollm2_path, tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + b"\0" * 64)
+    r = serve(smollm2_path, "--lora", f"x={bad}", "--port", "0")
+    assert r.returncode == 1 and "failed to load" in r.stderr
+
+
+def test_health_is_503_until_the_model_has_loaded(smollm2_path):
+    """The app answers before the model is loaded (uvicorn listens while a
+    thread loads it): /health and the model routes say 503 until then."""
+    from starlette.testclient import TestClient
+
+    from llamax.server.app import Engine, ServerConfig, build_app
+    engine = Engine(ServerConfig(model=str(smollm2_path)))
+    client = TestClient(build_app(engine))  # no lifespan: nothing loads
+    r = client.get("/health")
+    assert r.status_code == 503 and r.json()["error"]["code"] == "loading" and r.headers["retry-after"] == "1"
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 503
+    engine.load()
+    try:
+        assert client.get("/health").json() == {"status": "ok"}
+    finally:
+        engine.close()
