@@ -7,7 +7,10 @@ tree, interleaved in one run, loopback only.
 
 Every request streams a chat completion of exactly --max-tokens tokens (the
 end-of-generation tokens are banned with logit_bias, which all three
-honour), so every contestant does the same work.  Per contestant, adapter
+honour), so every contestant does the same work.  Each request's user
+message is its own ("Request i. ..."), as from different users: only the
+chat template's system header is shared between prompts (a benchmark that
+repeats identical prompts measures prompt caches, not serving).  Per contestant, adapter
 mode and concurrency C: C clients send 3*C requests (at least 8); measured:
 requests/s, generated tokens/s, p50/p95 latency and time to first token.
 
@@ -67,7 +70,7 @@ def wait_ready(url: str, proc, timeout=300):
         if proc.poll() is not None:
             raise RuntimeError(f"{url}: the server exited ({proc.returncode})")
         try:
-            r = httpx.get(url + "/health", timeout=2)
+            r = httpx.get(url + "/v1/models", timeout=2)  # (llama-cpp-python has no /health)
             if r.status_code == 200:
                 return
         except httpx.HTTPError:
@@ -103,7 +106,7 @@ async def load(url: str, clients: int, n: int, body_for, max_tokens: int) -> dic
         nonlocal tokens
         body = body_for(i)
         body.update(stream=True, max_tokens=max_tokens, temperature=0.7, seed=i,
-                    messages=[{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}])
+                    messages=[{"role": "user", "content": f"Request {i}. {PROMPTS[i % len(PROMPTS)]}"}])
         t0 = time.perf_counter()
         first = None
         pieces = 0
@@ -243,7 +246,7 @@ def main(argv=None) -> int:
                         runs.append(res)
                         print(f"round {r} {c.name:17s} {mode:5s} C={n:2d}: {res['tok_s']:7.1f} tok/s "
                               f"{res['req_s']:6.2f} req/s p95 TTFT {res['ttft_p95_s']:.3f} s "
-                              f"errors {res['n_errors']}", flush=True)
+                              f"errors {res['n_errors']} {res['errors'][:1]}", flush=True)
     finally:
         for c in contestants:
             c.stop()

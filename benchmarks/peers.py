@@ -24,7 +24,8 @@ import build_llama_cpp as llama_build  # noqa: E402
 
 
 def _peer_cmake_args() -> list[str]:
-    # the CPU flags of llamax's own llama.cpp build, OpenMP as in ours
+    # the CPU flags of llamax's own llama.cpp build; OpenMP on, as llama-cpp-python builds by default
+    # (llamax builds without it: third_party/build_llama_cpp.py says why)
     return llama_build.cpu_args() + ["-DGGML_OPENMP=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF"]
 
 

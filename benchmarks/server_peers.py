@@ -4,7 +4,7 @@
   sdist's, with llamax's patches applied: 0001/0002 make two tokenizer paths
   linear, 0003 adds a mutex, 0004 per-sequence LoRA scales that only llamax
   calls) and the same CPU flags, in its own build folder (llamax's own build
-  leaves the server off);
+  leaves the server off), with llama.cpp's default OpenMP;
 - llama-cpp-python 0.3.36's server: the benchmark peer venv
   (benchmarks/peers.py) plus its ``[server]`` dependencies.
 
@@ -27,7 +27,10 @@ import peers  # noqa: E402
 
 
 def _server_args() -> list[str]:
-    args = [a for a in llama_build.cmake_args() if not a.startswith("-DLLAMA_BUILD_SERVER=")]
+    # llamax's flags, with llama.cpp's default OpenMP (on: how llama-server is
+    # normally built, and its fastest way with one decoding thread)
+    args = [a for a in llama_build.cmake_args()
+            if not a.startswith("-DLLAMA_BUILD_SERVER=") and not a.startswith("-DGGML_OPENMP=")]
     return args + ["-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_CURL=OFF"]
 
 

@@ -46,8 +46,9 @@ void Seq::rethrow() const {
 // ---------------------------------------------------------------------------
 // Batcher
 
-Batcher::Batcher(Context * ctx, int32_t quantum, int32_t prefix_chunk, bool mix_adapters)
+Batcher::Batcher(Context * ctx, int32_t quantum, int32_t prefix_chunk, bool mix_adapters, bool prefix_align)
     : ctx_(ctx), n_slots_(ctx->n_seq_max()), quantum_(quantum), prefix_chunk_(prefix_chunk),
+      prefix_align_(prefix_align),
       mix_(mix_adapters && Context::kHasPerSeq) {
     if (!ctx->has_memory()) {
         throw Error(ErrorKind::InvalidArgument, "a Batcher needs a generating context (this model has no KV memory)");
@@ -719,7 +720,7 @@ void Batcher::step(std::vector<SeqPtr> & running) {
                 break;
             }
             int32_t n = std::min(room, s->n_prompt_ - s->n_fed_);
-            if (prefix_chunk_ > 0) {  // end at the next multiple of the chunk (prefix cache)
+            if (prefix_chunk_ > 0 && prefix_align_) {  // end at the next multiple of the chunk (prefix cache)
                 n = std::min(n, prefix_chunk_ - (int32_t) (s->pos_ % prefix_chunk_));
             }
             s->chunk_ = n;

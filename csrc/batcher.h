@@ -32,7 +32,10 @@
 // admitted while such a shared prefix is still being decoded by an earlier
 // one waits for it and then copies it, so concurrent requests with one
 // system prompt decode it once.  At least the prompt's
-// last token is always decoded.
+// last token is always decoded.  With align off (prefix_align=false) the
+// prompt is decoded in n_batch chunks as usual and reuse counts in units of
+// C (C=1: any common prefix, as llama-server does): more is reused, but a
+// cached run no longer does exactly the arithmetic of a cold one.
 #pragma once
 
 #include "llamax.h"
@@ -139,7 +142,8 @@ public:
     // gone); starts the thread.  quantum: steps a state group keeps the
     // context while another group waits.  prefix_chunk: see above (0: off).
     // mix_adapters: one decode may serve several adapter sets (see above).
-    Batcher(Context * ctx, int32_t quantum, int32_t prefix_chunk = 0, bool mix_adapters = true);
+    Batcher(Context * ctx, int32_t quantum, int32_t prefix_chunk = 0, bool mix_adapters = true,
+            bool prefix_align = true);
     ~Batcher();  // close()
     Batcher(const Batcher &) = delete;
     Batcher & operator=(const Batcher &) = delete;
@@ -183,6 +187,7 @@ private:
     int32_t n_slots_;
     int32_t quantum_;
     int32_t prefix_chunk_;  // 0: no prefix cache (also forced for recurrent/hybrid models)
+    bool prefix_align_;     // prompts decoded in chunks ending at multiples of prefix_chunk_
     bool mix_;  // batcher thread after start: mix adapter sets in one decode
     int32_t mix_failures_ = 0;  // mixed decodes failed since the last one that worked
     bool skip_mix_ = false;     // this step groups by whole state (after a failed mixed decode)

@@ -142,7 +142,7 @@ class _AsyncHub:
 cdef class Batcher:
     """Continuous batching on one context: concurrent sequences share decodes.
 
-    ``Batcher(context, quantum=4, prefix_chunk=0, mix_adapters=True)`` takes over ``context`` (created with
+    ``Batcher(context, quantum=4, prefix_chunk=0, mix_adapters=True, prefix_align=True)`` takes over ``context`` (created with
     ``n_seq_max=S`` and ``kv_unified=False``: S sequences at once, each with
     ``n_ctx / S`` cells of its own) and runs it on a native thread without
     the GIL.  ``submit()`` queues a sequence and returns a
@@ -163,6 +163,10 @@ cdef class Batcher:
     cells of the longest run of whole chunks its prompt shares with a
     finished sequence of the same state (kept in that slot) or a running one
     (copied), so concurrent requests with one system prompt decode it once.
+    ``prefix_align=False``: prompts are decoded in ``n_batch`` chunks as
+    usual and reuse counts in units of C (``prefix_chunk=1``: any common
+    prefix, as llama-server does): more is reused, but a cached run no
+    longer does exactly the arithmetic of a cold one.
     """
 
     cdef CBatcher * _b
@@ -173,7 +177,7 @@ cdef class Batcher:
     def __cinit__(self):
         self._b = NULL
 
-    def __init__(self, context, *, quantum=4, prefix_chunk=0, mix_adapters=True):
+    def __init__(self, context, *, quantum=4, prefix_chunk=0, mix_adapters=True, prefix_align=True):
         if self._b != NULL:
             raise InvalidArgumentError("this Batcher is already running")
         cdef Context ctx = _typed(context, Context, "context")
@@ -193,7 +197,10 @@ cdef class Batcher:
         cdef int32_t q = quantum
         cdef int32_t pc = prefix_chunk
         cdef cbool mix = bool(mix_adapters)
-        self._b = new CBatcher(c, q, pc, mix)
+        if not isinstance(prefix_align, bool):
+            raise ArgumentTypeError("prefix_align must be True or False")
+        cdef cbool align = prefix_align
+        self._b = new CBatcher(c, q, pc, mix, align)
         ctx._driver = weakref.ref(self)
         self.context = ctx
         _LIVE_BATCHERS.add(self)

@@ -378,7 +378,8 @@ _SeqFinish: TypeAlias = Literal["stop", "length", "stop_sequence", "cancelled", 
 @disjoint_base
 class Batcher:
     def __init__(
-        self, context: Context, *, quantum: int = 4, prefix_chunk: int = 0, mix_adapters: bool = True
+        self, context: Context, *, quantum: int = 4, prefix_chunk: int = 0, mix_adapters: bool = True,
+        prefix_align: bool = True,
     ) -> None: ...
     @property
     def context(self) -> Context: ...

@@ -77,6 +77,10 @@ class Llama:
     tokens (default: 256, or ``n_batch`` if smaller); every prompt is decoded in chunks ending at multiples of that
     size, so a cached run does the arithmetic of a cold one and its answer
     is the cold answer, bit for bit.  False: only an exact repeat is reused).
+    ``prefix_cache_exact=False`` reuses any common prefix, token by token,
+    and prompts are decoded in ``n_batch`` chunks (llama-server's policy:
+    more is reused, but a cached answer is no longer bit for bit the cold
+    one; ``prefix_cache_chunk`` is then not used).
     With ``n_parallel`` the batcher keeps the same whole chunks per slot and
     also shares them between running requests of one state (see
     :class:`llamax.Batcher`; batched arithmetic depends on the batch, so
@@ -92,6 +96,7 @@ class Llama:
                  flash_attn: bool | None = None, chat_format: str | None = None,
                  chat_template: str | None = None, verbose: bool = False, n_contexts: int = 1,
                  max_loaded_adapters: int | None = None, prefix_cache: bool = True, prefix_cache_chunk: int | None = None,
+                 prefix_cache_exact: bool = True,
                  n_parallel: int = 1,
                  lora_path=None, lora_scale=None, lora_base=None):
         for name, value in (("lora_path", lora_path), ("lora_scale", lora_scale), ("lora_base", lora_base)):
@@ -138,6 +143,9 @@ class Llama:
             raise InvalidArgumentError(f"prefix_cache_chunk must be an int in [1, n_batch={n_batch}], "
                                        f"got {prefix_cache_chunk!r}")
         self._prefix_chunk = prefix_cache_chunk
+        if not isinstance(prefix_cache_exact, bool):
+            raise ArgumentTypeError("prefix_cache_exact must be a bool")
+        self._prefix_exact = prefix_cache_exact
         self.n_parallel = n_parallel
         slots = []
         try:
@@ -151,8 +159,8 @@ class Llama:
                     ctx = Context(self._model, n_seq_max=n_parallel, kv_unified=False, **kw)
                     try:
                         # (the batcher's prefix cache: whole chunks of prompts, per state)
-                        pc = self._prefix_chunk if prefix_cache else 0
-                        slots.append(_BatchSlot(ctx, Batcher(ctx, prefix_chunk=pc)))
+                        pc = (self._prefix_chunk if prefix_cache_exact else 1) if prefix_cache else 0
+                        slots.append(_BatchSlot(ctx, Batcher(ctx, prefix_chunk=pc, prefix_align=prefix_cache_exact)))
                     except BaseException:
                         ctx.close()
                         raise

@@ -437,8 +437,10 @@ class _Request:
             saved = lcp == n and slot.logits_n == n and self.logprobs is None
             if saved:
                 n_keep = n
-            elif llm._prefix_cache and self.cache_prompt:
+            elif llm._prefix_cache and self.cache_prompt and llm._prefix_exact:
                 n_keep = min(lcp, slot.exact_n, n - 1) // chunk * chunk
+            elif llm._prefix_cache and self.cache_prompt:
+                n_keep = min(lcp, n - 1)  # any common prefix (prefix_cache_exact=False)
             else:
                 n_keep = 0  # only an exact repeat reuses the KV (see Llama's prefix_cache)
             res.n_cached = n_keep
@@ -463,7 +465,8 @@ class _Request:
 
             try:
                 out, finish = ctx.generate(self.tokens[n_keep:], self.sampler, max_tokens=self.max_tokens,
-                                           callback=on_token if want_cb else None, chunk=chunk)
+                                           callback=on_token if want_cb else None,
+                                           chunk=chunk if llm._prefix_exact else 0)
             except BaseException:
                 slot.key = None
                 slot.tokens = np.empty(0, np.int32)

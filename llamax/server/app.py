@@ -53,6 +53,7 @@ class ServerConfig:
     loras: list[tuple[str, str]] = dataclasses.field(default_factory=list)
     lora_dir: str | None = None
     max_loaded_adapters: int | None = None
+    prefix_cache: str = "any"   # any | exact | off (see Llama's prefix_cache_exact)
     control_vectors: list[tuple[str, str]] = dataclasses.field(default_factory=list)
     api_keys: list[str] = dataclasses.field(default_factory=list)
     admin_api_keys: list[str] = dataclasses.field(default_factory=list)
@@ -74,6 +75,8 @@ class ServerConfig:
                              "admin action, never open to anyone who can reach the port")
         if self.allow_runtime_lora and not self.lora_dir:
             raise ValueError("--allow-runtime-lora needs --lora-dir: the only folder runtime loads may read")
+        if self.prefix_cache not in ("any", "exact", "off"):
+            raise ValueError(f"--prefix-cache must be any, exact or off, not {self.prefix_cache!r}")
         if self.lora_dir is not None and not os.path.isdir(self.lora_dir):
             raise ValueError(f"--lora-dir {self.lora_dir}: not a directory")
         names = [n for n, _ in self.loras]
@@ -132,6 +135,7 @@ class Engine:
             llm = llamax.Llama(cfg.model, n_ctx=cfg.n_ctx, n_batch=max(cfg.n_batch, cfg.parallel),
                                n_threads=cfg.threads, n_contexts=cfg.n_contexts, n_parallel=cfg.parallel,
                                max_loaded_adapters=cfg.max_loaded_adapters, chat_format=cfg.chat_format,
+                               prefix_cache=cfg.prefix_cache != "off", prefix_cache_exact=cfg.prefix_cache == "exact",
                                chat_template=cfg.chat_template, verbose=cfg.verbose)
             try:
                 for name, path in cfg.loras:
@@ -361,6 +365,19 @@ async def _guarded(request: Request, aw, timeout: float):
         watch.cancel()
         if not task.done():
             task.cancel()
+
+
+def _dumps(obj) -> str:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+
+
+def _cancel(req) -> None:
+    """Stop a running request at its next step (any thread-safe way it has)."""
+    seq = getattr(req, "_seq", None)
+    if seq is not None:
+        seq.cancel()
+    req.cancel.set()        # the one-context token loop
+    req.own_token.cancel()  # a prompt decode in progress
 
 
 def _usage_sum(usages: list[dict]) -> dict:
@@ -611,40 +628,55 @@ def build_app(engine: Engine) -> FastAPI:
 
         async def events():
             iters = []
-            queue: asyncio.Queue = asyncio.Queue()
-            end = object()
             usages: list[dict] = []
             cid = None
-            deadline = time.monotonic() + cfg.request_timeout
-
-            async def pump(i, it):
-                try:
-                    async for chunk in it:
-                        await queue.put((i, chunk))
-                except BaseException as e:  # handed to the stream
-                    await queue.put((i, e))
-                finally:
-                    await queue.put((i, end))
-
+            timed_out = False
             tasks = []
+
+            def time_up():
+                # cancels the sequences at their next step (the stream then ends)
+                nonlocal timed_out
+                timed_out = True
+                for p in plans:
+                    _cancel(p.req)
+
+            timer = asyncio.get_running_loop().call_later(cfg.request_timeout, time_up)
+
+            async def merged():
+                """(choice index, chunk) from every choice's stream."""
+                if len(iters) == 1:  # no task and no queue per token
+                    async for chunk in iters[0]:
+                        yield 0, chunk
+                    return
+                queue: asyncio.Queue = asyncio.Queue()
+                end = object()
+
+                async def pump(i, it):
+                    try:
+                        async for chunk in it:
+                            queue.put_nowait((i, chunk))
+                    except BaseException as e:  # handed to the stream
+                        queue.put_nowait((i, e))
+                    finally:
+                        queue.put_nowait((i, end))
+
+                tasks.extend(asyncio.ensure_future(pump(i, it)) for i, it in enumerate(iters))
+                left = len(tasks)
+                while left:
+                    i, item = await queue.get()
+                    if item is end:
+                        left -= 1
+                    elif isinstance(item, BaseException):
+                        raise item
+                    else:
+                        yield i, item
+
             try:
                 for p in plans:
                     iters.append(await _run_plan(p))
-                tasks = [asyncio.ensure_future(pump(i, it)) for i, it in enumerate(iters)]
-                left = len(tasks)
-                while left:
-                    remaining = deadline - time.monotonic()
-                    try:
-                        i, item = await asyncio.wait_for(queue.get(), max(remaining, 0.001))
-                    except asyncio.TimeoutError:
-                        raise APIError(408, f"the request took longer than {cfg.request_timeout:g} s "
-                                       "(--request-timeout)", code="request_timeout") from None
-                    if item is end:
-                        left -= 1
-                        continue
-                    if isinstance(item, BaseException):
-                        raise item
-                    chunk = item
+                async for i, chunk in merged():
+                    if timed_out:
+                        break
                     cid = cid or chunk["id"]
                     chunk["id"] = cid
                     chunk["model"] = request_model
@@ -655,25 +687,32 @@ def build_app(engine: Engine) -> FastAPI:
                         usages.append(u)
                         if continuous:
                             chunk["usage"] = u
-                    yield json.dumps(chunk, ensure_ascii=False)
+                    yield _dumps(chunk)
+                if timed_out:
+                    raise APIError(408, f"the request took longer than {cfg.request_timeout:g} s "
+                                   "(--request-timeout)", code="request_timeout")
                 total = _usage_sum(usages)
                 engine.counters.usage(total)
                 if include_usage:
-                    yield json.dumps({"id": cid, "object": plans_object, "created": int(time.time()),
-                                      "model": request_model, "choices": [], "usage": total})
+                    yield _dumps({"id": cid, "object": plans_object, "created": int(time.time()),
+                                  "model": request_model, "choices": [], "usage": total})
                 yield "[DONE]"
                 engine.counters.request(name, 200)
             except asyncio.CancelledError:
                 engine.counters.request(name, 499)
                 raise
             except Exception as exc:
+                if timed_out and not isinstance(exc, APIError):
+                    exc = APIError(408, f"the request took longer than {cfg.request_timeout:g} s "
+                                   "(--request-timeout)", code="request_timeout")
                 err = from_exception(exc)
                 if err is None:
                     logger.exception("error in a stream", exc_info=exc)
                     err = APIError(500, f"internal error: {type(exc).__name__}")
                 engine.counters.request(name, err.status)
-                yield json.dumps(err.body())
+                yield _dumps(err.body())
             finally:
+                timer.cancel()
                 for t in tasks:
                     t.cancel()
                 for it in iters:

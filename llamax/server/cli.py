@@ -39,6 +39,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lora-dir", help="the only folder runtime loads may read adapters from")
     p.add_argument("--max-loaded-adapters", type=int, default=None,
                    help="adapters in memory at once; others load on demand, least recently used unloaded")
+    p.add_argument("--prefix-cache", choices=("any", "exact", "off"), default="any",
+                   help="prompt prefix reuse: any common prefix, token by token (default, as llama-server); "
+                        "exact: whole 256-token chunks, a cached answer bit for bit the cold one; off")
     p.add_argument("--control-vector", action="append", type=_named, default=[], metavar="NAME=PATH",
                    help="a control vector GGUF, named (repeatable)")
     p.add_argument("--api-key", action="append", default=[], help="an API key (repeatable; also LLAMAX_API_KEY)")
@@ -96,6 +99,7 @@ def run(args) -> int:
                            n_contexts=args.n_contexts, parallel=args.parallel, n_ctx=args.n_ctx,
                            n_batch=args.n_batch, threads=args.threads, loras=args.lora, lora_dir=args.lora_dir,
                            max_loaded_adapters=args.max_loaded_adapters, control_vectors=args.control_vector,
+                           prefix_cache=args.prefix_cache,
                            api_keys=keys, admin_api_keys=admin, allow_runtime_lora=args.allow_runtime_lora,
                            max_queue=args.max_queue, metrics=args.metrics, max_body_bytes=args.max_body_bytes,
                            request_timeout=args.request_timeout, shutdown_timeout=args.shutdown_timeout,

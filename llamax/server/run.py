@@ -55,7 +55,12 @@ def serve(cfg: ServerConfig) -> int:
     stops = []
     previous = {sig: signal.signal(sig, lambda s, f: stops.append(s)) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        asyncio.run(main())
+        try:  # uvicorn[standard]'s loop when it is there (uvloop)
+            import uvloop
+            run = uvloop.run
+        except ImportError:
+            run = asyncio.run
+        run(main())
     finally:
         for sig, h in previous.items():
             signal.signal(sig, h)

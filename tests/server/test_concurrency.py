@@ -23,8 +23,9 @@ SETS = [None, [{"name": "coder", "scale": 1.5}], [{"name": "writer", "scale": 1.
 
 
 def ask(c, prompt, loras):
+    # no reused prefix: this compares batched with alone, not cached with cold
     body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": 12, "temperature": 0.0,
-            "logprobs": True, "top_logprobs": 20}
+            "logprobs": True, "top_logprobs": 20, "cache_prompt": False}
     if loras is not None:
         body["active_loras"] = loras
     r = c.post("/v1/chat/completions", json=body)
