@@ -294,3 +294,24 @@ def test_prefix_cache_is_exact(smollm2_path):
     # the same arithmetic whether the cache is on or off
     with make_llama(smollm2_path, n_contexts=1, prefix_cache_chunk=CHUNK, prefix_cache=False) as off:
         assert run(off, Q2)[1] == want[Q2]
+
+
+@pytest.mark.parametrize("n_parallel", [1, 4])
+def test_prefix_cache_not_exact_reuses_any_common_prefix(smollm2_path, n_parallel):
+    """prefix_cache_exact=False reuses every shared token (the chat
+    template's system header between two questions), with one context or a
+    batcher; cache_prompt=False reuses nothing."""
+    with make_llama(smollm2_path, prefix_cache_exact=False, n_parallel=n_parallel) as m:
+        first = m.create_chat_completion(msgs(Q1), max_tokens=4, **G)
+        assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        r = m.create_chat_completion(msgs(Q2), max_tokens=4, **G)
+        t1, t2 = (m.tokenize(m.apply_chat_template(msgs(q)), add_bos=False, special=True) for q in (Q1, Q2))
+        common = next(i for i, (x, y) in enumerate(zip(t1, t2)) if x != y)
+        assert common > 40  # the system prompt
+        assert r["usage"]["prompt_tokens_details"]["cached_tokens"] == common
+        again = m.create_chat_completion(msgs(Q2), max_tokens=4, **G)
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == again["usage"]["prompt_tokens"] - 1
+        cold = m.create_chat_completion(msgs(Q2), max_tokens=4, cache_prompt=False, **G)
+        assert cold["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    with pytest.raises(TypeError):
+        make_llama(smollm2_path, prefix_cache_exact="yes")

@@ -426,6 +426,33 @@ def test_prefix_cache_reuses_whole_chunks_of_the_same_state(model, lora_paths):
     a.close()
 
 
+def test_prefix_cache_unaligned_reuses_any_common_prefix(model):
+    """prefix_align=False, prefix_chunk=1 (llama-server's policy): a prompt
+    reuses every token it shares with a finished one of its state, and
+    cache_prompt=False reuses nothing."""
+    p1 = model.tokenize(SYSTEM + "What is the capital of France?")
+    p2 = model.tokenize(SYSTEM + "How many legs does a spider have?")
+    common = next(i for i, (x, y) in enumerate(zip(p1, p2)) if x != y)
+    ctx, b = batcher(model, slots=2, prefix_chunk=1, prefix_align=False)
+    with ctx, b:
+        def run(p, **kw):
+            s = b.submit(p, greedy(model), max_tokens=8, ignore_eos=True, **kw)
+            toks = s.result()[0].tolist()
+            return toks, s.n_cached
+
+        _, n = run(p1)
+        assert n == 0
+        got, n = run(p2)
+        assert n == common
+        _, n = run(p2)
+        assert n == len(p2) - 1  # the last token is always decoded
+        _, n = run(p2, cache_prompt=False)
+        assert n == 0
+        assert len(got) == 8 and b.stats()["n_mixed_decodes"] == 0
+    with pytest.raises(TypeError):
+        llamax.Batcher(llamax.Context(model, n_ctx=512), prefix_align=1)
+
+
 def test_prefix_cache_shares_a_running_sequences_prompt(model):
     """Concurrent requests with one system prompt decode it once: a new
     sequence copies the whole chunks from a running sequence of its state."""
