@@ -310,7 +310,8 @@ def test_prefix_cache_not_exact_reuses_any_common_prefix(smollm2_path, n_paralle
         assert common > 40  # the system prompt
         assert r["usage"]["prompt_tokens_details"]["cached_tokens"] == common
         again = m.create_chat_completion(msgs(Q2), max_tokens=4, **G)
-        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == again["usage"]["prompt_tokens"] - 1
+        # all but the last token (a batcher), or all of it with its saved logits (one context)
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= again["usage"]["prompt_tokens"] - 1
         cold = m.create_chat_completion(msgs(Q2), max_tokens=4, cache_prompt=False, **G)
         assert cold["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     with pytest.raises(TypeError):

@@ -198,7 +198,7 @@ def test_runtime_load_off(http):
 # -- adapters over HTTP -------------------------------------------------------------------------
 
 def lp(http, **kw):
-    body = dict(CHAT, logprobs=True, top_logprobs=20, max_tokens=1, **kw)
+    body = dict(CHAT, logprobs=True, top_logprobs=20, max_tokens=1, cache_prompt=False, **kw)  # see lp_chat
     r = http.post("/v1/chat/completions", json=body)
     assert r.status_code == 200, r.text
     return {a["token"]: a["logprob"] for a in r.json()["choices"][0]["logprobs"]["content"][0]["top_logprobs"]}

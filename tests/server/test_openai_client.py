@@ -32,6 +32,11 @@ def chat(oai, **kw):
 
 
 def lp_chat(oai, **kw):
+    """With logprobs, and no reused prompt prefix: the server reuses any
+    common prefix by default (--prefix-cache any), and a prompt decoded
+    partly from cache does other arithmetic than a cold one, so answers that
+    must be equal bit for bit are compared cold."""
+    kw["extra_body"] = dict(kw.get("extra_body") or {}, cache_prompt=False)
     return chat(oai, logprobs=True, top_logprobs=TOP, **kw)
 
 
