@@ -228,7 +228,7 @@ class Engine:
                 loras = [{"name": target, "scale": 1.0}]
             elif target not in {s["name"] for s in explicit}:
                 raise APIError(400, f"model names the adapter {target!r} but the adapter list does not "
-                               "include it: name it in both, or use model={alias!r} with the list",
+                               f"include it: name it in both, or use model={alias!r} with the list",
                                param="model", code="adapter_mismatch")
             else:
                 loras = explicit
@@ -588,6 +588,7 @@ def build_app(engine: Engine) -> FastAPI:
             plans = []
             for i in range(n):
                 plans.append(await asyncio.to_thread(_plan, endpoint, **kwargs_for(i)))
+            _check_fits(plans)
             return plans
         except BaseException:
             engine.done(n)
@@ -758,11 +759,6 @@ def build_app(engine: Engine) -> FastAPI:
         seed = body.seed
         plans = await _plans(engine.llm.create_chat_completion, body.n,
                              lambda i: dict(base, seed=None if seed is None else seed + i))
-        try:
-            _check_fits(plans)
-        except BaseException:
-            engine.done(len(plans))
-            raise
         return await _respond(request, "chat", plans, body.stream, body.stream_options,
                               lambda rs: _merge(rs, request.state.model_name))
 
@@ -801,11 +797,6 @@ def build_app(engine: Engine) -> FastAPI:
         plans = await _plans(engine.llm.create_completion, len(order),
                              lambda i: dict(base, prompt=token_prompts[order[i][0]],
                                             seed=None if seed is None else seed + order[i][1]))
-        try:
-            _check_fits(plans)
-        except BaseException:
-            engine.done(len(plans))
-            raise
         return await _respond(request, "completions", plans, body.stream, body.stream_options,
                               lambda rs: _merge_completions(rs, len(token_prompts), request.state.model_name))
 
