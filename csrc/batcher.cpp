@@ -329,6 +329,10 @@ bool Batcher::apply_group_state(const std::vector<SeqPtr> & group) {
             }
         }
     }
+    // the canonical order Context::set_state uses (see there)
+    std::sort(ads.begin(), ads.end(), [](const AdapterPtr & a, const AdapterPtr & b) {
+        return std::less<llama_adapter_lora *>()(a->ptr, b->ptr);
+    });
     if (ads.empty()) {  // (equal control vectors, no adapters: one state after all)
         ctx_->set_state(group.front()->cv_state_);
         return false;

@@ -1069,10 +1069,21 @@ bool Context::set_state(const StatePtr & want_in) {
     const ControlVectorPtr & cv = want->cvec;
     const bool same_cvec = cv == state_->cvec || (cv && state_->cvec && cv->same_as(*state_->cvec));
     if (!same_adapters) {
+        // In one canonical order (by the adapter's address), here and in
+        // set_state_per_seq: llama.cpp adds the adapters' deltas in the order
+        // of its set, and floating-point addition is not associative, so a
+        // state applied alone and the same state served per sequence must
+        // hand llama.cpp their adapters the same way to compute the same numbers.
+        std::vector<std::pair<llama_adapter_lora *, float>> order;
+        for (const auto & p : want->adapters) {
+            order.emplace_back(p.first->ptr, p.second);
+        }
+        std::sort(order.begin(), order.end(),
+                  [](const auto & a, const auto & b) { return std::less<llama_adapter_lora *>()(a.first, b.first); });
         std::vector<llama_adapter_lora *> ptrs;
         std::vector<float> sc;
-        for (const auto & p : want->adapters) {
-            ptrs.push_back(p.first->ptr);
+        for (const auto & p : order) {
+            ptrs.push_back(p.first);
             sc.push_back(p.second);
         }
         int32_t rc = llama_set_adapters_lora(ctx_, ptrs.empty() ? nullptr : ptrs.data(), ptrs.size(),

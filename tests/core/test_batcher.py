@@ -500,6 +500,49 @@ def test_prefix_cache_concurrent_arrivals_decode_the_shared_prefix_once(model):
     assert all(g[:4] == w[:4] for g, w in zip(got, want))
 
 
+def test_two_adapter_state_mixed_is_exact(model, gen_dir, smollm2_path):
+    """A state with two adapters, served in a decode with other adapter sets,
+    computes exactly what it computes alone: llamax hands llama.cpp the
+    adapters in one canonical order in both modes (llama.cpp adds their
+    deltas in its set's order, and floating-point addition is not
+    associative: in the other order, these noise adapters moved a first-token
+    logprob by 0.34).  Each prompt is decoded in a ubatch of its own (n_ubatch
+    = the prompt's length), so the arithmetic is the alone decode's on any CPU."""
+    # strong noise adapters (std 0.05), where the order of the sum shows
+    a = llamax.LoraAdapter(model, gt.make_lora(smollm2_path, gen_dir / "order_a.gguf", rank=8, seed=11, std=0.05))
+    bb = llamax.LoraAdapter(model, gt.make_lora(smollm2_path, gen_dir / "order_b.gguf", rank=8, seed=12, std=0.05,
+                                                targets=("attn_q", "ffn_up")))
+    both = [(a, 0.8), (bb, 1.2)]
+    with llamax.Llama(str(smollm2_path), vocab_only=True) as v:  # the GGUF's chat template
+        text = v.apply_chat_template([{"role": "user", "content": "What is the capital of Italy?"}])
+    p = model.tokenize(text, add_special=False, parse_special=True)
+    n = len(p)
+
+    def first_logprobs(st):
+        ctx = llamax.Context(model, n_ctx=512, n_threads=2)
+        with ctx:
+            ctx.set_adapters(st)
+            ctx.decode(p, logits="last")
+            row = np.array(ctx.get_logits())[-1].astype(np.float64)
+        return row - row.max() - np.log(np.exp(row - row.max()).sum())
+
+    want = first_logprobs(both)
+    for others in ([(bb, 1.5)], [(a, 1.5)]):  # one of these puts the union in the other order
+        ctx = llamax.Context(model, n_ctx=512 * 3, n_seq_max=3, kv_unified=False, n_threads=2,
+                             n_batch=512, n_ubatch=n)
+        with ctx, llamax.Batcher(ctx) as b:
+            seqs = [b.submit(p, greedy(model), max_tokens=1, logprobs=20, ignore_eos=True, adapters=st)
+                    for st in (others, both, [])]
+            for s in seqs:
+                s.result()
+            lp, top = seqs[1].logprobs[0]
+            assert b.stats()["n_multi_adapter_decodes"] >= 1
+        for tok, v in top:  # (the batcher's float32 log-softmax against this float64 one)
+            assert abs(v - want[tok]) < 1e-4, (tok, v, want[tok])
+    a.close()
+    bb.close()
+
+
 def test_mixed_adapter_sets_match_alone(model, lora_paths):
     """Sequences of base, A, B and A+B decoded together (one group: no
     control vector) get the tokens each gets alone under its own state --
