@@ -95,7 +95,6 @@ class _Counters:
         self.predicted_tokens = 0
         self.cached_tokens = 0
         self.requests: dict[tuple[str, int], int] = {}
-        self.processing = 0
         self.lock = threading.Lock()
 
     def usage(self, u: dict) -> None:
