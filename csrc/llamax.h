@@ -109,6 +109,13 @@ typedef void (*log_sink_fn)(int level, const char * text);
 void log_install(log_sink_fn sink);
 void log_set_min_level(int level);
 
+// The single-threaded SGEMM (cblas_sgemm's signature) that the threadpools of
+// embedding contexts hand to ggml (third_party/patches/0005): float matmuls
+// with many rows run it inside ggml's threads.  nullptr: ggml's own kernels.
+// Read when a context sets its threads; set before creating the context.
+void set_embedding_sgemm(ggml_sgemm_t fn);
+ggml_sgemm_t embedding_sgemm();
+
 // ---------------------------------------------------------------------------
 // Models and LoRA adapters, reference counted.
 //
@@ -338,6 +345,8 @@ public:
         return outputs_all() ? n_tokens : n_outputs;
     }
     bool outputs_all() const { return !has_memory_ || embeddings_; }
+    // Whether float matmuls run the external SGEMM (set_embedding_sgemm).
+    bool external_sgemm() const { return sgemm_ != nullptr; }
     // The most tokens one decode may take: n_ubatch where llama.cpp needs the
     // whole batch in one ubatch (no KV memory, or non-causal attention).
     int32_t n_call_max() const { return n_call_max_; }
@@ -360,6 +369,7 @@ private:
     const llama_vocab * vocab_ = nullptr;
     bool has_memory_ = true;
     bool embeddings_ = false;
+    ggml_sgemm_t sgemm_ = nullptr;  // what the threadpools were given
     bool kv_unified_ = true;
     int32_t n_vocab_ = 0, n_ctx_ = 0, n_ctx_seq_ = 0, n_batch_ = 0, n_seq_max_ = 0, n_call_max_ = 0;
     std::mutex mu_;

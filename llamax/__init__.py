@@ -29,12 +29,13 @@ from llamax.llama import CancelToken, Llama  # noqa: E402,F401
 from llamax.chat import ChatTemplate, ChatTemplateError  # noqa: E402,F401
 from llamax.embedder import Embedder, cos_sim  # noqa: E402,F401
 from llamax._fetch import FetchError  # noqa: E402,F401
+from llamax._sgemm import info as sgemm_info  # noqa: E402,F401
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Model", "Context", "LoraAdapter", "ControlVector", "State", "Sampler", "Batcher", "BatchSequence",
-    "set_log_level", "system_info", "supports_gpu_offload", "Llama", "CancelToken", "ChatTemplate", "ChatTemplateError",
+    "set_log_level", "system_info", "sgemm_info", "supports_gpu_offload", "Llama", "CancelToken", "ChatTemplate", "ChatTemplateError",
     "Embedder", "cos_sim", "FetchError",
 ]
 __all__ += _errors.__all__  # (this form, so that type checkers read the names)

@@ -73,6 +73,9 @@ cdef class Context:
             raise ArgumentTypeError(f"pooling must be a str or None, not {type(pooling).__name__}")
         if pooling not in _POOLING:
             raise InvalidArgumentError(f"pooling={pooling!r}: expected one of none, mean, cls, last, rank")
+        if embeddings:
+            from llamax import _sgemm
+            _sgemm.ensure()  # OpenBLAS's SGEMM for the float matmuls (patch 0005), once per process
         cdef llama_context_params p = llama_context_default_params()
         p.n_ctx = n_ctx
         p.n_batch = n_batch
@@ -192,6 +195,13 @@ cdef class Context:
     @property
     def n_ctx(self):
         return self._get().n_ctx()
+
+    @property
+    def external_sgemm(self):
+        """Whether this context's float matrix products with many rows run
+        an external SGEMM (OpenBLAS, for embedding contexts; see
+        ``llamax.sgemm_info()``) instead of ggml's kernels."""
+        return self._get().external_sgemm()
 
     @property
     def n_ctx_seq(self):

