@@ -1019,12 +1019,12 @@ void Context::free_threadpools() {
 }
 
 namespace {
-std::atomic<ggml_sgemm_t> g_embedding_sgemm{nullptr};
+std::atomic<SgemmFn> g_embedding_sgemm{nullptr};
 }  // namespace
 
-void set_embedding_sgemm(ggml_sgemm_t fn) { g_embedding_sgemm.store(fn); }
+void set_embedding_sgemm(SgemmFn fn) { g_embedding_sgemm.store(fn); }
 
-ggml_sgemm_t embedding_sgemm() { return g_embedding_sgemm.load(); }
+SgemmFn embedding_sgemm() { return g_embedding_sgemm.load(); }
 
 void Context::set_threads(int32_t n_threads, int32_t n_threads_batch) {
     if (n_threads < 1 || n_threads_batch < 1 || n_threads > GGML_MAX_N_THREADS ||
@@ -1037,19 +1037,23 @@ void Context::set_threads(int32_t n_threads, int32_t n_threads_batch) {
     // Embedding contexts multiply float weights with an external SGEMM when
     // one is set (patch 0005) and take flash attention's tiled kernel for
     // inputs of any length (0007); generation keeps ggml's kernels, whose
-    // numbers do not depend on how many sequences are decoded together.
-    sgemm_ = embeddings_ ? embedding_sgemm() : nullptr;
-    const int32_t fa_tiled_min_rows = embeddings_ ? 1 : 0;
+    // numbers do not depend on how many sequences are decoded together.  (A
+    // tree given with LLAMAX_LLAMA_CPP_DIR, built unpatched, has neither.)
     ggml_threadpool_params p = ggml_threadpool_params_default(n_threads);
     p.poll = 50;  // llama.cpp's tools' default: spin briefly between graphs
+#ifdef GGML_THREADPOOL_HAS_SGEMM
+    sgemm_ = embeddings_ ? embedding_sgemm() : nullptr;
     p.sgemm = sgemm_;
-    p.fa_tiled_min_rows = fa_tiled_min_rows;
+#else
+    sgemm_ = nullptr;
+#endif
+#ifdef GGML_THREADPOOL_HAS_FA_TILED_MIN_ROWS
+    p.fa_tiled_min_rows = embeddings_ ? 1 : 0;
+#endif
     tp_ = ggml_threadpool_new(&p);
     if (n_threads_batch != n_threads) {
-        ggml_threadpool_params pb = ggml_threadpool_params_default(n_threads_batch);
-        pb.poll = 50;
-        pb.sgemm = sgemm_;
-        pb.fa_tiled_min_rows = fa_tiled_min_rows;
+        ggml_threadpool_params pb = p;
+        pb.n_threads = n_threads_batch;
         tp_batch_ = ggml_threadpool_new(&pb);
     } else {
         tp_batch_ = tp_;

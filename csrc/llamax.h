@@ -109,12 +109,15 @@ typedef void (*log_sink_fn)(int level, const char * text);
 void log_install(log_sink_fn sink);
 void log_set_min_level(int level);
 
-// The single-threaded SGEMM (cblas_sgemm's signature) that the threadpools of
-// embedding contexts hand to ggml (third_party/patches/0005): float matmuls
-// with many rows run it inside ggml's threads.  nullptr: ggml's own kernels.
+// The single-threaded SGEMM (cblas_sgemm's signature: order and transposes as
+// CBLAS enum values) that the threadpools of embedding contexts hand to ggml
+// (third_party/patches/0005): float matmuls with many rows run it inside
+// ggml's threads.  nullptr: ggml's own kernels, as with an unpatched tree.
 // Read when a context sets its threads; set before creating the context.
-void set_embedding_sgemm(ggml_sgemm_t fn);
-ggml_sgemm_t embedding_sgemm();
+using SgemmFn = void (*)(int order, int trans_a, int trans_b, int m, int n, int k, float alpha, const float * a,
+                         int lda, const float * b, int ldb, float beta, float * c, int ldc);
+void set_embedding_sgemm(SgemmFn fn);
+SgemmFn embedding_sgemm();
 
 // ---------------------------------------------------------------------------
 // Models and LoRA adapters, reference counted.
@@ -369,7 +372,7 @@ private:
     const llama_vocab * vocab_ = nullptr;
     bool has_memory_ = true;
     bool embeddings_ = false;
-    ggml_sgemm_t sgemm_ = nullptr;  // what the threadpools were given
+    SgemmFn sgemm_ = nullptr;  // what the threadpools were given
     bool kv_unified_ = true;
     int32_t n_vocab_ = 0, n_ctx_ = 0, n_ctx_seq_ = 0, n_batch_ = 0, n_seq_max_ = 0, n_call_max_ = 0;
     std::mutex mu_;

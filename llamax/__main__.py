@@ -94,7 +94,8 @@ def _bench(args) -> int:
     rc |= subprocess.call([sys.executable, str(repo / "benchmarks" / "bench_serving.py")] + serving,
                           cwd=str(repo), env=dict(os.environ))
     # embeddings: all-MiniLM-L6-v2, its own model (--model is for the generative runs)
-    emb = ["--threads", str(args.threads), "--runs", str(args.runs)] + (["--quick"] if args.quick else []) \
+    emb = ["--threads", str(args.threads), "--runs", str(args.runs), "--scale", "0.5"] \
+        + (["--quick"] if args.quick else []) \
         + ([] if args.peers else ["--no-peers"])
     rc |= subprocess.call([sys.executable, str(repo / "benchmarks" / "bench_embeddings.py")] + emb,
                           cwd=str(repo), env=dict(os.environ))

@@ -114,7 +114,7 @@ def _set_embedding_sgemm(address):
     embedding contexts made from now on hand to ggml; llamax._sgemm calls it."""
     if isinstance(address, bool) or not isinstance(address, int) or not 0 <= address < (1 << 64):
         raise ArgumentTypeError("address must be a function address (int)")
-    set_embedding_sgemm(<ggml_sgemm_t> <size_t> address)
+    set_embedding_sgemm(<SgemmFn> <size_t> address)
 
 
 def _stop_logging():

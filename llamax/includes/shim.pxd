@@ -20,12 +20,6 @@ cdef extern from "pyerrors.h" namespace "llamax":
     int register_errors(dict ns) except -1
 
 
-cdef extern from "ggml.h" nogil:
-    # third_party/patches/0005: a single-threaded SGEMM, cblas_sgemm's signature
-    ctypedef void (*ggml_sgemm_t)(int, int, int, int, int, int, float, const float *, int, const float *, int, float,
-                                  float *, int) noexcept
-
-
 cdef extern from "llamax.h" namespace "llamax" nogil:
     ctypedef void (*log_sink_fn)(int level, const char * text) noexcept
     ctypedef int (*token_cb_fn)(void * user, llama_token token) noexcept
@@ -45,8 +39,11 @@ cdef extern from "llamax.h" namespace "llamax" nogil:
     const char * error_class_name(int kind)
     void log_install(log_sink_fn sink)
     void log_set_min_level(int level)
-    void set_embedding_sgemm(ggml_sgemm_t fn)
-    ggml_sgemm_t embedding_sgemm()
+    # a single-threaded SGEMM with cblas_sgemm's signature (third_party/patches/0005)
+    ctypedef void (*SgemmFn)(int, int, int, int, int, int, float, const float *, int, const float *, int, float,
+                             float *, int) noexcept
+    void set_embedding_sgemm(SgemmFn fn)
+    SgemmFn embedding_sgemm()
 
     ctypedef shared_ptr[llama_model] CModelPtr "llamax::ModelPtr"
     CModelPtr model_own(llama_model * model)
