@@ -8,7 +8,6 @@ truncation at 256 tokens), mean pooling and L2 normalization in numpy.
   python ort_worker.py serve                    (in the ORT venv: onnxruntime, tokenizers, numpy)
 
 serve reads JSON requests on stdin, one per line, and answers on stdout."""
-import json
 import sys
 import time
 from pathlib import Path
@@ -73,15 +72,8 @@ def embed(req):
 def serve():
     import onnxruntime
     import tokenizers
-    print(json.dumps({"ready": True, "version": onnxruntime.__version__, "tokenizers": tokenizers.__version__}),
-          flush=True)
-    for line in sys.stdin:
-        req = json.loads(line)
-        try:
-            out = embed(req)
-        except Exception as e:  # reported, the orchestrator decides
-            out = {"error": f"{type(e).__name__}: {e}"}
-        print(json.dumps(out), flush=True)
+    from worker_loop import serve as loop
+    loop({"version": onnxruntime.__version__, "tokenizers": tokenizers.__version__}, {"embed": embed})
 
 
 if __name__ == "__main__":

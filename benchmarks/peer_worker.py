@@ -177,14 +177,8 @@ def embed(req):
 def serve():
     ops = {"tg": tg, "pp": pp, "completion": completion, "tenants": tenants, "gil": gil, "concurrent": concurrent, "ttft": ttft,
            "embed": embed}
-    print(json.dumps({"ready": True, "version": llama_cpp.__version__}), flush=True)
-    for line in sys.stdin:
-        req = json.loads(line)
-        try:
-            out = ops[req["op"]](req)
-        except Exception as e:  # reported, the orchestrator decides
-            out = {"error": f"{type(e).__name__}: {e}"}
-        print(json.dumps(out), flush=True)
+    from worker_loop import serve as loop
+    loop({"version": llama_cpp.__version__}, ops)
 
 
 def rss(spec):

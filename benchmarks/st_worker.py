@@ -3,8 +3,6 @@
 SentenceTransformer.encode.  JSON requests on stdin, one per line; JSON
 answers on stdout.  Only the standard library, torch, numpy and
 sentence_transformers are used here."""
-import json
-import sys
 import time
 
 _models = {}
@@ -27,15 +25,8 @@ def embed(req):
 def serve():
     import sentence_transformers
     import torch
-    print(json.dumps({"ready": True, "version": sentence_transformers.__version__,
-                      "torch": torch.__version__}), flush=True)
-    for line in sys.stdin:
-        req = json.loads(line)
-        try:
-            out = embed(req)
-        except Exception as e:  # reported, the orchestrator decides
-            out = {"error": f"{type(e).__name__}: {e}"}
-        print(json.dumps(out), flush=True)
+    from worker_loop import serve as loop
+    loop({"version": sentence_transformers.__version__, "torch": torch.__version__}, {"embed": embed})
 
 
 if __name__ == "__main__":
