@@ -108,12 +108,20 @@ def _offline() -> dict:
     return dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
 
 
+def _peer(worker, **fixed):
+    """A contestant that runs in a worker process: (seconds, vectors or None)."""
+    def go(ts, bs, want):
+        r = worker(op="embed", sentences=ts, batch_size=bs, return_vectors=want, **fixed)
+        return r["seconds"], r["vectors"]
+    return go
+
+
 def contestants(threads: int, with_peers: bool, log) -> tuple[dict, list, dict]:
-    """name -> run(texts, batch_size, want_vectors) -> (seconds, vectors or None)."""
+    """name -> run(texts, batch_size, want_vectors) -> (seconds, vectors or None).
+    (run() warms every contestant up on every shape before timing.)"""
     runs, workers, info = {}, [], {}
     for kind in ("f32", "f16", "q8_0"):
         emb = llamax.Embedder(data.minilm(kind), max_seq_length=256, n_threads=threads)
-        emb.encode(sentences(8))
 
         def lx(ts, bs, want, emb=emb):
             t0 = time.perf_counter()
@@ -126,41 +134,20 @@ def contestants(threads: int, with_peers: bool, log) -> tuple[dict, list, dict]:
     env = _offline()
     tok_dir = str(data.minilm_dir())
     onnx = str(onnx_model(log))
-
-    log("starting ONNX Runtime (ORT venv)")
-    ort = peers.Worker(data.ort_venv(), HERE / "ort_worker.py", env=env)
-    workers.append(ort)
-    info["onnxruntime"] = ort.info
-
-    def ort_run(ts, bs, want):
-        r = ort(op="embed", onnx=onnx, tokenizer=tok_dir, threads=threads, sentences=ts, batch_size=bs,
-                max_seq_length=256, return_vectors=want)
-        return r["seconds"], r["vectors"]
-    ort_run(sentences(8), 8, False)
-    runs[REF] = ort_run
-
-    log("starting sentence-transformers (tool venv)")
-    st = peers.Worker(data.tool_venv(reference=True), HERE / "st_worker.py", env=env)
-    workers.append(st)
-    info["sentence_transformers"] = st.info
-
-    def st_run(ts, bs, want):
-        r = st(op="embed", model=tok_dir, threads=threads, sentences=ts, batch_size=bs, return_vectors=want)
-        return r["seconds"], r["vectors"]
-    st_run(sentences(8), 8, False)
-    runs[ST] = st_run
-
-    log("starting llama-cpp-python (peer venv)")
-    lcp = peers.Worker(peers.ensure(log=log), HERE / "peer_worker.py")
-    workers.append(lcp)
-    info["llama_cpp_python"] = lcp.info
-    f16 = str(data.minilm("f16"))
-
-    def lcp_run(ts, bs, want):
-        r = lcp(op="embed", model=f16, threads=threads, sentences=ts, batch_size=bs, return_vectors=want)
-        return r["seconds"], r["vectors"]
-    lcp_run(sentences(8), 8, False)
-    runs["llama-cpp-python f16"] = lcp_run
+    peer_list = [
+        (REF, "onnxruntime", data.ort_venv(), "ort_worker.py", env,
+         dict(onnx=onnx, tokenizer=tok_dir, threads=threads, max_seq_length=256)),
+        (ST, "sentence_transformers", data.tool_venv(reference=True), "st_worker.py", env,
+         dict(model=tok_dir, threads=threads)),
+        ("llama-cpp-python f16", "llama_cpp_python", peers.ensure(log=log), "peer_worker.py", None,
+         dict(model=str(data.minilm("f16")), threads=threads)),
+    ]
+    for name, key, py, script, wenv, fixed in peer_list:
+        log(f"starting {name} ({Path(py).parent.parent.name})")
+        w = peers.Worker(py, HERE / script, env=wenv)
+        workers.append(w)
+        info[key] = w.info
+        runs[name] = _peer(w, **fixed)
     return runs, workers, info
 
 

@@ -29,7 +29,7 @@ from llamax.llama import CancelToken, Llama  # noqa: E402,F401
 from llamax.chat import ChatTemplate, ChatTemplateError  # noqa: E402,F401
 from llamax.embedder import Embedder, cos_sim  # noqa: E402,F401
 from llamax._fetch import FetchError  # noqa: E402,F401
-from llamax._sgemm import info as sgemm_info  # noqa: E402,F401
+from llamax._sgemm import ensure as sgemm_info  # noqa: E402,F401
 
 __version__ = "0.1.0"
 

@@ -25,7 +25,11 @@ _lib = None  # keeps the library loaded for the life of the process
 
 
 def ensure() -> dict:
-    """Load and install the SGEMM once per process; return what was done."""
+    """Load and install the SGEMM once per process (every embedding context
+    does; ``llamax.sgemm_info()`` is this function) and say what the float
+    matmuls of embedding contexts run: ``{"library": "OpenBLAS", "version",
+    "path", "config", "core"}``, or ``{"library": None, "reason"}`` when
+    ggml's kernels run."""
     global _info
     if _info is None:
         with _lock:
@@ -62,9 +66,3 @@ def _load() -> dict:
     _lib = lib
     return {"library": "OpenBLAS", "version": sob.__version__, "path": path, "config": config, "core": core}
 
-
-def info() -> dict:
-    """What float matmuls of embedding contexts run: ``{"library": "OpenBLAS",
-    "version", "path", "config", "core"}``, or ``{"library": None, "reason"}``
-    when ggml's kernels run.  Loads the library if no embedding context has yet."""
-    return ensure()

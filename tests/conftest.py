@@ -61,10 +61,11 @@ def lora_paths(gen_dir, smollm2_path):
     }
 
 
-def run_py(code, timeout=300):
+def run_py(code, timeout=300, env=None):
     """Run `code` in a fresh interpreter (crash-prone cases: a crash fails the
-    test, not the run).  Returns the CompletedProcess."""
-    env = dict(os.environ)
+    test, not the run), with `env` added to the environment.  Returns the
+    CompletedProcess."""
+    env = dict(os.environ, **(env or {}))
     env["PYTHONPATH"] = str(HERE) + os.pathsep + env.get("PYTHONPATH", "")
     # cwd away from the repo root: `python -c` puts cwd first on sys.path, and the
     # source folder llamax/ (without a built extension) must not shadow the

@@ -4,15 +4,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import data
 import llamax
 
 HERE = Path(__file__).resolve().parent
-
-
-@pytest.fixture(scope="session")
-def minilm_q8():
-    return data.minilm("q8_0")
 
 
 @pytest.fixture(scope="session")

@@ -3,16 +3,15 @@ by llama.cpp's own converter): parity with sentence-transformers, the
 engine's packed decodes, the Embedder and Llama APIs, adapters, errors."""
 import json
 import os
-import subprocess
-import sys
-import textwrap
 import threading
 import time
 
 import numpy as np
 import pytest
 
+import data
 import llamax
+from conftest import run_py
 from llamax import gguf_tools as gt
 
 N_EMBD = 384
@@ -38,7 +37,6 @@ def test_reference_set_covers_the_hard_cases(sentences, st_reference):
 @pytest.mark.parametrize("kind,floor", [("f32", 0.99999), ("f16", 0.9999), ("q8_0", 0.999)])
 def test_parity(kind, floor, sentences, st_reference):
     """f32: the default weights on CPU (OpenBLAS's SGEMM); Q8_0 keeps attn_v in f16 (tests/data.py)."""
-    import data
     with llamax.Embedder(data.minilm(kind), max_seq_length=256, n_threads=2) as e:
         v = e.encode(sentences, normalize_embeddings=True)
     cos = cosines(v, st_reference)
@@ -157,27 +155,23 @@ def test_embedding_contexts_use_openblas_sgemm(minilm_f32, gen_dir, smollm2_path
                 assert not gen.external_sgemm  # generation keeps ggml's batch-invariant kernels
 
 
-_GGML_VECTORS = textwrap.dedent("""
-    import json, sys
-    import numpy as np
-    import llamax
-    path, threads, out, texts = sys.argv[1], int(sys.argv[2]), sys.argv[3], json.loads(sys.argv[4])
-    with llamax.Embedder(path, max_seq_length=256, n_threads=threads) as e:
-        assert llamax.sgemm_info()["library"] is None
-        np.save(out, np.concatenate([e.encode(texts, batch_size=64), e.encode(texts[:6], batch_size=1)]))
-""")
-
-
 @pytest.mark.parametrize("kind,threads", [("f32", 2), ("f16", 3)])
 def test_openblas_path_matches_ggml_kernels(kind, threads, sentences, tmp_path):
     """The same inputs through ggml's own kernels (LLAMAX_SGEMM=ggml, another
     process) agree: packed batches (>= 256 rows: F16 converts too) and single
     inputs (tiled attention for short ones); 3 threads split 384 unevenly."""
-    import data
     path = data.minilm(kind)
-    env = dict(os.environ, LLAMAX_SGEMM="ggml")
-    subprocess.run([sys.executable, "-c", _GGML_VECTORS, str(path), str(threads), str(tmp_path / "ggml.npy"),
-                    json.dumps(sentences)], check=True, env=env, timeout=300)
+    r = run_py(f"""
+        import json
+        import numpy as np
+        import llamax
+        texts = json.loads({json.dumps(sentences)!r})
+        with llamax.Embedder({str(path)!r}, max_seq_length=256, n_threads={threads}) as e:
+            assert llamax.sgemm_info()["library"] is None
+            np.save({str(tmp_path / "ggml.npy")!r},
+                    np.concatenate([e.encode(texts, batch_size=64), e.encode(texts[:6], batch_size=1)]))
+    """, env={"LLAMAX_SGEMM": "ggml"})
+    assert r.returncode == 0, r.stderr
     ref = np.load(tmp_path / "ggml.npy")
     with llamax.Embedder(path, max_seq_length=256, n_threads=threads) as e:
         got = np.concatenate([e.encode(sentences, batch_size=64), e.encode(sentences[:6], batch_size=1)])
@@ -187,17 +181,15 @@ def test_openblas_path_matches_ggml_kernels(kind, threads, sentences, tmp_path):
 
 
 def test_bad_llamax_sgemm_is_refused_at_the_first_embedding_context(minilm_f32):
-    code = textwrap.dedent("""
-        import sys, llamax
-        m = llamax.Model(sys.argv[1])
+    r = run_py(f"""
+        import llamax
+        m = llamax.Model({str(minilm_f32)!r})
         llamax.Context(m, n_ctx=64, n_threads=1).close()  # generation: not read
         try:
             llamax.Context(m, n_ctx=64, n_threads=1, embeddings=True, pooling="mean")
         except llamax.InvalidArgumentError as e:
             print("refused:", e)
-    """)
-    r = subprocess.run([sys.executable, "-c", code, str(minilm_f32)], capture_output=True, text=True,
-                       env=dict(os.environ, LLAMAX_SGEMM="mkl"), timeout=120)
+    """, timeout=120, env={"LLAMAX_SGEMM": "mkl"})
     assert r.returncode == 0, r.stderr
     assert "refused: LLAMAX_SGEMM='mkl': expected openblas or ggml" in r.stdout
 
