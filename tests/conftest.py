@@ -134,3 +134,27 @@ def assert_distinct(results):
         for j in range(i + 1, len(results)):
             e = effect(results[i], results[j])
             assert e > EFFECT, f"results {i} and {j}: first-token logprobs differ by only {e:.4f}"
+
+
+@pytest.fixture(scope="session")
+def adapters(gen_dir, smollm2_path):
+    """The servers' adapters: two strong enough to move SmolLM2's logits, a
+    control vector, an adapter for another base model, and the folder
+    runtime loads may read from."""
+    from llamax import gguf_tools as gt
+    d = gen_dir / "server"
+    lora_dir = d / "loras"
+    lora_dir.mkdir(parents=True)
+    out = {
+        "coder": gt.make_lora(smollm2_path, d / "coder.gguf", rank=8, seed=11, std=0.05),
+        "writer": gt.make_lora(smollm2_path, d / "writer.gguf", rank=8, seed=12, std=0.05,
+                               targets=("attn_q", "ffn_up")),
+        "calm": gt.make_control_vector(d / "calm.gguf", 576, range(2, 20), seed=3, std=0.5),
+        "runtime": gt.make_lora(smollm2_path, lora_dir / "runtime.gguf", rank=4, seed=13, std=0.05),
+        "lora_dir": lora_dir,
+    }
+    tiny = gt.make_tiny_llama(d / "tiny.gguf", smollm2_path)
+    out["foreign"] = gt.make_lora(tiny, lora_dir / "foreign.gguf", rank=4, seed=14)
+    (lora_dir / "sub").mkdir()
+    os.symlink(d / "coder.gguf", lora_dir / "sub" / "escape.gguf")  # points outside the folder
+    return out

@@ -237,7 +237,7 @@ class Engine:
             loras = list(self.default_set)
         cvecs = None
         if body.control_vectors is not None:
-            known = set(self.llm.list_control_vectors())
+            known = self.control_vector_names()
             cvecs = []
             for i, c in enumerate(body.control_vectors):
                 if c.name not in known:
@@ -247,6 +247,11 @@ class Engine:
                     raise APIError(400, "control vector scales must be finite numbers", param="control_vectors")
                 cvecs.append({"name": c.name, "scale": c.scale})
         return [s for s in loras if s["scale"] != 0.0] or None, cvecs
+
+    def control_vector_names(self) -> set[str]:
+        if self.llm is not None:
+            return set(self.llm.list_control_vectors())
+        return {n for n, _ in self.cfg.control_vectors}
 
     def loras_listing(self) -> list[dict]:
         info = {e["name"]: e for e in self.llm.list_loras()}
@@ -390,6 +395,160 @@ def _usage_sum(usages: list[dict]) -> dict:
     return out
 
 
+# -- what the single-process server and the Ray ingress share ---------------------------
+
+def install_error_handlers(app: FastAPI) -> None:
+    """OpenAI-shaped error bodies for every way a request can fail."""
+
+    @app.exception_handler(APIError)
+    async def _api_error(request, exc: APIError):
+        return _error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request, exc: RequestValidationError):
+        errs = exc.errors()
+        first = errs[0] if errs else {}
+        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        param = ".".join(loc) or None
+        if first.get("type") == "json_invalid":
+            msg = "the body is not valid JSON"
+        elif first.get("type") == "extra_forbidden":
+            msg = f"unknown field {param!r}: this server refuses fields it would not honour"
+        else:
+            msg = f"{param or 'body'}: {first.get('msg', 'invalid')}"
+        return _error_response(APIError(400, msg, param=param, code="invalid_request"))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request, exc: StarletteHTTPException):
+        err = APIError(exc.status_code, str(exc.detail), code=None,
+                       headers=getattr(exc, "headers", None))
+        return _error_response(err)
+
+    @app.exception_handler(llamax.LlamaxError)
+    async def _llamax(request, exc):
+        err = from_exception(exc)
+        if err is None:
+            logger.exception("llamax error", exc_info=exc)
+            err = APIError(500, f"{type(exc).__name__}: {exc}")
+        return _error_response(err)
+
+    @app.exception_handler(Exception)
+    async def _bug(request, exc):
+        logger.exception("unhandled error", exc_info=exc)
+        return _error_response(APIError(500, f"internal error: {type(exc).__name__}"))
+
+
+def _presented(request: Request) -> bytes | None:
+    h = request.headers.get("authorization")
+    if h and h[:7].lower() == "bearer ":
+        return h[7:].strip().encode()
+    x = request.headers.get("x-api-key")
+    return x.encode() if x else None
+
+
+def _matches(given: bytes, allowed: list[bytes]) -> bool:
+    ok = False
+    for k in allowed:  # every key compared, in constant time each
+        ok |= hmac.compare_digest(given, k)
+    return ok
+
+
+def auth_dependencies(cfg: ServerConfig) -> tuple[list, list]:
+    """FastAPI dependencies for user routes and for management routes."""
+    keys = [k.encode() for k in cfg.api_keys + cfg.admin_api_keys]
+    admin_keys = [k.encode() for k in cfg.admin_api_keys]
+
+    def need_key(request: Request) -> None:
+        if not keys:
+            return
+        given = _presented(request)
+        if given is None or not _matches(given, keys):
+            raise APIError(401, "a valid API key is needed: 'Authorization: Bearer KEY' or 'X-Api-Key: KEY'",
+                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+    def need_admin(request: Request) -> None:
+        given = _presented(request)
+        if not admin_keys:
+            raise APIError(403, "management routes need an admin key, and this server has none "
+                           "(start it with --admin-api-key)", code="admin_disabled")
+        if given is None or not _matches(given, keys):
+            raise APIError(401, "a valid API key is needed: 'Authorization: Bearer KEY' or 'X-Api-Key: KEY'",
+                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        if not _matches(given, admin_keys):
+            raise APIError(403, "this route needs the admin key", code="admin_only")
+
+    return [Depends(need_key)], [Depends(need_admin)]
+
+
+def model_cards(engine: Engine) -> list[dict]:
+    """/v1/models: the base model, then one card per adapter (vLLM's shape)."""
+    cfg = engine.cfg
+    base = {"id": cfg.alias, "object": "model", "created": engine.created, "owned_by": "llamax",
+            "root": cfg.model, "parent": None, "max_model_len": cfg.n_ctx}
+    cards = [base]
+    for e in engine.loras_listing():
+        cards.append({"id": e["name"], "object": "model", "created": engine.created, "owned_by": "llamax",
+                      "root": e["path"], "parent": cfg.alias, "max_model_len": cfg.n_ctx,
+                      "loaded": e["loaded"]})
+    return cards
+
+
+def parse_default_set(raw, lora_ids: dict[str, int]) -> list[dict]:
+    """POST /lora-adapters' body ([{id, scale}]) as a set [{name, scale}]."""
+    if not isinstance(raw, list):
+        raise APIError(400, "the body must be a list of {id, scale}", code="invalid_request")
+    by_id = {v: k for k, v in lora_ids.items()}
+    new = []
+    seen = set()
+    for i, item in enumerate(raw):
+        try:
+            spec = P.LoraById.model_validate(item)
+        except Exception:
+            raise APIError(400, f"[{i}] must be {{'id': int, 'scale': number}}", param=str(i)) from None
+        if spec.id not in by_id:
+            raise APIError(404, f"[{i}]: no adapter with id {spec.id}", param=str(i), code="adapter_not_found")
+        if spec.id in seen:
+            raise APIError(400, f"[{i}]: adapter id {spec.id} appears twice", param=str(i))
+        if not np.isfinite(spec.scale):
+            raise APIError(400, f"[{i}]: the scale must be a finite number", param=str(i))
+        seen.add(spec.id)
+        if spec.scale != 0.0:
+            new.append({"name": by_id[spec.id], "scale": spec.scale})
+    return new
+
+
+def runtime_lora_path(cfg: ServerConfig, p: str) -> str:
+    """The real path of a runtime load's file: inside --lora-dir, or 400/404."""
+    base = os.path.realpath(cfg.lora_dir)
+    cand = os.path.realpath(p if os.path.isabs(p) else os.path.join(base, p))
+    if os.path.commonpath([cand, base]) != base:
+        raise APIError(400, f"lora_path must be inside --lora-dir ({cfg.lora_dir})", param="lora_path",
+                       code="path_not_allowed")
+    if not os.path.isfile(cand):
+        raise APIError(404, f"no adapter file {p!r} in --lora-dir", param="lora_path", code="file_not_found")
+    return cand
+
+
+def check_runtime_load(cfg: ServerConfig, body: P.LoadLoraRequest, known) -> str:
+    """Everything a runtime load is refused for before a file is read; the path."""
+    runtime_allowed(cfg)
+    name = body.lora_name
+    if name == cfg.alias:
+        raise APIError(400, f"an adapter may not be named like the model alias {cfg.alias!r}",
+                       param="lora_name")
+    path = runtime_lora_path(cfg, body.lora_path)
+    if name in known and not body.load_inplace:
+        raise APIError(409, f"an adapter named {name!r} is already loaded (unload it first, or "
+                       "pass load_inplace=true)", param="lora_name", code="adapter_exists")
+    return path
+
+
+def runtime_allowed(cfg: ServerConfig) -> None:
+    if not cfg.allow_runtime_lora:
+        raise APIError(403, "runtime adapter loading is off (start the server with --allow-runtime-lora)",
+                       code="runtime_lora_disabled")
+
+
 # -- the app ----------------------------------------------------------------------------
 
 class _BodyLimit:
@@ -442,8 +601,6 @@ class _BodyLimit:
 
 def build_app(engine: Engine) -> FastAPI:
     cfg = engine.cfg
-    keys = [k.encode() for k in cfg.api_keys + cfg.admin_api_keys]
-    admin_keys = [k.encode() for k in cfg.admin_api_keys]
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -459,78 +616,8 @@ def build_app(engine: Engine) -> FastAPI:
     app.add_middleware(_BodyLimit, limit=cfg.max_body_bytes)
     app.state.engine = engine
 
-    # -- errors -----------------------------------------------------------------
-
-    @app.exception_handler(APIError)
-    async def _api_error(request, exc: APIError):
-        return _error_response(exc)
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation(request, exc: RequestValidationError):
-        errs = exc.errors()
-        first = errs[0] if errs else {}
-        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-        param = ".".join(loc) or None
-        if first.get("type") == "json_invalid":
-            msg = "the body is not valid JSON"
-        elif first.get("type") == "extra_forbidden":
-            msg = f"unknown field {param!r}: this server refuses fields it would not honour"
-        else:
-            msg = f"{param or 'body'}: {first.get('msg', 'invalid')}"
-        return _error_response(APIError(400, msg, param=param, code="invalid_request"))
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(request, exc: StarletteHTTPException):
-        err = APIError(exc.status_code, str(exc.detail), code=None,
-                       headers=getattr(exc, "headers", None))
-        return _error_response(err)
-
-    @app.exception_handler(llamax.LlamaxError)
-    async def _llamax(request, exc):
-        err = from_exception(exc)
-        if err is None:
-            logger.exception("llamax error", exc_info=exc)
-            err = APIError(500, f"{type(exc).__name__}: {exc}")
-        return _error_response(err)
-
-    @app.exception_handler(Exception)
-    async def _bug(request, exc):
-        logger.exception("unhandled error", exc_info=exc)
-        return _error_response(APIError(500, f"internal error: {type(exc).__name__}"))
-
-    # -- auth -------------------------------------------------------------------
-
-    def _presented(request: Request) -> bytes | None:
-        h = request.headers.get("authorization")
-        if h and h[:7].lower() == "bearer ":
-            return h[7:].strip().encode()
-        x = request.headers.get("x-api-key")
-        return x.encode() if x else None
-
-    def _matches(given: bytes, allowed: list[bytes]) -> bool:
-        ok = False
-        for k in allowed:  # every key compared, in constant time each
-            ok |= hmac.compare_digest(given, k)
-        return ok
-
-    def need_key(request: Request) -> None:
-        if not keys:
-            return
-        given = _presented(request)
-        if given is None or not _matches(given, keys):
-            raise APIError(401, "a valid API key is needed: 'Authorization: Bearer KEY' or 'X-Api-Key: KEY'",
-                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-
-    def need_admin(request: Request) -> None:
-        given = _presented(request)
-        if not admin_keys:
-            raise APIError(403, "management routes need an admin key, and this server has none "
-                           "(start it with --admin-api-key)", code="admin_disabled")
-        if given is None or not _matches(given, keys):
-            raise APIError(401, "a valid API key is needed: 'Authorization: Bearer KEY' or 'X-Api-Key: KEY'",
-                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-        if not _matches(given, admin_keys):
-            raise APIError(403, "this route needs the admin key", code="admin_only")
+    install_error_handlers(app)
+    user, admin = auth_dependencies(cfg)
 
     def need_model(request: Request) -> Engine:
         if not engine.loaded.is_set():
@@ -538,9 +625,6 @@ def build_app(engine: Engine) -> FastAPI:
         if engine.llm is None:
             raise APIError(503, f"the model failed to load: {engine.load_error}", code="load_failed")
         return engine
-
-    user = [Depends(need_key)]
-    admin = [Depends(need_admin)]
 
     # -- public ----------------------------------------------------------------
 
@@ -555,24 +639,14 @@ def build_app(engine: Engine) -> FastAPI:
 
     # -- models -----------------------------------------------------------------
 
-    def _cards() -> list[dict]:
-        base = {"id": cfg.alias, "object": "model", "created": engine.created, "owned_by": "llamax",
-                "root": cfg.model, "parent": None, "max_model_len": cfg.n_ctx}
-        cards = [base]
-        for e in engine.loras_listing():
-            cards.append({"id": e["name"], "object": "model", "created": engine.created, "owned_by": "llamax",
-                          "root": e["path"], "parent": cfg.alias, "max_model_len": cfg.n_ctx,
-                          "loaded": e["loaded"]})
-        return cards
-
     @app.get("/v1/models", dependencies=user)
     @app.get("/models", dependencies=user, include_in_schema=False)
     async def models(e: Engine = Depends(need_model)):
-        return {"object": "list", "data": _cards()}
+        return {"object": "list", "data": model_cards(engine)}
 
     @app.get("/v1/models/{model_id:path}", dependencies=user)
     async def model_card(model_id: str, e: Engine = Depends(need_model)):
-        for c in _cards():
+        for c in model_cards(engine):
             if c["id"] == model_id:
                 return c
         raise APIError(404, f"the model {model_id!r} does not exist", param="model", code="model_not_found")
@@ -900,58 +974,19 @@ def build_app(engine: Engine) -> FastAPI:
             raw = await request.json()
         except ValueError:
             raise APIError(400, "the body is not valid JSON", code="invalid_request") from None
-        if not isinstance(raw, list):
-            raise APIError(400, "the body must be a list of {id, scale}", code="invalid_request")
-        by_id = {v: k for k, v in engine.lora_ids.items()}
-        new = []
-        seen = set()
-        for i, item in enumerate(raw):
-            try:
-                spec = P.LoraById.model_validate(item)
-            except Exception:
-                raise APIError(400, f"[{i}] must be {{'id': int, 'scale': number}}", param=str(i)) from None
-            if spec.id not in by_id:
-                raise APIError(404, f"[{i}]: no adapter with id {spec.id}", param=str(i), code="adapter_not_found")
-            if spec.id in seen:
-                raise APIError(400, f"[{i}]: adapter id {spec.id} appears twice", param=str(i))
-            if not np.isfinite(spec.scale):
-                raise APIError(400, f"[{i}]: the scale must be a finite number", param=str(i))
-            seen.add(spec.id)
-            if spec.scale != 0.0:
-                new.append({"name": by_id[spec.id], "scale": spec.scale})
+        new = parse_default_set(raw, engine.lora_ids)
         engine.default_set = new
         return engine.loras_listing()
 
-    def _lora_path(p: str) -> str:
-        base = os.path.realpath(cfg.lora_dir)
-        cand = os.path.realpath(p if os.path.isabs(p) else os.path.join(base, p))
-        if os.path.commonpath([cand, base]) != base:
-            raise APIError(400, f"lora_path must be inside --lora-dir ({cfg.lora_dir})", param="lora_path",
-                           code="path_not_allowed")
-        if not os.path.isfile(cand):
-            raise APIError(404, f"no adapter file {p!r} in --lora-dir", param="lora_path", code="file_not_found")
-        return cand
-
-    def _runtime_allowed():
-        if not cfg.allow_runtime_lora:
-            raise APIError(403, "runtime adapter loading is off (start the server with --allow-runtime-lora)",
-                           code="runtime_lora_disabled")
-
     @app.post("/v1/load_lora_adapter", dependencies=admin)
     async def load_lora(body: P.LoadLoraRequest, e: Engine = Depends(need_model)):
-        _runtime_allowed()
         name = body.lora_name
-        if name == cfg.alias:
-            raise APIError(400, f"an adapter may not be named like the model alias {cfg.alias!r}",
-                           param="lora_name")
-        path = _lora_path(body.lora_path)
+        path = check_runtime_load(cfg, body, engine.lora_ids)
         if engine.admin_lock is None:
             engine.admin_lock = asyncio.Lock()
         async with engine.admin_lock:
+            check_runtime_load(cfg, body, engine.lora_ids)  # again: another load may have run meanwhile
             if name in engine.lora_ids:
-                if not body.load_inplace:
-                    raise APIError(409, f"an adapter named {name!r} is already loaded (unload it first, or "
-                                   "pass load_inplace=true)", param="lora_name", code="adapter_exists")
                 # the new file is checked before the old adapter goes
                 await asyncio.to_thread(lambda: llamax.LoraAdapter(engine.llm.model, path).close())
                 _unload(name)
@@ -967,7 +1002,7 @@ def build_app(engine: Engine) -> FastAPI:
 
     @app.post("/v1/unload_lora_adapter", dependencies=admin)
     async def unload_lora(body: P.UnloadLoraRequest, e: Engine = Depends(need_model)):
-        _runtime_allowed()
+        runtime_allowed(cfg)
         name = body.lora_name
         if name not in engine.lora_ids:
             raise APIError(404, f"no adapter named {name!r}", param="lora_name", code="adapter_not_found")

@@ -62,6 +62,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat-format", help="a built-in chat format instead of the GGUF's template")
     p.add_argument("--chat-template", help="a Jinja2 chat template file instead of the GGUF's")
     p.add_argument("--verbose", action="store_true", help="llama.cpp's log and an access log")
+    g = p.add_argument_group("Ray Serve (extra: ray)")
+    g.add_argument("--replicas", type=int, default=None,
+                   help="serve from R Ray Serve replicas with adapter affinity (each loads the model; "
+                        "--max-loaded-adapters is then the adapter sets per replica, default 4)")
+    g.add_argument("--ray-address", default=None,
+                   help="join this Ray cluster (e.g. auto, or HEAD:6379) instead of starting a local one")
+    g.add_argument("--replica-cpus", type=float, default=1.0,
+                   help="Ray's logical CPUs per replica (scheduling; default 1)")
 
 
 def _keys(args) -> tuple[list[str], list[str]]:
@@ -107,4 +115,25 @@ def run(args) -> int:
     except ValueError as e:
         print(f"python -m llamax serve: {e}", file=sys.stderr)
         return 2
-    return serve(cfg)
+    if args.replicas is None:
+        if args.ray_address:
+            print("python -m llamax serve: --ray-address needs --replicas", file=sys.stderr)
+            return 2
+        return serve(cfg)
+    try:
+        from ray import serve as _  # noqa: F401
+    except ImportError:
+        print("python -m llamax serve --replicas needs the ray extra: pip install 'llamax[ray]'", file=sys.stderr)
+        return 2
+    if args.metrics:
+        print("python -m llamax serve: --metrics is for the single-process server; on Ray Serve, use Ray's "
+              "own Prometheus metrics (they include the multiplexing counters)", file=sys.stderr)
+        return 2
+    from llamax.serve_ray import RayOptions, run as run_ray
+    opts = RayOptions(replicas=args.replicas, max_sets=args.max_loaded_adapters or 4,
+                      replica_cpus=args.replica_cpus)
+    if opts.replicas < 1 or opts.max_sets < 1 or opts.replica_cpus <= 0:
+        print("python -m llamax serve: --replicas, --max-loaded-adapters and --replica-cpus must be positive",
+              file=sys.stderr)
+        return 2
+    return run_ray(cfg, opts, args.ray_address)

@@ -21,7 +21,6 @@ import httpx
 import openai
 import pytest
 
-from llamax import gguf_tools as gt
 
 HERE = Path(__file__).resolve().parent
 THREADS = "1"  # the suite's client shares the machine's 2 cores with the server
@@ -83,29 +82,6 @@ class Server:
 
 
 @pytest.fixture(scope="session")
-def adapters(gen_dir, smollm2_path):
-    """Two adapters strong enough to move SmolLM2's logits, a control
-    vector, an adapter for another base model, and the folder runtime loads
-    may read from."""
-    d = gen_dir / "server"
-    lora_dir = d / "loras"
-    lora_dir.mkdir(parents=True)
-    out = {
-        "coder": gt.make_lora(smollm2_path, d / "coder.gguf", rank=8, seed=11, std=0.05),
-        "writer": gt.make_lora(smollm2_path, d / "writer.gguf", rank=8, seed=12, std=0.05,
-                               targets=("attn_q", "ffn_up")),
-        "calm": gt.make_control_vector(d / "calm.gguf", 576, range(2, 20), seed=3, std=0.5),
-        "runtime": gt.make_lora(smollm2_path, lora_dir / "runtime.gguf", rank=4, seed=13, std=0.05),
-        "lora_dir": lora_dir,
-    }
-    tiny = gt.make_tiny_llama(d / "tiny.gguf", smollm2_path)
-    out["foreign"] = gt.make_lora(tiny, lora_dir / "foreign.gguf", rank=4, seed=14)
-    (lora_dir / "sub").mkdir()
-    os.symlink(d / "coder.gguf", lora_dir / "sub" / "escape.gguf")  # points outside the folder
-    return out
-
-
-@pytest.fixture(scope="session")
 def server(smollm2_path, adapters):
     s = Server([smollm2_path, "--alias", "smol", "--parallel", "4", "--n-ctx", "1024",
                 "--lora", f"coder={adapters['coder']}", "--lora", adapters["writer"],
@@ -126,6 +102,12 @@ def locked(smollm2_path, adapters):
                env={"LLAMAX_API_KEY": KEYS[1]})
     yield s
     s.stop()
+
+
+@pytest.fixture
+def served_models():
+    """What GET /v1/models lists on ``server``."""
+    return {"smol", "coder", "writer"}
 
 
 @pytest.fixture

@@ -117,9 +117,9 @@ def test_embeddings_with_adapter(oai):
     assert np.max(np.abs(np.array(base) - np.array(ad))) > 1e-3
 
 
-def test_models(oai):
+def test_models(oai, served_models):
     ms = {m.id: m for m in oai.models.list()}
-    assert set(ms) == {"smol", "coder", "writer"}
+    assert set(ms) == served_models
     assert ms["coder"].model_extra["parent"] == "smol" and ms["smol"].model_extra["parent"] is None
     assert oai.models.retrieve("writer").id == "writer"
     with pytest.raises(openai.NotFoundError):
