@@ -32,6 +32,7 @@ import dataclasses
 import logging
 import os
 import secrets
+import time
 import urllib.parse
 
 from fastapi import Depends, FastAPI, Request
@@ -48,6 +49,7 @@ from llamax.server.errors import APIError, from_exception
 logger = logging.getLogger("llamax.serve_ray")
 
 REPLICA_HEADER = "x-llamax-replica"
+REFRESH_S = 5.0
 APP_NAME = "llamax"
 
 
@@ -299,6 +301,11 @@ class LlamaReplica:
             if s is not None:
                 self._done(s)
 
+    async def forward_whole(self, *args) -> list:
+        """:meth:`forward` in one answer (one handle round trip for a
+        response that is not streamed)."""
+        return [part async for part in self.forward(*args)]
+
     def info(self) -> dict:
         """What this replica holds (tests and operators)."""
         return {"replica": self.replica_id, "loaded": sorted(self.loaded), "sets": sorted(self.sets),
@@ -404,23 +411,37 @@ class Ingress:
         self.registry = registry
         self.replica = replica
         self.admin_lock = asyncio.Lock()
+        self.refreshed = 0.0
 
     async def _refresh(self, snap: dict | None = None) -> None:
         if snap is None:
             snap = await self.registry.snapshot.remote()
         self.engine.apply(snap)
+        self.refreshed = time.monotonic()
 
-    async def _forward(self, request: Request, key: str) -> Response:
-        if self.engine.snapshot_id is None:
+    async def _fresh(self) -> None:
+        """The registry's table, re-read every few seconds (this ingress is
+        its only writer, but the registry may have been restarted)."""
+        if self.engine.snapshot_id is None or time.monotonic() - self.refreshed > REFRESH_S:
             await self._refresh()
+
+    async def _forward(self, request: Request, key: str, stream: bool = False) -> Response:
+        """Send the request to a replica (one that holds the adapter set
+        ``key``, if any does) and relay its answer."""
+        await self._fresh()
         body = await request.body()
         headers = [(k, v) for k, v in request.headers.raw if k not in _DROP]
-        if key and self.affinity:
-            h = self.replica.options(stream=True, multiplexed_model_id=key)
-        else:
-            h = self.replica.options(stream=True)
-        gen = h.forward.remote(request.method, request.url.path, request.url.query.encode(), headers, body,
-                               self.engine.snapshot_id, key)
+        opts = {"multiplexed_model_id": key} if key and self.affinity else {}
+        args = (request.method, request.url.path, request.url.query.encode(), headers, body,
+                self.engine.snapshot_id, key)
+        if not stream:
+            try:
+                parts = await self.replica.options(**opts).forward_whole.remote(*args)
+            except RayError as e:
+                raise _ray_error(e) from None
+            status, raw, replica = parts[0]
+            return Response(b"".join(parts[1:]), status_code=status, headers=_relayed(raw, replica))
+        gen = self.replica.options(stream=True, **opts).forward.remote(*args)
         try:
             status, raw, replica = await gen.__anext__()
         except StopAsyncIteration:
@@ -428,31 +449,25 @@ class Ingress:
         except RayError as e:
             gen.cancel()
             raise _ray_error(e) from None
-        out_headers = {k.decode(): v.decode() for k, v in raw if k.decode().lower() not in _HOP}
-        out_headers[REPLICA_HEADER] = replica
-        if out_headers.get("content-type", "").startswith("text/event-stream"):
-            async def relay():
-                try:
-                    async for chunk in gen:
-                        yield chunk
-                except RayError as e:
-                    err = _ray_error(e)
-                    yield b"data: " + _json(err.body()) + b"\r\n\r\n"
-                finally:
-                    gen.cancel()
-            return StreamingResponse(relay(), status_code=status, headers=out_headers)
-        chunks = []
-        try:
-            async for chunk in gen:
-                chunks.append(chunk)
-        except RayError as e:
-            raise _ray_error(e) from None
-        finally:
-            gen.cancel()
-        return Response(b"".join(chunks), status_code=status, headers=out_headers)
+
+        async def relay():
+            try:
+                async for chunk in gen:
+                    yield chunk
+            except RayError as e:  # the stream has begun: the error is its last event
+                yield b"data: " + _json(_ray_error(e).body()) + b"\r\n\r\n"
+            finally:
+                gen.cancel()
+        return StreamingResponse(relay(), status_code=status, headers=_relayed(raw, replica))
 
     def __serve_build_asgi_app__(self):
         return _ingress_app(self)
+
+
+def _relayed(raw: list, replica: str) -> dict:
+    out = {k.decode(): v.decode() for k, v in raw if k.decode().lower() not in _HOP}
+    out[REPLICA_HEADER] = replica
+    return out
 
 
 def _ray_error(e: BaseException) -> APIError:
@@ -472,8 +487,7 @@ def _ingress_app(ing: Ingress) -> FastAPI:
     user, admin = auth_dependencies(cfg)
 
     async def fresh(request: Request) -> _IngressEngine:
-        if engine.snapshot_id is None:
-            await ing._refresh()
+        await ing._fresh()
         return engine
 
     @app.get("/health")
@@ -498,12 +512,12 @@ def _ingress_app(ing: Ingress) -> FastAPI:
     @app.post("/v1/chat/completions", dependencies=user)
     @app.post("/chat/completions", dependencies=user, include_in_schema=False)
     async def chat(body: P.ChatCompletionRequest, request: Request, e: _IngressEngine = Depends(fresh)):
-        return await ing._forward(request, set_key(engine.resolve(body)[0]))
+        return await ing._forward(request, set_key(engine.resolve(body)[0]), body.stream)
 
     @app.post("/v1/completions", dependencies=user)
     @app.post("/completions", dependencies=user, include_in_schema=False)
     async def completions(body: P.CompletionRequest, request: Request, e: _IngressEngine = Depends(fresh)):
-        return await ing._forward(request, set_key(engine.resolve(body)[0]))
+        return await ing._forward(request, set_key(engine.resolve(body)[0]), body.stream)
 
     @app.post("/v1/embeddings", dependencies=user)
     @app.post("/embeddings", dependencies=user, include_in_schema=False)
@@ -604,6 +618,43 @@ def build(cfg: ServerConfig, opts: RayOptions):
     ingress = serve.deployment(Ingress, name="Ingress", num_replicas=1, max_ongoing_requests=10_000,
                                ray_actor_options={"num_cpus": 0})
     return ingress.bind(public, registry, replica, opts.affinity)
+
+
+def app_builder(args: dict):
+    """An application builder for ``serve run`` and Serve config files: the
+    options of ``python -m llamax serve``, by their long names
+    (``serve run llamax.serve_ray:app_builder model=/shared/smol.gguf
+    replicas=4 lora=coder=/shared/coder.gguf``; in a config file's
+    ``args``, a repeatable option may be a list).  Serve's own
+    ``http_options`` say where it listens, not ``host``/``port``."""
+    import argparse
+
+    from llamax.server import cli
+
+    args = dict(args)
+    if "model" not in args:
+        raise ValueError("app_builder needs model=PATH (a path every node can read)")
+    argv = [str(args.pop("model"))]
+    for k, v in args.items():
+        flag = "--" + k.replace("_", "-")
+        for item in (v if isinstance(v, list) else [v]):
+            if item is True or (isinstance(item, str) and item.lower() == "true" and k in _SWITCHES):
+                argv.append(flag)
+            elif item is False or (isinstance(item, str) and item.lower() == "false" and k in _SWITCHES):
+                continue
+            else:
+                argv += [flag, str(item)]
+    class Parser(argparse.ArgumentParser):
+        def error(self, message):
+            raise ValueError(f"llamax.serve_ray:app_builder: {message}")
+
+    p = Parser(prog="llamax.serve_ray:app_builder")
+    cli.add_arguments(p)
+    ns = p.parse_args(argv)
+    return build(cli.server_config(ns), cli.ray_options(ns))
+
+
+_SWITCHES = {"allow_runtime_lora", "metrics", "verbose"}
 
 
 def deploy(cfg: ServerConfig, opts: RayOptions, *, name: str = APP_NAME) -> None:

@@ -95,23 +95,9 @@ def run(args) -> int:
         print(f"python -m llamax serve needs the server extra ({e.name} is missing): "
               "pip install 'llamax[server]'", file=sys.stderr)
         return 2
-    from llamax.server.app import ServerConfig
     from llamax.server.run import serve
-    keys, admin = _keys(args)
-    template = None
-    if args.chat_template:
-        with open(args.chat_template, encoding="utf-8") as f:
-            template = f.read()
     try:
-        cfg = ServerConfig(model=args.model, host=args.host, port=args.port, alias=args.alias,
-                           n_contexts=args.n_contexts, parallel=args.parallel, n_ctx=args.n_ctx,
-                           n_batch=args.n_batch, threads=args.threads, loras=args.lora, lora_dir=args.lora_dir,
-                           max_loaded_adapters=args.max_loaded_adapters, control_vectors=args.control_vector,
-                           prefix_cache=args.prefix_cache,
-                           api_keys=keys, admin_api_keys=admin, allow_runtime_lora=args.allow_runtime_lora,
-                           max_queue=args.max_queue, metrics=args.metrics, max_body_bytes=args.max_body_bytes,
-                           request_timeout=args.request_timeout, shutdown_timeout=args.shutdown_timeout,
-                           chat_format=args.chat_format, chat_template=template, verbose=args.verbose)
+        cfg = server_config(args)
     except ValueError as e:
         print(f"python -m llamax serve: {e}", file=sys.stderr)
         return 2
@@ -125,15 +111,43 @@ def run(args) -> int:
     except ImportError:
         print("python -m llamax serve --replicas needs the ray extra: pip install 'llamax[ray]'", file=sys.stderr)
         return 2
-    if args.metrics:
-        print("python -m llamax serve: --metrics is for the single-process server; on Ray Serve, use Ray's "
-              "own Prometheus metrics (they include the multiplexing counters)", file=sys.stderr)
-        return 2
-    from llamax.serve_ray import RayOptions, run as run_ray
-    opts = RayOptions(replicas=args.replicas, max_sets=args.max_loaded_adapters or 4,
-                      replica_cpus=args.replica_cpus)
-    if opts.replicas < 1 or opts.max_sets < 1 or opts.replica_cpus <= 0:
-        print("python -m llamax serve: --replicas, --max-loaded-adapters and --replica-cpus must be positive",
-              file=sys.stderr)
+    from llamax.serve_ray import run as run_ray
+    try:
+        opts = ray_options(args)
+    except ValueError as e:
+        print(f"python -m llamax serve: {e}", file=sys.stderr)
         return 2
     return run_ray(cfg, opts, args.ray_address)
+
+
+def server_config(args):
+    """The ServerConfig the parsed options describe (ValueError if they don't fit)."""
+    from llamax.server.app import ServerConfig
+    keys, admin = _keys(args)
+    template = None
+    if args.chat_template:
+        with open(args.chat_template, encoding="utf-8") as f:
+            template = f.read()
+    return ServerConfig(model=args.model, host=args.host, port=args.port, alias=args.alias,
+                        n_contexts=args.n_contexts, parallel=args.parallel, n_ctx=args.n_ctx,
+                        n_batch=args.n_batch, threads=args.threads, loras=args.lora, lora_dir=args.lora_dir,
+                        max_loaded_adapters=args.max_loaded_adapters, control_vectors=args.control_vector,
+                        prefix_cache=args.prefix_cache,
+                        api_keys=keys, admin_api_keys=admin, allow_runtime_lora=args.allow_runtime_lora,
+                        max_queue=args.max_queue, metrics=args.metrics, max_body_bytes=args.max_body_bytes,
+                        request_timeout=args.request_timeout, shutdown_timeout=args.shutdown_timeout,
+                        chat_format=args.chat_format, chat_template=template, verbose=args.verbose)
+
+
+def ray_options(args):
+    """The RayOptions of the parsed options (ValueError if they don't fit)."""
+    from llamax.serve_ray import RayOptions
+    if args.metrics:
+        raise ValueError("--metrics is for the single-process server; on Ray Serve, use Ray's own Prometheus "
+                         "metrics (they include the multiplexing counters)")
+    opts = RayOptions(replicas=1 if args.replicas is None else args.replicas,
+                      max_sets=4 if args.max_loaded_adapters is None else args.max_loaded_adapters,
+                      replica_cpus=args.replica_cpus)
+    if opts.replicas < 1 or opts.max_sets < 1 or opts.replica_cpus <= 0:
+        raise ValueError("--replicas, --max-loaded-adapters and --replica-cpus must be positive")
+    return opts
