@@ -29,12 +29,14 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
 import os
 import secrets
 import time
 import urllib.parse
 
+import ray
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 from ray import serve
@@ -121,11 +123,21 @@ class AdapterRegistry:
         else:
             s.discard(replica)
 
-    def forget_replicas(self, alive: list[str]) -> None:
-        for s in self.holders.values():
-            s.intersection_update(alive)
-
     def stats(self) -> dict:
+        """Who holds what (replicas that have died are left out) and the
+        load counts."""
+        app = serve.get_replica_context().app_name
+        alive = {}
+        for replicas in self.holders.values():
+            for r in list(replicas):
+                if r not in alive:
+                    try:
+                        ray.get_actor(f"SERVE_REPLICA::{app}#LlamaReplica#{r}", namespace="serve")
+                        alive[r] = True
+                    except ValueError:  # a dead actor's name is gone
+                        alive[r] = False
+                if not alive[r]:
+                    replicas.discard(r)
         return {"holders": {k: sorted(v) for k, v in self.holders.items()}, "loads": dict(self.loads)}
 
 
@@ -306,11 +318,6 @@ class LlamaReplica:
         response that is not streamed)."""
         return [part async for part in self.forward(*args)]
 
-    def info(self) -> dict:
-        """What this replica holds (tests and operators)."""
-        return {"replica": self.replica_id, "loaded": sorted(self.loaded), "sets": sorted(self.sets),
-                "busy": {k: s.busy for k, s in self.sets.items() if s.busy}}
-
     def __del__(self):
         eng = getattr(self, "engine", None)
         if eng is not None:
@@ -318,7 +325,6 @@ class LlamaReplica:
 
 
 def _json(obj) -> bytes:
-    import json
     return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
 
 

@@ -189,8 +189,9 @@ def test_replica_killed_mid_run(http, server):
         time.sleep(0.2)
     assert s.replica not in replicas
     assert len(replicas) == REPLICAS, f"no replacement replica within 90 s ({replicas}, {failures} failures)"
-    # the adapters work on the new replica too
+    # the adapters work on the new replica too, and the dead one holds nothing
     assert complete(http, "coder")[1]
+    assert all(s.replica not in e["replicas"] for e in table(http).values())
 
 
 @pytest.fixture(autouse=True)
