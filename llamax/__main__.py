@@ -102,6 +102,17 @@ def _bench(args) -> int:
     return rc
 
 
+def _convert_lora(args) -> int:
+    from llamax import peft
+    try:
+        out = peft.convert(args.peft_dir, args.base, args.output, dtype=args.dtype)
+    except peft.PeftError as e:
+        print(f"python -m llamax convert-lora: {e}", file=sys.stderr)
+        return 2
+    print(f"llamax: wrote {out} ({out.stat().st_size} bytes)")
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m llamax", description="llamax command line")
     sub = p.add_subparsers(dest="cmd", metavar="command")
@@ -123,7 +134,16 @@ def main(argv=None) -> int:
                        description="Serve MODEL.gguf over HTTP: OpenAI's chat, completion, embedding and model "
                                    "routes, llama-server's and vLLM's adapter routes, Prometheus metrics.")
     server_cli.add_arguments(s)
+    c = sub.add_parser("convert-lora", help="a PEFT LoRA adapter directory to llama.cpp's LoRA GGUF",
+                       description="Convert a PEFT LoRA (adapter_config.json + adapter_model.safetensors or .bin) "
+                                   "for a GGUF base model; the result loads with Llama.load_lora or --lora.")
+    c.add_argument("peft_dir", help="the PEFT adapter directory")
+    c.add_argument("--base", required=True, help="the GGUF base model the adapter was trained for")
+    c.add_argument("-o", "--output", required=True, help="the LoRA GGUF to write")
+    c.add_argument("--dtype", choices=("f32", "f16"), default="f32", help="tensor type (default f32)")
     args = p.parse_args(argv)
+    if args.cmd == "convert-lora":
+        return _convert_lora(args)
     if args.cmd == "serve":
         return server_cli.run(args)
     if args.cmd == "demo":

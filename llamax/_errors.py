@@ -11,7 +11,7 @@ __all__ = [
     "InvalidGGUFError", "LoadError", "AdapterMismatchError", "ControlVectorError",
     "AdapterInUseError", "DecodeError", "KVCacheFullError", "CancelledError",
     "OutOfMemoryError", "GrammarError", "ContextBusyError", "ClosedError",
-    "InvalidUtf8Error", "ViewsExportedError", "UnknownAdapterError",
+    "InvalidUtf8Error", "ViewsExportedError", "UnknownAdapterError", "PeftError",
 ]
 
 
@@ -95,3 +95,6 @@ class ViewsExportedError(LlamaxError, BufferError):
 class UnknownAdapterError(LlamaxError, KeyError):
     """No adapter is loaded or registered under that name."""
 
+
+class PeftError(LlamaxError, ValueError):
+    """A PEFT adapter directory that can't become a llama.cpp LoRA (see llamax.peft)."""

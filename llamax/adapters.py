@@ -49,10 +49,22 @@ class AdapterRegistry:
         if not isinstance(name, str) or not name:
             raise ArgumentTypeError(f"an adapter name must be a non-empty str, not {name!r}")
 
+    def _gguf_path(self, path) -> str:
+        """A GGUF adapter's path as is; a PEFT adapter directory converted
+        for this model (once, cached by content: llamax.peft)."""
+        path = os.fspath(path)
+        if os.path.isdir(path):
+            from llamax import peft
+            from llamax._fetch import cache_dir
+            if not peft.is_peft_dir(path):
+                raise peft.PeftError(f"{path}: a directory without adapter_config.json (not a PEFT adapter)")
+            return os.fspath(peft.cached(path, self._model.path, cache_dir() / "peft"))
+        return path
+
     def load(self, name: str, path) -> LoraAdapter:
         """Load now (a bad file fails here, not at generation)."""
         self._check_name(name)
-        path = os.fspath(path)
+        path = self._gguf_path(path)
         with self._cond:
             if name in self._entries:
                 raise InvalidArgumentError(f"an adapter named {name!r} is already loaded; unload_lora() it first")
@@ -66,7 +78,7 @@ class AdapterRegistry:
     def register(self, name: str, path) -> None:
         """Remember ``path`` under ``name``; load it the first time a request names it."""
         self._check_name(name)
-        path = os.fspath(path)
+        path = self._gguf_path(path)
         if not os.path.exists(path):
             from llamax._errors import LoadError
             raise LoadError(f"{path}: no such file")

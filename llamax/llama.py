@@ -267,7 +267,11 @@ class Llama:
     # -- adapters -----------------------------------------------------------
 
     def load_lora(self, name: str, path) -> None:
-        """Load a LoRA adapter under ``name`` now; a file for another base model fails here."""
+        """Load a LoRA adapter under ``name`` now; a file for another base model fails here.
+
+        ``path`` is a llama.cpp LoRA GGUF, or a PEFT LoRA directory
+        (``adapter_config.json`` + weights), converted for this model once
+        and cached by content (:mod:`llamax.peft`)."""
         self._check_open()
         self._adapters.load(name, path)
 

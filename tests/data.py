@@ -55,6 +55,8 @@ REFERENCE_REQUIREMENTS = ["sentence-transformers==5.7.0"]
 # its own (it wants a newer protobuf), with the Hugging Face fast tokenizer.
 ONNX_EXPORT_REQUIREMENTS = ["onnx==1.22.0"]
 ORT_REQUIREMENTS = ["onnxruntime==1.32.0", "tokenizers==0.22.2", "numpy"]
+# tests/adapters: PEFT adapters made and run in PyTorch (transformers reads GGUF through gguf-py)
+PEFT_REQUIREMENTS = ["peft==0.21.2", "gguf>=0.10"]
 
 
 def _cache() -> Path:
@@ -87,13 +89,13 @@ def minilm_dir() -> Path:
     return out
 
 
-def tool_venv(reference: bool = False, onnx: bool = False) -> Path:
+def tool_venv(reference: bool = False, onnx: bool = False, peft: bool = False) -> Path:
     """Python of a cached venv that can run convert_hf_to_gguf.py (with
     reference=True, sentence-transformers; with onnx=True, torch.onnx's
-    exporter).  Kept apart from the test environment: torch never enters
-    llamax's own."""
+    exporter; with peft=True, PEFT).  Kept apart from the test environment:
+    torch never enters llamax's own."""
     want = CONVERT_REQUIREMENTS + (REFERENCE_REQUIREMENTS if reference else []) + \
-        (ONNX_EXPORT_REQUIREMENTS if onnx else [])
+        (ONNX_EXPORT_REQUIREMENTS if onnx else []) + (PEFT_REQUIREMENTS if peft else [])
     return _venv("convert-venv", want)
 
 

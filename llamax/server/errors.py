@@ -37,6 +37,7 @@ _MAP = [
     (E.AdapterInUseError, 503, "adapters_busy"),
     (E.AdapterMismatchError, 400, "adapter_mismatch"),
     (E.InvalidGGUFError, 400, "invalid_file"),
+    (E.PeftError, 400, "invalid_adapter"),
     (E.LoadError, 400, "load_failed"),
     (ChatTemplateError, 400, "chat_template_error"),
     (E.GrammarError, 400, "grammar_error"),
