@@ -3,6 +3,7 @@
 
 #include "ggml.h"
 #include "gguf.h"
+#include "ggml-backend.h"
 
 #include <algorithm>
 #include <cerrno>
@@ -796,6 +797,115 @@ ControlVectorPtr cvec_sum(const std::vector<ControlVectorPtr> & parts, const std
         }
     }
     return seal(cv);
+}
+
+// ---------------------------------------------------------------------------
+// Layer outputs (control-vector training)
+
+namespace {
+
+struct LayerCapture {
+    int32_t n_layer;
+    int32_t n_embd;
+    float * dst = nullptr;      // n_layer x n_embd of the prompt being decoded
+    std::vector<uint8_t> seen;
+    std::string error;
+};
+
+// ggml's scheduler asks (ask=true) for each graph node whether the callback
+// wants it, then calls it again (ask=false) once such a node is computed.
+bool capture_layer_output(ggml_tensor * t, bool ask, void * user) {
+    auto * c = static_cast<LayerCapture *>(user);
+    if (std::strncmp(t->name, "l_out-", 6) != 0) {
+        return !ask;
+    }
+    char * end = nullptr;
+    const long il = std::strtol(t->name + 6, &end, 10);
+    if (end == t->name + 6 || *end != '\0' || il < 0 || il >= c->n_layer) {
+        return !ask;
+    }
+    if (ask) {
+        return true;
+    }
+    if (t->type != GGML_TYPE_F32 || t->ne[0] != c->n_embd || t->ne[1] < 1) {
+        c->error = std::string("unexpected layer output ") + t->name;
+        return false;  // stops the computation
+    }
+    // the last row: the prompt's last token (the last layer keeps only the
+    // rows whose logits are asked for, here that one)
+    ggml_backend_tensor_get(t, c->dst + (size_t) il * c->n_embd, (size_t) (t->ne[1] - 1) * t->nb[1],
+                            (size_t) c->n_embd * sizeof(float));
+    c->seen[il] = 1;
+    return true;
+}
+
+}  // namespace
+
+void layer_outputs(const ModelPtr & model, const llama_token * tokens, const int64_t * offsets,
+                   int32_t n_prompts, int32_t n_threads, float * out) {
+    const llama_model * m = model.get();
+    const llama_vocab * vocab = llama_model_get_vocab(m);
+    const int32_t n_vocab = llama_vocab_n_tokens(vocab);
+    int64_t longest = 0;
+    for (int32_t i = 0; i < n_prompts; ++i) {
+        const int64_t n = offsets[i + 1] - offsets[i];
+        if (n < 1) {
+            throw Error(ErrorKind::InvalidArgument, "prompt " + std::to_string(i) + " has no tokens");
+        }
+        longest = std::max(longest, n);
+        for (int64_t j = offsets[i]; j < offsets[i + 1]; ++j) {
+            if (tokens[j] < 0 || tokens[j] >= n_vocab) {
+                throw Error(ErrorKind::Token, "prompt " + std::to_string(i) + ": token id " +
+                                                  std::to_string(tokens[j]) + " is outside [0, " +
+                                                  std::to_string(n_vocab) + ")");
+            }
+        }
+    }
+    const int32_t n_ctx_train = llama_model_n_ctx_train(m);
+    if (longest > n_ctx_train) {
+        throw Error(ErrorKind::ContextOverflow, "a prompt of " + std::to_string(longest) +
+                                                    " tokens is longer than the model's context of " +
+                                                    std::to_string(n_ctx_train));
+    }
+    LayerCapture cap;
+    cap.n_layer = llama_model_n_layer(m);
+    cap.n_embd = llama_model_n_embd(m);
+    llama_context_params p = llama_context_default_params();
+    p.n_ctx = (uint32_t) longest;
+    p.n_batch = (uint32_t) longest;
+    p.n_ubatch = (uint32_t) longest;
+    p.n_seq_max = 1;
+    p.n_threads = n_threads;
+    p.n_threads_batch = n_threads;
+    p.no_perf = true;
+    p.cb_eval = capture_layer_output;
+    p.cb_eval_user_data = &cap;
+    std::unique_ptr<llama_context, decltype(&llama_free)> ctx(llama_init_from_model(const_cast<llama_model *>(m), p),
+                                                             &llama_free);
+    if (!ctx) {
+        throw Error(ErrorKind::OutOfMemory, with_reason("cannot create a context for the layer outputs"));
+    }
+    for (int32_t i = 0; i < n_prompts; ++i) {
+        llama_memory_clear(llama_get_memory(ctx.get()), true);
+        cap.dst = out + (size_t) i * cap.n_layer * cap.n_embd;
+        cap.seen.assign((size_t) cap.n_layer, 0);
+        const int32_t n = (int32_t) (offsets[i + 1] - offsets[i]);
+        llama_batch b = llama_batch_get_one(const_cast<llama_token *>(tokens + offsets[i]), n);
+        const int32_t rc = llama_decode(ctx.get(), b);
+        if (!cap.error.empty()) {
+            throw Error(ErrorKind::Decode, cap.error);
+        }
+        if (rc != 0) {
+            throw Error(ErrorKind::Decode, "decoding prompt " + std::to_string(i) + " failed (" +
+                                               std::to_string(rc) + ")");
+        }
+        for (int32_t il = 0; il < cap.n_layer; ++il) {
+            if (!cap.seen[il]) {
+                throw Error(ErrorKind::Decode, "this model's graph has no output for layer " + std::to_string(il) +
+                                                   " (l_out-" + std::to_string(il) + ")");
+            }
+        }
+    }
 }
 
 // ---------------------------------------------------------------------------

@@ -175,6 +175,14 @@ ControlVectorPtr cvec_from_gguf(const llama_model * model, const std::string & p
 // sum_i scales[i] * parts[i]; the range is the union of the parts' ranges.
 ControlVectorPtr cvec_sum(const std::vector<ControlVectorPtr> & parts, const std::vector<float> & scales);
 
+// For control-vector training: the output of every layer (llama.cpp's
+// "l_out-N" graph tensors, where its control vectors are added) at the last
+// token of each prompt, captured by an eval callback in a context of its own.
+// Prompt i is tokens[offsets[i], offsets[i+1]); out holds
+// n_prompts x n_layer x n_embd floats.
+void layer_outputs(const ModelPtr & model, const llama_token * tokens, const int64_t * offsets,
+                   int32_t n_prompts, int32_t n_threads, float * out);
+
 // ---------------------------------------------------------------------------
 // State: what a context applies besides its weights.  Immutable and
 // interned: equal contents (the same adapter objects with bit-equal scales,

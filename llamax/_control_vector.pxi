@@ -103,5 +103,43 @@ cdef class ControlVector:
         cdef const CControlVector * c = self._cv.get()
         return _make_view(self, <float *> c.data.data(), 1, c.data.size(), 1, 0)
 
+    @staticmethod
+    def train(model, positive, negative, *, method="pca", layer_start=1, layer_end=None, n_threads=None):
+        """A control vector from contrastive prompts (llamax.control_vectors.train)."""
+        from llamax.control_vectors import train
+        return train(model, positive, negative, method=method, layer_start=layer_start, layer_end=layer_end,
+                     n_threads=n_threads)
+
+    def save(self, path, *, model_hint=None):
+        """Write llama.cpp's control-vector GGUF (``direction.N`` per layer), which
+        ``ControlVector.load`` and ``llama-cli --control-vector`` read."""
+        from llamax.control_vectors import save
+        return save(self, path, model_hint=model_hint)
+
     def __repr__(self):
         return f"<llamax.ControlVector layers {self.layer_start}..{self.layer_end} n_embd={self.n_embd}>"
+
+
+def _layer_outputs(model, tokens, offsets, n_threads):
+    """(n_prompts, n_layer, n_embd) float32: every layer's output at the last
+    token of each prompt (prompt i is tokens[offsets[i]:offsets[i+1]]).  A
+    context of its own with an eval callback; the GIL is released."""
+    cdef Model _mo_t = _typed(model, Model, "model")
+    if _mo_t.vocab_only:
+        raise InvalidArgumentError("the model was loaded with vocab_only=True: it has no weights to run")
+    _check_int(n_threads, "n_threads", 1, MAX_THREADS)
+    cdef const int32_t[::1] tv = _as_tokens(tokens)
+    offs = np.ascontiguousarray(offsets, dtype=np.int64)
+    if offs.ndim != 1 or offs.shape[0] < 2 or offs[0] != 0 or offs[-1] != tv.shape[0]:
+        raise InvalidArgumentError("offsets must run from 0 to len(tokens), one more entry than prompts")
+    cdef const int64_t[::1] ov = offs
+    cdef int32_t n = ov.shape[0] - 1
+    cdef const llama_model * m = _mo_t._ptr()
+    out = np.empty((n, llama_model_n_layer(m), llama_model_n_embd(m)), dtype=np.float32)
+    cdef float[:, :, ::1] dst = out
+    cdef int32_t nt = n_threads
+    if _shutting_down:
+        raise ClosedError("the interpreter is exiting")
+    with _ModelUse(_mo_t), nogil:
+        layer_outputs(_mo_t._own, &tv[0], &ov[0], n, nt, &dst[0, 0, 0])
+    return out

@@ -9,6 +9,7 @@ without raising ``ArgumentTypeError``; values it range-checks at run time
 import array
 import logging
 import os
+from pathlib import Path
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from typing import Any, Literal, TypedDict
 
@@ -187,6 +188,18 @@ class ControlVector:
     ) -> ControlVector: ...
     @staticmethod
     def combine(items: Iterable[tuple[ControlVector, float]]) -> ControlVector: ...
+    @staticmethod
+    def train(
+        model: Model,
+        positive: Sequence[str | Sequence[int]],
+        negative: Sequence[str | Sequence[int]],
+        *,
+        method: str = "pca",
+        layer_start: int = 1,
+        layer_end: int | None = None,
+        n_threads: int | None = None,
+    ) -> ControlVector: ...
+    def save(self, path: _Path, *, model_hint: str | None = None) -> Path: ...
     @property
     def model(self) -> Model: ...
     @property

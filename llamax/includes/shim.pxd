@@ -142,6 +142,8 @@ cdef extern from "llamax.h" namespace "llamax" nogil:
                                      int32_t layer_start, int32_t layer_end) except +translate_exception
     CControlVectorPtr cvec_sum(const vector[CControlVectorPtr] & parts,
                                const vector[float] & scales) except +translate_exception
+    void layer_outputs(const CModelPtr & model, const llama_token * tokens, const int64_t * offsets,
+                       int32_t n_prompts, int32_t n_threads, float * out) except +translate_exception
 
     void check_gguf_file(const string & path) except +translate_exception
     cbool check_model_gguf(const string & path) except +translate_exception
