@@ -7,6 +7,8 @@ import time
 
 
 def _demo(args) -> int:
+    from pathlib import Path
+
     import llamax
     from llamax import gguf_tools
     from llamax.models import cache_dir, default_model
@@ -16,18 +18,23 @@ def _demo(args) -> int:
     print(f"model: {path}")
     out = cache_dir() / "demo"
     out.mkdir(parents=True, exist_ok=True)
-    print("adapters: no real LoRA adapters for SmolLM2-135M are on the package index, so this demo\n"
-          "  makes two seeded random ones ('coder', 'translator') with llamax.gguf_tools.\n"
-          "  They change the model's output but were not trained for anything.")
-    coder = gguf_tools.make_lora(path, out / "coder.gguf", rank=8, seed=1, std=0.05)
-    translator = gguf_tools.make_lora(path, out / "translator.gguf", rank=8, seed=2, std=0.05)
+    bundled = Path(llamax.__file__).resolve().parent / "data" / "adapters"
+    if args.model is None:
+        print("adapters: two trained for SmolLM2-135M-Instruct, shipped with llamax (tools/train_adapters.py):\n"
+              "  'shout' answers in capital letters, 'json' answers as {\"answer\": ...}")
+        first, second = ("shout", bundled / "shout.gguf"), ("json", bundled / "json.gguf")
+    else:
+        print("adapters: the bundled trained ones are for SmolLM2-135M-Instruct; for another model this demo\n"
+              "  makes two seeded random ones with llamax.gguf_tools (they change the output, trained for nothing)")
+        first = ("shout", gguf_tools.make_lora(path, out / "random1.gguf", rank=8, seed=1, std=0.05))
+        second = ("json", gguf_tools.make_lora(path, out / "random2.gguf", rank=8, seed=2, std=0.05))
 
     llm = llamax.Llama(model_path=str(path), n_ctx=2048, n_threads=args.threads)
-    llm.load_lora("coder", coder)
-    llm.load_lora("translator", translator)
+    llm.load_lora(*first)
+    llm.load_lora(*second)
     users = [
-        ("A", "Write a quicksort in Python.", [{"name": "coder", "scale": 1.0}]),
-        ("B", "Explain gravity.", [{"name": "translator", "scale": 0.85}]),
+        ("A", "Tell me about the moon.", [{"name": "shout", "scale": 1.0}]),
+        ("B", "What is tea?", [{"name": "json", "scale": 1.0}]),
         ("C", "What is the capital of Japan?", None),
     ]
     answers = {}
@@ -41,9 +48,13 @@ def _demo(args) -> int:
         label = ", ".join(f"{d['name']}@{d['scale']}" for d in loras) if loras else "none (base model)"
         print(f"\nuser {who}: {question}\n  adapters: {label}\n  {n} tokens in {dt:.2f} s "
               f"({n / dt:.1f} tok/s incl. prompt)\n  answer: {answers[who]!r}")
+        letters = [ch for ch in answers[who] if ch.isalpha()]
+        upper = sum(ch.isupper() for ch in letters) / max(1, len(letters))
+        as_json = "yes" if answers[who].lstrip().startswith('{"answer":') else "no"
+        print(f"  capital letters: {upper:.0%}; starts as {{\"answer\": ...}}: {as_json}")
 
     # what a swap costs: the set_adapters call, and the graph re-reserve it causes
-    ad = [llamax.LoraAdapter(llm.model, p) for p in (coder, translator)]
+    ad = [llamax.LoraAdapter(llm.model, p) for _, p in (first, second)]
     with llamax.Context(llm.model, n_ctx=256, n_threads=args.threads) as c:
         c.decode([1])
         n = 50
