@@ -44,8 +44,8 @@ from ray.exceptions import RayError, RayTaskError
 
 import llamax
 from llamax.server import protocol as P
-from llamax.server.app import (Engine, ServerConfig, auth_dependencies, build_app, check_runtime_load,
-                               install_error_handlers, model_cards, parse_default_set, runtime_allowed)
+from llamax.server.app import (Engine, ServerConfig, add_model_routes, auth_dependencies, build_app,
+                               check_runtime_load, install_error_handlers, parse_default_set, runtime_allowed)
 from llamax.server.errors import APIError, from_exception
 
 logger = logging.getLogger("llamax.serve_ray")
@@ -500,17 +500,7 @@ def _ingress_app(ing: Ingress) -> FastAPI:
     async def health():
         return {"status": "ok"}
 
-    @app.get("/v1/models", dependencies=user)
-    @app.get("/models", dependencies=user, include_in_schema=False)
-    async def models(e: _IngressEngine = Depends(fresh)):
-        return {"object": "list", "data": model_cards(engine)}
-
-    @app.get("/v1/models/{model_id:path}", dependencies=user)
-    async def model_card(model_id: str, e: _IngressEngine = Depends(fresh)):
-        for c in model_cards(engine):
-            if c["id"] == model_id:
-                return c
-        raise APIError(404, f"the model {model_id!r} does not exist", param="model", code="model_not_found")
+    add_model_routes(app, engine, user, fresh)
 
     # generation: parsed and checked here (the same models and errors), then
     # sent to a replica that holds the request's adapter set

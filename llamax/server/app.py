@@ -493,6 +493,23 @@ def model_cards(engine: Engine) -> list[dict]:
     return cards
 
 
+def add_model_routes(app: FastAPI, engine: Engine, user: list, ready) -> None:
+    """GET /v1/models (and /models) and /v1/models/{id}; ``ready`` is the
+    dependency that says the engine can answer."""
+
+    @app.get("/v1/models", dependencies=user)
+    @app.get("/models", dependencies=user, include_in_schema=False)
+    async def models(e=Depends(ready)):
+        return {"object": "list", "data": model_cards(engine)}
+
+    @app.get("/v1/models/{model_id:path}", dependencies=user)
+    async def model_card(model_id: str, e=Depends(ready)):
+        for c in model_cards(engine):
+            if c["id"] == model_id:
+                return c
+        raise APIError(404, f"the model {model_id!r} does not exist", param="model", code="model_not_found")
+
+
 def parse_default_set(raw, lora_ids: dict[str, int]) -> list[dict]:
     """POST /lora-adapters' body ([{id, scale}]) as a set [{name, scale}]."""
     if not isinstance(raw, list):
@@ -639,17 +656,7 @@ def build_app(engine: Engine) -> FastAPI:
 
     # -- models -----------------------------------------------------------------
 
-    @app.get("/v1/models", dependencies=user)
-    @app.get("/models", dependencies=user, include_in_schema=False)
-    async def models(e: Engine = Depends(need_model)):
-        return {"object": "list", "data": model_cards(engine)}
-
-    @app.get("/v1/models/{model_id:path}", dependencies=user)
-    async def model_card(model_id: str, e: Engine = Depends(need_model)):
-        for c in model_cards(engine):
-            if c["id"] == model_id:
-                return c
-        raise APIError(404, f"the model {model_id!r} does not exist", param="model", code="model_not_found")
+    add_model_routes(app, engine, user, need_model)
 
     # -- generation ---------------------------------------------------------------
 
