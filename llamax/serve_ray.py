@@ -45,7 +45,7 @@ from ray.exceptions import RayError, RayTaskError
 import llamax
 from llamax.server import protocol as P
 from llamax.server.app import (Engine, ServerConfig, add_model_routes, auth_dependencies, build_app,
-                               check_runtime_load, install_error_handlers, parse_default_set, runtime_allowed)
+                               check_runtime_load, install_error_handlers, read_default_set, runtime_allowed)
 from llamax.server.errors import APIError, from_exception
 
 logger = logging.getLogger("llamax.serve_ray")
@@ -544,11 +544,7 @@ def _ingress_app(ing: Ingress) -> FastAPI:
 
     @app.post("/lora-adapters", dependencies=admin)
     async def set_lora_adapters(request: Request, e: _IngressEngine = Depends(fresh)):
-        try:
-            raw = await request.json()
-        except ValueError:
-            raise APIError(400, "the body is not valid JSON", code="invalid_request") from None
-        new = parse_default_set(raw, engine.lora_ids)
+        new = await read_default_set(request, engine.lora_ids)
         await ing._refresh(await ing.registry.set_default.remote(new))
         return await listing()
 

@@ -510,8 +510,12 @@ def add_model_routes(app: FastAPI, engine: Engine, user: list, ready) -> None:
         raise APIError(404, f"the model {model_id!r} does not exist", param="model", code="model_not_found")
 
 
-def parse_default_set(raw, lora_ids: dict[str, int]) -> list[dict]:
+async def read_default_set(request: Request, lora_ids: dict[str, int]) -> list[dict]:
     """POST /lora-adapters' body ([{id, scale}]) as a set [{name, scale}]."""
+    try:
+        raw = await request.json()
+    except ValueError:
+        raise APIError(400, "the body is not valid JSON", code="invalid_request") from None
     if not isinstance(raw, list):
         raise APIError(400, "the body must be a list of {id, scale}", code="invalid_request")
     by_id = {v: k for k, v in lora_ids.items()}
@@ -977,12 +981,7 @@ def build_app(engine: Engine) -> FastAPI:
 
     @app.post("/lora-adapters", dependencies=admin)
     async def set_lora_adapters(request: Request, e: Engine = Depends(need_model)):
-        try:
-            raw = await request.json()
-        except ValueError:
-            raise APIError(400, "the body is not valid JSON", code="invalid_request") from None
-        new = parse_default_set(raw, engine.lora_ids)
-        engine.default_set = new
+        engine.default_set = await read_default_set(request, engine.lora_ids)
         return engine.loras_listing()
 
     @app.post("/v1/load_lora_adapter", dependencies=admin)
