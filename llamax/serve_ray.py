@@ -44,7 +44,7 @@ from ray.exceptions import RayError, RayTaskError
 
 import llamax
 from llamax.server import protocol as P
-from llamax.server.app import (Engine, ServerConfig, add_model_routes, auth_dependencies, build_app,
+from llamax.server.app import (Engine, _BodyLimit, ServerConfig, add_model_routes, auth_dependencies, build_app,
                                check_runtime_load, install_error_handlers, read_default_set, runtime_allowed)
 from llamax.server.errors import APIError, from_exception
 
@@ -489,6 +489,7 @@ def _ingress_app(ing: Ingress) -> FastAPI:
     cfg, engine = ing.cfg, ing.engine
     app = FastAPI(title="llamax (Ray Serve)", version=llamax.__version__, docs_url=None, redoc_url=None,
                   openapi_url=None)
+    app.add_middleware(_BodyLimit, limit=cfg.max_body_bytes)
     install_error_handlers(app)
     user, admin = auth_dependencies(cfg)
 

@@ -31,6 +31,8 @@ def test_cli_auth_runtime_adapters_and_stop(smollm2_path, adapters):
             body = {"model": "coder", "prompt": "Hello", "max_tokens": 3, "temperature": 0.0}
             r = c.post("/v1/completions", json=body, headers=user)
             assert r.status_code == 200 and r.headers[HEADER]
+            r = c.post("/v1/completions", content=b"x" * (9 << 20), headers=user)   # --max-body-bytes: 8 MiB
+            assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
             # runtime adapters: admin only, inside --lora-dir, checked against the model by a replica
             load = {"lora_name": "runtime", "lora_path": "runtime.gguf"}
             r = c.post("/v1/load_lora_adapter", json=load, headers=user)
