@@ -67,7 +67,11 @@ def layer_outputs(model, prompts, *, n_threads: int | None = None) -> np.ndarray
     token of each prompt (str prompts are tokenized with special tokens)."""
     from llamax import _core
     tokens, offsets = _prompts(model, prompts, "prompts")
-    return _core._layer_outputs(model, tokens, offsets, n_threads or min(os.cpu_count() or 1, 8))
+    return _core._layer_outputs(model, tokens, offsets, _threads(n_threads))
+
+
+def _threads(n_threads: int | None) -> int:
+    return n_threads or min(os.cpu_count() or 1, 8)
 
 
 def train(model, positive, negative, *, method: str = "pca", layer_start: int = 1, layer_end: int | None = None,
@@ -97,9 +101,8 @@ def train(model, positive, negative, *, method: str = "pca", layer_start: int = 
         raise InvalidArgumentError(f"method='pca' takes pairs: {len(pos_t[1]) - 1} positive and "
                                    f"{len(neg_t[1]) - 1} negative prompts (use method='mean_diff' for "
                                    "unpaired sets)")
-    nt = n_threads or min(os.cpu_count() or 1, 8)
-    pos = _core._layer_outputs(model, *pos_t, nt)
-    neg = _core._layer_outputs(model, *neg_t, nt)
+    pos = _core._layer_outputs(model, *pos_t, _threads(n_threads))
+    neg = _core._layer_outputs(model, *neg_t, _threads(n_threads))
     rows = np.empty((layer_end - layer_start + 1, model.n_embd), dtype=np.float32)
     for k, il in enumerate(range(layer_start, layer_end + 1)):
         p, n = pos[:, il].astype(np.float64), neg[:, il].astype(np.float64)
@@ -122,21 +125,9 @@ def train(model, positive, negative, *, method: str = "pca", layer_start: int = 
 def save(cv, path, *, model_hint: str | None = None) -> Path:
     """Write ``cv`` as llama.cpp's control-vector GGUF: one ``direction.N``
     float32 tensor per layer N in its range."""
-    import gguf
+    from llamax.gguf_tools import write_control_vector
     data = np.asarray(cv.data, dtype=np.float32).reshape(-1, cv.n_embd)   # row 0 = layer 1
     if model_hint is None:
         model_hint = cv.model.metadata.get("general.architecture", "llama")
-    path = Path(os.fspath(path))
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    w = gguf.GGUFWriter(os.fspath(tmp), "controlvector")
-    w.add_string("controlvector.model_hint", model_hint)
-    layers = range(cv.layer_start, cv.layer_end + 1)
-    w.add_int32("controlvector.layer_count", len(layers))
-    for il in layers:
-        w.add_tensor(f"direction.{il}", np.ascontiguousarray(data[il - 1]))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    os.replace(tmp, path)
-    return path
+    rows = {il: data[il - 1] for il in range(cv.layer_start, cv.layer_end + 1)}
+    return write_control_vector(path, rows, model_hint=model_hint)

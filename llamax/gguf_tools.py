@@ -115,21 +115,31 @@ def lora_deltas(lora_path, scale: float = 1.0) -> dict[str, np.ndarray]:
 
 def make_control_vector(out_path, n_embd: int, layers: Iterable[int], *, seed: int = 0,
                         std: float = 0.1, model_hint: str = "llama", zeros: bool = False) -> Path:
-    """Write a llama.cpp control-vector GGUF: one ``direction.N`` F32 tensor per layer N."""
-    gguf = _gguf()
+    """Write a seeded random llama.cpp control-vector GGUF: one ``direction.N`` F32 tensor per layer N."""
     rng = np.random.default_rng(seed)
-    layers = sorted(set(int(i) for i in layers))
-    w = gguf.GGUFWriter(os.fspath(out_path), "controlvector")
+    rows = {}
+    for il in sorted(set(int(i) for i in layers)):
+        rows[il] = np.zeros(n_embd, np.float32) if zeros else (rng.standard_normal(n_embd) * std).astype(np.float32)
+    return write_control_vector(out_path, rows, model_hint=model_hint)
+
+
+def write_control_vector(out_path, rows: dict[int, np.ndarray], *, model_hint: str = "llama") -> Path:
+    """Write llama.cpp's control-vector GGUF ({layer N: n_embd floats} as
+    F32 ``direction.N`` tensors, the layout its loaders read), atomically."""
+    gguf = _gguf()
+    out_path = Path(out_path)
+    tmp = out_path.with_name(out_path.name + f".tmp{os.getpid()}")
+    w = gguf.GGUFWriter(os.fspath(tmp), "controlvector")
     w.add_string("controlvector.model_hint", model_hint)
-    w.add_int32("controlvector.layer_count", len(layers))
-    for il in layers:
-        v = np.zeros(n_embd, np.float32) if zeros else (rng.standard_normal(n_embd) * std).astype(np.float32)
-        w.add_tensor(f"direction.{il}", v)
+    w.add_int32("controlvector.layer_count", len(rows))
+    for il in sorted(rows):
+        w.add_tensor(f"direction.{il}", np.ascontiguousarray(rows[il], dtype=np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    return Path(out_path)
+    os.replace(tmp, out_path)
+    return out_path
 
 
 def make_tiny_llama(out_path, tokenizer_from, *, n_embd: int = 64, n_layer: int = 2, n_head: int = 4,

@@ -31,6 +31,7 @@ import json
 import math
 import os
 import pickle
+import re
 import struct
 import zipfile
 from pathlib import Path
@@ -67,7 +68,6 @@ def convert(peft_dir, base, out, *, dtype: str = "f32") -> Path:
     tensors = _weights(peft_dir)
     names = gguf.get_tensor_name_map(_arch_enum(arch), n_layer)
     pairs: dict[str, dict[str, np.ndarray]] = {}
-    modules: dict[str, str] = {}
     for key, arr in tensors.items():
         module, half = _split(key)
         pairs.setdefault(module, {})[half] = arr
@@ -90,7 +90,6 @@ def convert(peft_dir, base, out, *, dtype: str = "f32") -> Path:
         if a.shape[1] != n_in or b.shape[0] != n_out:
             raise PeftError(f"{module}: the adapter is {b.shape[0]}x{a.shape[1]} but {name} in the base is "
                             f"{n_out}x{n_in}: an adapter for another model?")
-        modules[module] = name
         r = a.shape[0]
         scale = _scale(cfg, module, r)
         if alpha_out is None:
@@ -185,7 +184,6 @@ def _scale(cfg: dict, module: str, r: int) -> float:
 
 
 def _matches(module: str, pattern: str) -> bool:
-    import re
     return re.match(rf"(.*\.)?({pattern})$", module) is not None
 
 
@@ -355,5 +353,4 @@ def _permute(b: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def _natural(s: str):
-    import re
     return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", s)]

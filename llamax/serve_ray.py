@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import logging
 import os
 import secrets
@@ -44,8 +43,9 @@ from ray.exceptions import RayError, RayTaskError
 
 import llamax
 from llamax.server import protocol as P
-from llamax.server.app import (Engine, _BodyLimit, ServerConfig, add_model_routes, auth_dependencies, build_app,
-                               check_runtime_load, install_error_handlers, read_default_set, runtime_allowed)
+from llamax.server.app import (Engine, ServerConfig, _BodyLimit, _dumps, add_model_routes, auth_dependencies,
+                               build_app, check_runtime_load, install_error_handlers, read_default_set,
+                               runtime_allowed)
 from llamax.server.errors import APIError, from_exception
 
 logger = logging.getLogger("llamax.serve_ray")
@@ -199,14 +199,14 @@ class LlamaReplica:
         await self._sync(None)
         for name, path in self.engine.lora_paths.items():
             try:
-                await asyncio.to_thread(lambda: llamax.LoraAdapter(self.engine.llm.model, path).close())
+                await asyncio.to_thread(self.engine.check_lora_file, path)
             except llamax.LlamaxError as e:
                 raise ValueError(f"adapter {name!r} ({path}): {e}") from None
 
     async def check_adapter(self, path: str):
         """A runtime load's file against the model: None, or (status, message, code)."""
         try:
-            await asyncio.to_thread(lambda: llamax.LoraAdapter(self.engine.llm.model, path).close())
+            await asyncio.to_thread(self.engine.check_lora_file, path)
         except Exception as e:
             err = from_exception(e) or APIError(400, f"{type(e).__name__}: {e}", code="load_failed")
             return err.status, err.message, err.code
@@ -301,7 +301,7 @@ class LlamaReplica:
             if err.status == 500:
                 logger.exception("adapter set %r", key)
             yield err.status, [(b"content-type", b"application/json")], self.replica_id
-            yield _json(err.body())
+            yield _dumps(err.body()).encode()
             return
         try:
             async for part in _asgi_request(self.app, method, path, query, headers, body):
@@ -322,10 +322,6 @@ class LlamaReplica:
         eng = getattr(self, "engine", None)
         if eng is not None:
             eng.close()
-
-
-def _json(obj) -> bytes:
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
 
 
 async def _asgi_request(app, method: str, path: str, query: bytes, headers: list, body: bytes):
@@ -461,7 +457,7 @@ class Ingress:
                 async for chunk in gen:
                     yield chunk
             except RayError as e:  # the stream has begun: the error is its last event
-                yield b"data: " + _json(_ray_error(e).body()) + b"\r\n\r\n"
+                yield b"data: " + _dumps(_ray_error(e).body()).encode() + b"\r\n\r\n"
             finally:
                 gen.cancel()
         return StreamingResponse(relay(), status_code=status, headers=_relayed(raw, replica))

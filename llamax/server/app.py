@@ -159,9 +159,13 @@ class Engine:
         if self.cfg.max_loaded_adapters is None:
             llm.load_lora(name, path)
         else:
-            # checked against the model now (a bad file fails here), loaded on demand later
-            llamax.LoraAdapter(llm.model, path).close()
+            self.check_lora_file(path, llm)   # a bad file fails now; loaded on demand later
             llm.register_lora(name, path)
+
+    def check_lora_file(self, path: str, llm=None) -> None:
+        """Load the adapter file against the model and let it go: raises
+        what loading it would (a worker thread: reads the file)."""
+        llamax.LoraAdapter((llm or self.llm).model, path).close()
 
     def _record_lora(self, name: str, path: str) -> None:
         """(the event loop's thread, or the loader before serving: the
@@ -994,7 +998,7 @@ def build_app(engine: Engine) -> FastAPI:
             check_runtime_load(cfg, body, engine.lora_ids)  # again: another load may have run meanwhile
             if name in engine.lora_ids:
                 # the new file is checked before the old adapter goes
-                await asyncio.to_thread(lambda: llamax.LoraAdapter(engine.llm.model, path).close())
+                await asyncio.to_thread(engine.check_lora_file, path)
                 _unload(name)
             await asyncio.to_thread(engine._load_lora_file, engine.llm, name, path)
             engine._record_lora(name, path)

@@ -95,28 +95,26 @@ def run(args) -> int:
         print(f"python -m llamax serve needs the server extra ({e.name} is missing): "
               "pip install 'llamax[server]'", file=sys.stderr)
         return 2
-    from llamax.server.run import serve
+    opts = None
     try:
         cfg = server_config(args)
+        if args.replicas is None and args.ray_address:
+            raise ValueError("--ray-address needs --replicas")
+        if args.replicas is not None:
+            try:
+                from ray import serve as _  # noqa: F401
+            except ImportError:
+                print("python -m llamax serve --replicas needs the ray extra: pip install 'llamax[ray]'",
+                      file=sys.stderr)
+                return 2
+            opts = ray_options(args)
     except ValueError as e:
         print(f"python -m llamax serve: {e}", file=sys.stderr)
         return 2
-    if args.replicas is None:
-        if args.ray_address:
-            print("python -m llamax serve: --ray-address needs --replicas", file=sys.stderr)
-            return 2
+    if opts is None:
+        from llamax.server.run import serve
         return serve(cfg)
-    try:
-        from ray import serve as _  # noqa: F401
-    except ImportError:
-        print("python -m llamax serve --replicas needs the ray extra: pip install 'llamax[ray]'", file=sys.stderr)
-        return 2
     from llamax.serve_ray import run as run_ray
-    try:
-        opts = ray_options(args)
-    except ValueError as e:
-        print(f"python -m llamax serve: {e}", file=sys.stderr)
-        return 2
     return run_ray(cfg, opts, args.ray_address)
 
 

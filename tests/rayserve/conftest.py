@@ -11,11 +11,10 @@ import logging
 import socket
 import time
 
-import httpx
-import openai
 import pytest
 
 from llamax import gguf_tools as gt
+from server.conftest import http, oai  # noqa: F401  (the server tests' clients, on ``server`` below)
 
 TENANTS = [f"t{i}" for i in range(5)]
 REPLICAS = 2
@@ -77,14 +76,3 @@ def server(ray_server):
 @pytest.fixture
 def served_models():
     return {"smol", "coder", "writer", *TENANTS}
-
-
-@pytest.fixture
-def http(server):
-    with httpx.Client(base_url=server.url, timeout=120) as c:
-        yield c
-
-
-@pytest.fixture
-def oai(server):
-    return openai.OpenAI(base_url=server.v1, api_key="unused", max_retries=0, timeout=120)
