@@ -126,19 +126,31 @@ def make_control_vector(out_path, n_embd: int, layers: Iterable[int], *, seed: i
 def write_control_vector(out_path, rows: dict[int, np.ndarray], *, model_hint: str = "llama") -> Path:
     """Write llama.cpp's control-vector GGUF ({layer N: n_embd floats} as
     F32 ``direction.N`` tensors, the layout its loaders read), atomically."""
+    def fill(w):
+        w.add_string("controlvector.model_hint", model_hint)
+        w.add_int32("controlvector.layer_count", len(rows))
+        for il in sorted(rows):
+            w.add_tensor(f"direction.{il}", np.ascontiguousarray(rows[il], dtype=np.float32))
+    return write_gguf(out_path, "controlvector", fill)
+
+
+def write_gguf(out_path, arch: str, fill) -> Path:
+    """A GGUF written atomically: ``fill(writer)`` adds the keys and tensors,
+    the file appears under ``out_path`` only once it is complete."""
     gguf = _gguf()
     out_path = Path(out_path)
     tmp = out_path.with_name(out_path.name + f".tmp{os.getpid()}")
-    w = gguf.GGUFWriter(os.fspath(tmp), "controlvector")
-    w.add_string("controlvector.model_hint", model_hint)
-    w.add_int32("controlvector.layer_count", len(rows))
-    for il in sorted(rows):
-        w.add_tensor(f"direction.{il}", np.ascontiguousarray(rows[il], dtype=np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    os.replace(tmp, out_path)
+    w = gguf.GGUFWriter(os.fspath(tmp), arch)
+    try:
+        fill(w)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        os.replace(tmp, out_path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
     return out_path
 
 

@@ -39,6 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from llamax._errors import PeftError
+from llamax.gguf_tools import write_gguf
 
 __all__ = ["convert", "cached", "is_peft_dir", "PeftError"]
 
@@ -105,21 +106,17 @@ def convert(peft_dir, base, out, *, dtype: str = "f32") -> Path:
         raise PeftError(f"{peft_dir}: the adapter has no LoRA weights")
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    w = gguf.GGUFWriter(os.fspath(tmp), arch)
-    w.add_string("general.type", "adapter")
-    w.add_string("adapter.type", "lora")
-    w.add_float32("adapter.lora.alpha", float(alpha_out))
-    w.add_string("general.name", peft_dir.name)
     np_dtype = np.float32 if dtype == "f32" else np.float16
-    for name, a, b in out_tensors:
-        w.add_tensor(name + ".lora_a", np.ascontiguousarray(a, dtype=np_dtype))
-        w.add_tensor(name + ".lora_b", np.ascontiguousarray(b, dtype=np_dtype))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    os.replace(tmp, out)
+
+    def fill(w):
+        w.add_string("general.type", "adapter")
+        w.add_string("adapter.type", "lora")
+        w.add_float32("adapter.lora.alpha", float(alpha_out))
+        w.add_string("general.name", peft_dir.name)
+        for name, a, b in out_tensors:
+            w.add_tensor(name + ".lora_a", np.ascontiguousarray(a, dtype=np_dtype))
+            w.add_tensor(name + ".lora_b", np.ascontiguousarray(b, dtype=np_dtype))
+    write_gguf(out, arch, fill)
     return out
 
 
