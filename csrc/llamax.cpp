@@ -1557,6 +1557,8 @@ int32_t Context::embed(const llama_token * tokens, const int64_t * offsets, int3
     return n_batches;
 }
 
+int32_t find_draft(const std::vector<llama_token> & hist, int32_t max_ngram, int32_t n_max, llama_token * out);
+
 GenResult Context::generate(llama_sampler * smpl, const llama_token * prompt, int32_t n_prompt,
                             const GenParams & gp, token_cb_fn cb, void * user) {
     abort_.store(false, std::memory_order_relaxed);  // a cancel between requests is not for this one
@@ -1641,8 +1643,36 @@ GenResult Context::generate(llama_sampler * smpl, const llama_token * prompt, in
         res.finish = Finish::Length;
         return res;
     }
+    if (gp.draft_ngram < 0 || gp.draft_n < 0) {
+        throw Error(ErrorKind::InvalidArgument, "draft_ngram and draft_n must be >= 0");
+    }
+    // speculative decoding: at most n_call_max_ tokens per verify decode
+    const int32_t draft_n = gp.draft_ngram > 0 ? std::min(gp.draft_n, n_call_max_ - 1) : 0;
+    std::vector<llama_token> hist;  // history + prompt + output, for the n-gram lookup
+    std::vector<llama_token> vbuf;  // a verify batch: the sampled token, then the drafts
+    std::vector<llama_pos> vpos;
+    std::vector<int8_t> vout;
+    std::vector<llama_seq_id *> vseq;
+    std::vector<int32_t> vns;
+    if (draft_n > 0) {
+        hist.reserve(gp.history.size() + n_prompt + 256);
+        hist.assign(gp.history.begin(), gp.history.end());
+        hist.insert(hist.end(), prompt, prompt + n_prompt);
+        vbuf.resize(draft_n + 1);
+        vpos.resize(draft_n + 1);
+        vout.assign(draft_n + 1, 1);
+        vseq.assign(draft_n + 1, &sid);
+        vns.assign(draft_n + 1, 1);
+    }
     llama_token tok;
     int8_t one = 1;
+    // Drafts per verify decode adapt to how many were kept: all kept, the
+    // next draft may be twice as long (up to draft_n); otherwise it is one
+    // longer than what was kept.  A verify decode costs more per token than
+    // it saves when most of its drafts are rejected.
+    int32_t want = draft_n;
+    int32_t n_draft = 0;   // drafts of the last verify decode ...
+    int32_t row = 0;       // ... and the output row the next token is sampled from
     for (;;) {
         if (saved) {
             saved = false;
@@ -1651,7 +1681,7 @@ GenResult Context::generate(llama_sampler * smpl, const llama_token * prompt, in
             // A chain that is only llama.cpp's greedy sampler picks the first
             // maximum logit; doing that directly skips building the
             // n_vocab-sized candidate array every token.
-            const float * lg = llama_get_logits_ith(ctx_, -1);
+            const float * lg = llama_get_logits_ith(ctx_, n_draft > 0 ? row : -1);
             if (lg == nullptr) {
                 throw Error(ErrorKind::Decode, with_reason("no logits after decode"));
             }
@@ -1666,46 +1696,120 @@ GenResult Context::generate(llama_sampler * smpl, const llama_token * prompt, in
             tok = best;
             llama_sampler_accept(smpl, tok);
         } else {
-            const float * lg = llama_get_logits_ith(ctx_, -1);
+            const float * lg = llama_get_logits_ith(ctx_, n_draft > 0 ? row : -1);
             if (lg == nullptr) {
                 throw Error(ErrorKind::Decode, with_reason("no logits after decode"));
             }
             tok = sample_chain(smpl, gp.grammar, lg);
         }
+        bool in_kv = false;  // tok is a kept draft: its KV is in place
+        if (n_draft > 0) {
+            // Row `row` followed draft row-1 (row 0: the token before the
+            // drafts).  A sampled token equal to draft `row` keeps it: its
+            // KV is in place, and row+1's logits follow it.  Otherwise the
+            // drafts from `row` on are dropped and `tok` is decoded next.
+            if (row < n_draft && tok == vbuf[row + 1]) {
+                in_kv = true;
+                ++res.n_accepted;
+                ++row;
+                ++pos;
+            } else {
+                llama_memory_seq_rm(llama_get_memory(ctx_), gp.seq_id, pos, -1);
+                want = row == n_draft ? std::min(draft_n, 2 * n_draft) : row + 1;
+                n_draft = 0;
+            }
+        }
+        bool keep_going = true;  // (a draft accepted above is already in the KV)
         if (!gp.ignore_eos && llama_vocab_is_eog(vocab_, tok)) {
             res.finish = Finish::Eog;
-            return res;
-        }
-        res.tokens.push_back(tok);
-        if (cb != nullptr) {
-            int r = cb(user, tok);
-            if (r != 0) {
-                res.finish = Finish::Callback;  // r < 0: the caller re-raises
-                return res;
+            keep_going = false;
+        } else {
+            res.tokens.push_back(tok);
+            if (draft_n > 0) {
+                hist.push_back(tok);
+            }
+            if (cb != nullptr) {
+                int r = cb(user, tok);
+                if (r != 0) {
+                    res.finish = Finish::Callback;  // r < 0: the caller re-raises
+                    keep_going = false;
+                }
+            }
+            for (const auto & s : gp.stop_sequences) {
+                if (keep_going && res.tokens.size() >= s.size() &&
+                    std::equal(s.begin(), s.end(), res.tokens.end() - (ptrdiff_t) s.size())) {
+                    res.finish = Finish::StopSequence;
+                    keep_going = false;
+                }
+            }
+            if (keep_going && (int32_t) res.tokens.size() >= max_tokens) {
+                res.finish = Finish::Length;
+                keep_going = false;
+            }
+            if (keep_going && pos >= n_ctx_seq_) {
+                res.finish = Finish::ContextFull;
+                keep_going = false;
             }
         }
-        for (const auto & s : gp.stop_sequences) {
-            if (res.tokens.size() >= s.size() &&
-                std::equal(s.begin(), s.end(), res.tokens.end() - (ptrdiff_t) s.size())) {
-                res.finish = Finish::StopSequence;
-                return res;
+        if (!keep_going) {
+            if (n_draft > 0) {
+                // The KV ends as without drafts: the prompt and every output
+                // token but the last (never decoded there), nothing after.
+                llama_memory_seq_rm(llama_get_memory(ctx_), gp.seq_id, in_kv ? pos - 1 : pos, -1);
             }
-        }
-        if ((int32_t) res.tokens.size() >= max_tokens) {
-            res.finish = Finish::Length;
-            return res;
-        }
-        if (pos >= n_ctx_seq_) {
-            res.finish = Finish::ContextFull;
             return res;
         }
         if (abort_.load(std::memory_order_relaxed) || interrupted()) {
             throw_cancelled("generation");
         }
-        llama_batch b = {1, &tok, nullptr, &pos, nsbuf.data(), spbuf.data(), &one};
-        raw_decode(b, 1);
+        if (n_draft > 0) {
+            continue;  // the next row of the verify decode
+        }
+        int32_t k = 0;
+        if (draft_n > 0) {
+            // no more drafts than tokens still wanted, or room in the context
+            // (k kept drafts and the token sampled after them make k + 1)
+            int32_t cap = (int32_t) std::min<int64_t>(
+                want, std::min<int64_t>((int64_t) max_tokens - (int64_t) res.tokens.size() - 1,
+                                        (int64_t) n_ctx_seq_ - pos - 1));
+            k = cap > 0 ? find_draft(hist, gp.draft_ngram, cap, vbuf.data() + 1) : 0;
+        }
+        ++res.n_decodes;
+        if (k == 0) {
+            llama_batch b = {1, &tok, nullptr, &pos, nsbuf.data(), spbuf.data(), &one};
+            raw_decode(b, 1);
+            ++pos;
+            continue;
+        }
+        vbuf[0] = tok;
+        for (int32_t i = 0; i <= k; ++i) {
+            vpos[i] = pos + i;
+        }
+        llama_batch b = {k + 1, vbuf.data(), nullptr, vpos.data(), vns.data(), vseq.data(), vout.data()};
+        raw_decode(b, k + 1);
         ++pos;
+        res.n_drafted += k;
+        n_draft = k;
+        row = 0;
     }
+}
+
+int32_t find_draft(const std::vector<llama_token> & hist, int32_t max_ngram, int32_t n_max, llama_token * out) {
+    // The longest n-gram ending `hist` that also occurs earlier, at its
+    // first occurrence with at least one token after it: those tokens.
+    const int64_t len = (int64_t) hist.size();
+    for (int64_t n = std::min<int64_t>(max_ngram, len - 1); n >= 1; --n) {
+        const llama_token * tail = hist.data() + len - n;
+        for (int64_t i = 0; i + n < len; ++i) {
+            if (std::equal(tail, tail + n, hist.data() + i)) {
+                const int64_t start = i + n;
+                const int64_t m = std::min<int64_t>(n_max, len - start);
+                std::copy(hist.data() + start, hist.data() + start + m, out);
+                return (int32_t) m;
+            }
+        }
+    }
+    return 0;
 }
 
 llama_token Context::sample_saved(llama_sampler * smpl, llama_sampler * grammar, bool plain_greedy) {
@@ -1735,6 +1839,34 @@ llama_token Context::sample(llama_sampler * chain, llama_sampler * grammar, int3
         throw Error(ErrorKind::InvalidArgument, with_reason("no logits for output row " + std::to_string(row)));
     }
     return sample_chain(chain, grammar, lg);
+}
+
+llama_token Context::sample_logits(llama_sampler * chain, llama_sampler * grammar, const float * logits) {
+    abort_.store(false, std::memory_order_relaxed);
+    return sample_chain(chain, grammar, logits);
+}
+
+std::vector<uint8_t> Context::state_seq_get(llama_seq_id seq) {
+    check_seq(seq);
+    std::vector<uint8_t> out(llama_state_seq_get_size(ctx_, seq));
+    size_t n = out.empty() ? 0 : llama_state_seq_get_data(ctx_, out.data(), out.size(), seq);
+    out.resize(n);
+    return out;
+}
+
+void Context::state_seq_set(const uint8_t * data, size_t n, llama_seq_id seq) {
+    check_seq(seq);
+    invalidate_saved(seq, 0);
+    llama_memory_seq_rm(llama_get_memory(ctx_), seq, -1, -1);
+    if (n == 0) {
+        return;
+    }
+    if (llama_state_seq_set_data(ctx_, data, n, seq) != n) {
+        llama_memory_seq_rm(llama_get_memory(ctx_), seq, -1, -1);
+        throw Error(ErrorKind::InvalidArgument,
+                    "the saved sequence state does not fit this context (another model, KV cache type or size, "
+                    "or truncated data)");
+    }
 }
 
 void accept_checked(llama_sampler * chain, llama_sampler * grammar, llama_token token) {

@@ -223,6 +223,19 @@ struct GenParams {
     // The chain's grammar sampler (owned by the chain), or null: every token
     // is checked against it before it is accepted (see accept_checked).
     llama_sampler * grammar = nullptr;
+    // Prompt-lookup speculative decoding (0: off): after each sampled token,
+    // the longest n-gram (at most draft_ngram tokens) ending the history that
+    // occurred earlier in it proposes the (at most draft_n) tokens that
+    // followed it there; one decode verifies them all and the tokens the
+    // sampler itself picks at each row are kept up to the first
+    // disagreement.  The output is what the sampler picks token by token
+    // (exactly so for greedy, up to the batch-shape dependence of
+    // llama.cpp's arithmetic).  `history` is what precedes the prompt in
+    // the sequence (the lookup searches history + prompt + output).  At
+    // most draft_n drafts per decode; fewer after drafts were rejected.
+    int32_t draft_ngram = 0;
+    int32_t draft_n = 0;
+    std::vector<llama_token> history;
 };
 
 // Accept `token` into the chain.  With a grammar, the token is first tested
@@ -244,6 +257,9 @@ struct GenResult {
     std::vector<llama_token> tokens;
     Finish finish = Finish::Length;
     int32_t n_prompt = 0;   // prompt tokens decoded
+    int32_t n_drafted = 0;  // speculative decoding: tokens proposed ...
+    int32_t n_accepted = 0; // ... and kept
+    int32_t n_decodes = 0;  // decodes after the prompt
 };
 
 // Per generated token; return 0 to go on, 1 to stop (finish = Callback),
@@ -314,6 +330,16 @@ public:
     // Sample (and accept) from output row `row` of the last decode, as
     // sample_chain does.
     llama_token sample(llama_sampler * chain, llama_sampler * grammar, int32_t row);
+    // Sample (and accept) from caller-given logits (n_vocab floats), as
+    // sample_chain does (Python logits processors).
+    llama_token sample_logits(llama_sampler * chain, llama_sampler * grammar, const float * logits);
+
+    // Sequence state: the KV cells of `seq`, as llama_state_seq_get_data
+    // writes them, and back.  state_seq_set replaces `seq`'s cells; data
+    // llama.cpp refuses (another model, another cache layout, truncated)
+    // raises InvalidArgument and leaves `seq` empty.
+    std::vector<uint8_t> state_seq_get(llama_seq_id seq);
+    void state_seq_set(const uint8_t * data, size_t n, llama_seq_id seq);
 
     // KV memory
     void kv_clear();

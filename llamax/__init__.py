@@ -26,6 +26,15 @@ except ModuleNotFoundError as _e:
         "finds the installed llamax instead.", name="llamax._core") from None
 
 from llamax.llama import CancelToken, Llama  # noqa: E402,F401
+# llama-cpp-python's high-level names, for `import llamax as llama_cpp`
+from llamax.llama_types import *  # noqa: E402,F401,F403
+from llamax import llama_types  # noqa: E402
+from llamax.grammar import LlamaGrammar  # noqa: E402,F401
+from llamax.llama_cache import (  # noqa: E402,F401
+    BaseLlamaCache, LlamaCache, LlamaDiskCache, LlamaRAMCache, LlamaState,
+)
+from llamax._session import LogitsProcessorList, MinTokensLogitsProcessor, StoppingCriteriaList  # noqa: E402,F401
+from llamax.llama_speculative import LlamaDraftModel, LlamaPromptLookupDecoding  # noqa: E402,F401
 from llamax.chat import ChatTemplate, ChatTemplateError  # noqa: E402,F401
 from llamax.embedder import Embedder, cos_sim  # noqa: E402,F401
 from llamax._fetch import FetchError  # noqa: E402,F401
@@ -38,4 +47,10 @@ __all__ = [
     "set_log_level", "system_info", "sgemm_info", "supports_gpu_offload", "Llama", "CancelToken", "ChatTemplate", "ChatTemplateError",
     "Embedder", "cos_sim", "FetchError",
 ]
+__all__ += [
+    "LlamaGrammar", "BaseLlamaCache", "LlamaCache", "LlamaDiskCache", "LlamaRAMCache", "LlamaState",
+    "LogitsProcessorList", "MinTokensLogitsProcessor", "StoppingCriteriaList", "LlamaDraftModel",
+    "LlamaPromptLookupDecoding",
+]
 __all__ += _errors.__all__  # (this form, so that type checkers read the names)
+__all__ += llama_types.__all__

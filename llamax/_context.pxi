@@ -491,7 +491,7 @@ cdef class Context:
 
 
     def generate(self, tokens, sampler, *, max_tokens=16, seq_id=0,
-                 stop_sequences=(), ignore_eos=False, callback=None, chunk=0):
+                 stop_sequences=(), ignore_eos=False, callback=None, chunk=0, draft=None, history=None):
         """Decode ``tokens`` after what sequence ``seq_id`` holds, then sample up to ``max_tokens``.
 
         The whole loop runs in C++ without the GIL.  ``callback(token)``, if
@@ -509,6 +509,15 @@ cdef class Context:
         ``chunk > 0`` decodes the prompt in chunks ending at multiples of
         ``chunk`` positions: after a cached prefix of whole chunks, the rest
         is decoded exactly as in a cold run (llamax.Llama's exact prefix cache).
+        ``draft=(max_ngram, n_pred)``: prompt-lookup speculative decoding.
+        After each token, the longest n-gram (at most ``max_ngram`` tokens)
+        ending the sequence that occurred earlier in it proposes the (at
+        most ``n_pred``) tokens that followed it; one decode verifies them,
+        and the sampler's own pick at each row keeps them up to the first
+        disagreement.  The tokens are the sampler's picks, one by one (for
+        greedy, exactly so up to llama.cpp's batch-shape arithmetic).
+        ``history``: the tokens the sequence holds before ``tokens`` (the
+        lookup searches them too).  :attr:`draft_stats` tells how it went.
         """
         cdef Sampler _sa_t = _typed(sampler, Sampler, "sampler")
         if sampler.model is not self.model:
@@ -527,6 +536,22 @@ cdef class Context:
         gp.plain_greedy = _sa_t._plain_greedy
         gp.chunk = chunk
         gp.grammar = _sa_t._grammar
+        cdef int32_t n_pred = 0
+        cdef const int32_t[::1] hv
+        if draft is not None:
+            if not isinstance(draft, tuple) or len(draft) != 2:
+                raise ArgumentTypeError("draft must be a tuple (max_ngram, n_pred) or None")
+            _check_int(draft[0], "draft max_ngram", 1, 64)
+            _check_int(draft[1], "draft n_pred", 0, 1024)
+            gp.draft_ngram = draft[0]
+            gp.draft_n = draft[1]
+            n_pred = draft[1]
+            if history is not None:
+                hv = _as_tokens(history)
+                for i in range(hv.shape[0]):
+                    gp.history.push_back(hv[i])
+        elif history is not None:
+            raise InvalidArgumentError("history is only for draft= (speculative decoding)")
         cdef vector[llama_token] sv
         cdef const int32_t[::1] s
         for seq in stop_sequences:
@@ -538,7 +563,9 @@ cdef class Context:
         if self._n_seq_views:
             raise ViewsExportedError("pooled-embedding views are alive; delete them before generating")
         # the prompt's chunks output every row when embeddings are on
-        if self._n_views and c.would_grow_outputs(min(<int32_t> tv.shape[0], c.n_call_max()) or 1, 1):
+        if self._n_views and (c.would_grow_outputs(min(<int32_t> tv.shape[0], c.n_call_max()) or 1, 1)
+                              or (n_pred and c.would_grow_outputs(min(n_pred + 1, c.n_call_max()),
+                                                                  min(n_pred + 1, c.n_call_max())))):
             raise ViewsExportedError("logits views are alive and generation would move their buffer")
         _sa_t._ptr()  # closed or in use: raises
         cdef _CbState st
@@ -559,6 +586,7 @@ cdef class Context:
         finally:
             _sa_t._in_use = False
             self._leave()
+        self._draft_stats = (res.n_drafted, res.n_accepted, res.n_decodes)
         if st.error != NULL:
             err = <object> st.error
             Py_DECREF(err)
@@ -568,6 +596,56 @@ cdef class Context:
         if res.tokens.size():
             memcpy(&ov[0], res.tokens.data(), res.tokens.size() * sizeof(int32_t))
         return out, _FINISH[<int> res.finish]
+
+    @property
+    def draft_stats(self):
+        """Speculative decoding in the last :meth:`generate`: ``{"drafted":
+        tokens proposed, "accepted": tokens kept, "decodes": decodes after
+        the prompt}`` (all 0 before the first)."""
+        d = self._draft_stats or (0, 0, 0)
+        return {"drafted": d[0], "accepted": d[1], "decodes": d[2]}
+
+    # -- sequence state -------------------------------------------------------
+
+    def state_get(self, seq_id=0):
+        """The KV cells of sequence ``seq_id`` as bytes (llama.cpp's sequence
+        state format), for :meth:`state_set` on a context of the same model
+        and cache settings."""
+        _check_int(seq_id, "seq_id", 0, INT32_MAX)
+        cdef llama_seq_id sid = seq_id
+        cdef CContext * c = self._enter()
+        cdef vector[uint8_t] v
+        try:
+            if not c.has_memory():
+                raise InvalidArgumentError("this model has no KV memory: there is no state to save")
+            with nogil:
+                v = c.state_seq_get(sid)
+        finally:
+            self._leave()
+        return (<char *> v.data())[:v.size()] if v.size() else b""
+
+    def state_set(self, data, seq_id=0):
+        """Replace sequence ``seq_id``'s KV cells with ``data`` (from
+        :meth:`state_get`).  Data this context can't take (another model or
+        cache layout, truncated) raises InvalidArgumentError and leaves the
+        sequence empty."""
+        _check_int(seq_id, "seq_id", 0, INT32_MAX)
+        cdef const unsigned char[::1] mv
+        try:
+            mv = data
+        except (TypeError, ValueError, BufferError):
+            raise ArgumentTypeError(f"data must be bytes (from Context.state_get), not {type(data).__name__}") from None
+        cdef size_t n = mv.shape[0]
+        cdef const uint8_t * p = <const uint8_t *> &mv[0] if n else NULL
+        cdef llama_seq_id sid = seq_id
+        cdef CContext * c = self._enter()
+        try:
+            if not c.has_memory():
+                raise InvalidArgumentError("this model has no KV memory: there is no state to load")
+            with nogil:
+                c.state_seq_set(p, n, sid)
+        finally:
+            self._leave()
 
     def cancel(self):
         """Abort the running decode/generate (from any thread); it raises CancelledError."""

@@ -64,6 +64,7 @@ cdef class Context:
     cdef object _driver       # weakref to the Batcher that drives this context, or None
     cdef bint _driven(self)
     cdef State _state         # the applied state (the native context holds its own reference)
+    cdef tuple _draft_stats   # (drafted, accepted, decodes) of the last generate()
     cdef readonly bint embeddings
     cdef object __weakref__
     cdef CContext * _get(self) except NULL

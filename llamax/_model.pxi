@@ -202,6 +202,16 @@ cdef class Model:
         return bool(llama_model_has_encoder(self._ptr()))
 
     @property
+    def is_recurrent(self):
+        """Whether the model is recurrent (Mamba, RWKV): its memory can't be cut at a position."""
+        return bool(llama_model_is_recurrent(self._ptr()))
+
+    @property
+    def is_hybrid(self):
+        """Whether the model mixes attention and recurrent layers (Jamba, Falcon-H1)."""
+        return bool(llama_model_is_hybrid(self._ptr()))
+
+    @property
     def special_tokens(self):
         """Special token ids (-1 where the vocabulary has none)."""
         self._ptr()

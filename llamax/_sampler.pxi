@@ -175,6 +175,34 @@ cdef class Sampler:
         return tok
 
 
+    def sample_logits(self, ctx, logits):
+        """Sample (and accept) from ``logits`` (n_vocab float32 values, e.g. a
+        logits row changed by a Python logits processor), with the context's
+        scratch space; the chain sees them as it would a decode's row."""
+        cdef Context _ct_t = _typed(ctx, Context, "ctx")
+        if ctx.model is not self.model:
+            raise InvalidArgumentError("this sampler was made for another model")
+        arr = np.ascontiguousarray(logits, dtype=np.float32)
+        if arr.ndim != 1 or arr.shape[0] != self.model.n_vocab:
+            raise InvalidArgumentError(f"logits must be one row of n_vocab={self.model.n_vocab} floats, "
+                                       f"got shape {np.shape(logits)}")
+        if np.isnan(arr).any():
+            raise InvalidArgumentError("logits contain NaN")
+        cdef const float[::1] lv = arr
+        cdef llama_sampler * smpl = self._ptr()
+        cdef llama_sampler * grammar = self._grammar
+        cdef CContext * c = _ct_t._enter(watch_sigint=True)
+        cdef llama_token tok
+        self._in_use = True
+        try:
+            with nogil:
+                tok = c.sample_logits(smpl, grammar, &lv[0])
+        finally:
+            self._in_use = False
+            _ct_t._leave()
+        return tok
+
+
 cdef _check_grammar(str grammar, str root):
     """Refuse grammars llama.cpp's parser can't survive (it recurses per
     nesting level and per rule in a chain: a stack overflow kills the

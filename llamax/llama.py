@@ -23,9 +23,10 @@ from llamax._errors import (
 )
 from llamax.adapters import AdapterRegistry
 from llamax.cancel import CancelToken
-from llamax.chat import ChatTemplate, ChatTemplateError, prepare_prefill
+from llamax.chat import ChatTemplate, ChatTemplateError, _check_messages, prepare_prefill
+from llamax._session import _SessionMixin, check_processors
 from llamax.pool import _BatchPool, _BatchSlot, _Pool, _Slot
-from llamax.request import RequestParams, _adeliver, _Chunks, _deliver, _Request
+from llamax.request import RequestParams, _adeliver, _Chunks, _deliver, _Request, grammar_text
 
 __all__ = ["Llama"]
 
@@ -38,8 +39,88 @@ _REMOVED = {
 }
 _DEFAULT_SEED = 0xFFFFFFFF
 
+# llama.cpp's LLAMA_POOLING_TYPE_* (llama-cpp-python's pooling_type=)
+_POOLING_TYPES = {-1: None, 0: "none", 1: "mean", 2: "cls", 3: "last", 4: "rank"}
+
+# llama-cpp-python keywords llamax takes only at their defaults: each value
+# here is what they do by default; anything else is refused, not ignored.
+_COMPAT_DEFAULTS = {
+    "split_mode": (1,), "main_gpu": (0,), "tensor_split": (None,), "use_mlock": (False,),
+    "kv_overrides": (None, {}), "rope_scaling_type": (-1,), "attention_type": (-1,), "rope_freq_base": (0.0,),
+    "rope_freq_scale": (0.0,), "yarn_ext_factor": (-1.0,), "yarn_attn_factor": (1.0,), "yarn_beta_fast": (32.0,),
+    "yarn_beta_slow": (1.0,), "yarn_orig_ctx": (0,), "op_offload": (None, True), "swa_full": (None,),
+    "numa": (False, 0), "chat_handler": (None,), "tokenizer": (None,), "type_k": (None,), "type_v": (None,),
+    "spm_infill": (False,),
+}
+
+
+def _compat_keywords(given: dict) -> None:
+    for name, value in given.items():
+        if not any(value is d or (type(value) is type(d) and value == d) for d in _COMPAT_DEFAULTS[name]):
+            raise InvalidArgumentError(f"Llama({name}={value!r}) is not supported by llamax (only the default, "
+                                       f"{_COMPAT_DEFAULTS[name][0]!r}); see the README's differences from "
+                                       "llama-cpp-python")
+
 
 EMBED_SEQS = 64  # inputs per embedding decode (llama.cpp's n_seq_max)
+
+
+class _NamedFormat:
+    """A llama-cpp-python chat format by name (llamax.llama_chat_format):
+    the prompt it renders, its stop strings, and whether BOS is added."""
+
+    def __init__(self, name, formatter):
+        self.name = name
+        self.formatter = formatter
+
+    def format(self, messages, tools=None):
+        _check_messages(messages)
+        kw = {} if tools is None else {"tools": tools}
+        r = self.formatter(messages=[dict(m) for m in messages], **kw)
+        stops = [r.stop] if isinstance(r.stop, str) else list(r.stop or [])
+        return r.prompt, [s for s in stops if s], not r.added_special
+
+    def render(self, messages, *, add_generation_prompt=True, tools=None) -> str:
+        if not add_generation_prompt:
+            raise InvalidArgumentError(f"chat_format {self.name!r} always ends with the assistant's turn: "
+                                       "add_generation_prompt=False needs a Jinja2 template (chat_template=)")
+        return self.format(messages, tools)[0]
+
+
+def _merge_stops(stop, extra):
+    """The caller's stop strings and the chat format's (checked by _request)."""
+    if stop is None:
+        return list(extra)
+    if isinstance(stop, str):
+        return [stop] + [s for s in extra if s != stop]
+    if isinstance(stop, (list, tuple)):
+        return list(stop) + [s for s in extra if s not in stop]
+    return stop  # the wrong type: _request says so
+
+
+def _no_mirostat(mode):
+    if mode not in (0, None):
+        raise InvalidArgumentError("mirostat sampling is not supported by llamax (mirostat_mode must be 0)")
+
+
+def _response_format_grammar(rf) -> str | None:
+    """GBNF for an OpenAI ``response_format`` (None for ``{"type": "text"}``)."""
+    from llamax.grammar import JSON_OBJECT_GBNF, json_schema_to_gbnf
+    if not isinstance(rf, dict) or not isinstance(rf.get("type"), str):
+        raise InvalidArgumentError("response_format must be {'type': 'text' | 'json_object' | 'json_schema', ...}")
+    kind = rf["type"]
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        schema = rf.get("schema")
+        return JSON_OBJECT_GBNF if schema is None else json_schema_to_gbnf(schema)
+    if kind == "json_schema":
+        spec = rf.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+            raise InvalidArgumentError("response_format json_schema needs {'json_schema': {'name': ..., "
+                                       "'schema': {...}}}")
+        return json_schema_to_gbnf(spec["schema"])
+    raise InvalidArgumentError(f"response_format type {kind!r} is not one of 'text', 'json_object', 'json_schema'")
 
 
 def _check_bools(**kw):
@@ -61,7 +142,7 @@ def _is_token_input(texts) -> bool:
     return bool(texts) and all(isinstance(t, (list, tuple)) for t in texts)
 
 
-class Llama:
+class Llama(_SessionMixin):
     """One base model serving many requests, each with its own adapters and control vector.
 
     Constructor keywords follow llama-cpp-python's ``Llama``; unknown ones
@@ -98,10 +179,41 @@ class Llama:
                  max_loaded_adapters: int | None = None, prefix_cache: bool = True, prefix_cache_chunk: int | None = None,
                  prefix_cache_exact: bool = True,
                  n_parallel: int = 1,
-                 lora_path=None, lora_scale=None, lora_base=None):
+                 lora_path=None, lora_scale=None, lora_base=None,
+                 # llama-cpp-python's other keywords (see _compat_keywords)
+                 logits_all: bool = False, last_n_tokens_size: int = 64, draft_model=None,
+                 pooling_type: int = -1, offload_kqv: bool = True, no_perf: bool = False,
+                 split_mode: int = 1, main_gpu: int = 0, tensor_split=None, use_mlock: bool = False,
+                 kv_overrides=None, rope_scaling_type: int = -1, attention_type: int = -1,
+                 rope_freq_base: float = 0.0, rope_freq_scale: float = 0.0, yarn_ext_factor: float = -1.0,
+                 yarn_attn_factor: float = 1.0, yarn_beta_fast: float = 32.0, yarn_beta_slow: float = 1.0,
+                 yarn_orig_ctx: int = 0, op_offload=None, swa_full=None, numa=False, chat_handler=None,
+                 tokenizer=None, type_k=None, type_v=None, spm_infill: bool = False):
         for name, value in (("lora_path", lora_path), ("lora_scale", lora_scale), ("lora_base", lora_base)):
             if value is not None:
                 raise ArgumentTypeError(f"Llama() no longer takes {name}: {_REMOVED[name]}")
+        _compat_keywords(dict(
+            split_mode=split_mode, main_gpu=main_gpu, tensor_split=tensor_split, use_mlock=use_mlock,
+            kv_overrides=kv_overrides, rope_scaling_type=rope_scaling_type, attention_type=attention_type,
+            rope_freq_base=rope_freq_base, rope_freq_scale=rope_freq_scale, yarn_ext_factor=yarn_ext_factor,
+            yarn_attn_factor=yarn_attn_factor, yarn_beta_fast=yarn_beta_fast, yarn_beta_slow=yarn_beta_slow,
+            yarn_orig_ctx=yarn_orig_ctx, op_offload=op_offload, swa_full=swa_full, numa=numa,
+            chat_handler=chat_handler, tokenizer=tokenizer, type_k=type_k, type_v=type_v, spm_infill=spm_infill))
+        _check_bools(logits_all=logits_all, offload_kqv=offload_kqv, no_perf=no_perf)
+        if isinstance(last_n_tokens_size, bool) or not isinstance(last_n_tokens_size, int) or last_n_tokens_size < 0:
+            raise InvalidArgumentError("last_n_tokens_size must be a non-negative int (tokens the repeat penalties see)")
+        if pooling_type not in _POOLING_TYPES:
+            raise InvalidArgumentError(f"pooling_type must be one of {sorted(_POOLING_TYPES)} (llama.cpp's "
+                                       "LLAMA_POOLING_TYPE_*), got {pooling_type!r}")
+        if pooling is None and pooling_type != -1:
+            pooling = _POOLING_TYPES[pooling_type]
+        if draft_model is not None:
+            from llamax.llama_speculative import LlamaDraftModel
+            if not isinstance(draft_model, LlamaDraftModel):
+                raise ArgumentTypeError("draft_model must be a llamax.llama_speculative.LlamaDraftModel")
+            if n_parallel > 1:
+                raise InvalidArgumentError("draft_model (speculative decoding) needs n_parallel=1")
+        self.last_n_tokens_size = last_n_tokens_size
         if isinstance(n_contexts, bool) or not isinstance(n_contexts, int) or not 0 <= n_contexts <= 64:
             raise InvalidArgumentError(f"n_contexts must be an int in [0, 64], got {n_contexts!r}")
         if isinstance(n_parallel, bool) or not isinstance(n_parallel, int) or not 1 <= n_parallel <= 256:
@@ -178,6 +290,7 @@ class Llama:
         self._embed_ctx: Context | None = None
         self.chat_format = chat_format
         self._template = self._make_template(chat_format, chat_template)
+        self._session_init(logits_all, draft_model)
         if embedding and not vocab_only:
             self._embedding_context()
 
@@ -259,10 +372,32 @@ class Llama:
         return self._model.tokenize(text, add_special=add_bos, parse_special=special).tolist()
 
     def detokenize(self, tokens, prev_tokens=None, special: bool = False) -> bytes:
+        """Token pieces joined, as llama-cpp-python does it: each token's
+        text as the vocabulary has it (SentencePiece tokens keep their
+        leading space), less one leading space after a BOS that opens the
+        list (``[1, 15043, 2787]`` is ``b"Hello World"``, ``[15043, 2787]``
+        ``b" Hello World"`` on Llama's SPM vocabulary).  With
+        ``prev_tokens``: the bytes ``tokens`` add after them."""
         if prev_tokens:
-            both = self._model.detokenize(list(prev_tokens) + list(tokens), special=special)
-            return both[len(self._model.detokenize(list(prev_tokens), special=special)):]
-        return self._model.detokenize(tokens, special=special)
+            prev = list(prev_tokens)
+            both = self._detok(prev + list(tokens), special)
+            return both[len(self._detok(prev, special)):]
+        return self._detok(list(tokens) if not isinstance(tokens, np.ndarray) else tokens, special)
+
+    def _detok(self, tokens, special) -> bytes:
+        piece = self._model.token_to_piece
+        if len(tokens) == 0:
+            return b""
+        n_vocab = self._model.n_vocab
+        for t in tokens:
+            if isinstance(t, bool) or not _is_int(t):
+                raise ArgumentTypeError("tokens must be ints")
+            if not 0 <= t < n_vocab:
+                raise TokenError(f"token id {t} is outside [0, n_vocab={n_vocab})")
+        out = b"".join(piece(int(t), special=special) for t in tokens)
+        if int(tokens[0]) == self._model.token_bos and out[:1] == b" ":
+            out = out[1:]
+        return out
 
     # -- adapters -----------------------------------------------------------
 
@@ -388,9 +523,29 @@ class Llama:
         if chat_format is not None:
             if chat_template is not None:
                 raise InvalidArgumentError("pass chat_format or chat_template, not both")
-            return ChatTemplate.by_name(chat_format, **tokens)
+            from llamax.llama_chat_format import chat_formatter
+            try:
+                return _NamedFormat(chat_format, chat_formatter(chat_format))
+            except InvalidArgumentError as e:
+                raise InvalidArgumentError(f"chat_format: {e}") from None
         src = chat_template if chat_template is not None else self._model.chat_template()
         return None if src is None else ChatTemplate(src, **tokens)
+
+    def _chat_prompt(self, messages, tools, prefill: bool):
+        """The chat prompt's tokens and the format's stop strings."""
+        if self._template is None:
+            raise ChatTemplateError("the model has no chat template: pass chat_format= or chat_template=")
+        if prefill:
+            messages, partial = prepare_prefill(messages)
+        else:
+            partial = ""
+        if isinstance(self._template, _NamedFormat):
+            text, stops, add_bos = self._template.format(messages, tools)
+        else:
+            # the template writes the BOS (if any) and the special tokens as text
+            text, stops, add_bos = self._template.render(messages, add_generation_prompt=True, tools=tools), [], False
+        tokens = self._model.tokenize(text + partial, add_special=add_bos, parse_special=True)
+        return tokens, stops
 
     def _token_str(self, tok):
         return self._model.token_text(tok) if 0 <= tok < self._model.n_vocab else ""
@@ -412,14 +567,23 @@ class Llama:
                           repeat_penalty: float = 1.0, top_k: int = 40, stream: bool = False,
                           seed: int | None = None, model: str | None = None, logit_bias=None,
                           grammar=None, active_loras=None, control_vector=None, control_vectors=None,
-                          cancel: CancelToken | None = None, cache_prompt: bool = True):
+                          cancel: CancelToken | None = None, cache_prompt: bool = True,
+                          tfs_z: float = 1.0, mirostat_mode: int = 0, mirostat_tau: float = 5.0,
+                          mirostat_eta: float = 0.1, logits_processor=None, stopping_criteria=None):
         """OpenAI-style text completion (``stream=True`` gives chunks).
 
         ``cancel``: a :class:`CancelToken`; ``cancel.cancel()`` from another
         thread stops this request with ``CancelledError``.  ``cache_prompt=False``:
         reuse no cached prompt prefix (decode the whole prompt).
+        A ``str`` prompt's special tokens are parsed (``<|im_start|>`` is
+        one token), as in llama-cpp-python.  ``logits_processor`` /
+        ``stopping_criteria`` (llama-cpp-python's lists) run Python per
+        token; without them the token loop is native.  ``tfs_z`` is
+        accepted and has no effect, as in llama-cpp-python 0.3;
+        ``mirostat_mode`` must be 0.
         """
         self._check_open()
+        _no_mirostat(mirostat_mode)
         _check_bools(stream=stream, echo=echo, cache_prompt=cache_prompt)
         if suffix is not None:
             raise InvalidArgumentError("suffix (fill-in-the-middle) is not supported")
@@ -433,7 +597,8 @@ class Llama:
             top_k=top_k, repeat_penalty=repeat_penalty, frequency_penalty=frequency_penalty,
             presence_penalty=presence_penalty, stop=stop, seed=seed, logit_bias=logit_bias, grammar=grammar,
             active_loras=active_loras, control_vector=control_vector, control_vectors=control_vectors,
-            cancel=cancel, cache_prompt=cache_prompt))
+            cancel=cancel, cache_prompt=cache_prompt, logits_processor=logits_processor,
+            stopping_criteria=stopping_criteria))
         cid = f"cmpl-{uuid.uuid4()}"
         created = int(time.time())
         name = model or self.model_path
@@ -465,40 +630,46 @@ class Llama:
                                logprobs: bool | None = None, top_logprobs: int | None = None, grammar=None,
                                active_loras=None, control_vector=None, control_vectors=None,
                                assistant_prefill: bool = False, cancel: CancelToken | None = None,
-                               cache_prompt: bool = True):
+                               cache_prompt: bool = True, tfs_z: float = 1.0, mirostat_mode: int = 0,
+                               mirostat_tau: float = 5.0, mirostat_eta: float = 0.1, logits_processor=None,
+                               stopping_criteria=None):
         """OpenAI-style chat completion through the model's chat template.
 
         ``assistant_prefill=True`` continues the final, partial assistant
         message: the reply's content is the continuation only.
+        ``response_format``: ``{"type": "json_object"}`` (any JSON object,
+        optionally with a ``"schema"``) or ``{"type": "json_schema",
+        "json_schema": {"schema": {...}}}``: the reply is constrained by a
+        grammar made from the schema (not with ``grammar=`` too).
         """
         self._check_open()
+        _no_mirostat(mirostat_mode)
         _check_bools(stream=stream, assistant_prefill=assistant_prefill, cache_prompt=cache_prompt)
         if functions is not None or function_call is not None:
             raise InvalidArgumentError("functions/function_call are not supported; pass tools= to the template")
         if tool_choice not in (None, "none", "auto"):
             raise InvalidArgumentError("tool_choice other than 'none'/'auto' is not supported")
         if response_format is not None:
-            raise InvalidArgumentError("response_format is not supported; use grammar= (GBNF)")
-        if self._template is None:
-            raise ChatTemplateError("the model has no chat template: pass chat_format= or chat_template=")
-        if assistant_prefill:
-            head, partial = prepare_prefill(messages)
-            text = self._template.render(head, add_generation_prompt=True, tools=tools) + partial
-        else:
-            text = self._template.render(messages, add_generation_prompt=True, tools=tools)
+            rf_grammar = _response_format_grammar(response_format)
+            if rf_grammar is not None:
+                if grammar is not None:
+                    raise InvalidArgumentError("pass response_format or grammar, not both")
+                grammar = rf_grammar
+        tokens, format_stops = self._chat_prompt(messages, tools, assistant_prefill)
+        if format_stops:
+            stop = _merge_stops(stop, format_stops)
         n_top = None
         if logprobs:
             n_top = 0 if top_logprobs is None else top_logprobs
             if isinstance(n_top, bool) or not isinstance(n_top, int) or not 0 <= n_top <= 20:
                 raise InvalidArgumentError("top_logprobs must be an int in [0, 20]")
-        # The template wrote the BOS (if any) and the special tokens as text.
-        tokens = self._model.tokenize(text, add_special=False, parse_special=True)
         req = self._request(tokens, n_top, RequestParams(
             max_tokens=max_tokens, temperature=temperature, top_p=top_p, min_p=min_p, typical_p=typical_p,
             top_k=top_k, repeat_penalty=repeat_penalty, frequency_penalty=frequency_penalty,
             presence_penalty=presence_penalty, stop=stop, seed=seed, logit_bias=logit_bias, grammar=grammar,
             active_loras=active_loras, control_vector=control_vector, control_vectors=control_vectors,
-            cancel=cancel, cache_prompt=cache_prompt))
+            cancel=cancel, cache_prompt=cache_prompt, logits_processor=logits_processor,
+            stopping_criteria=stopping_criteria))
         cid = f"chatcmpl-{uuid.uuid4()}"
         created = int(time.time())
         name = model or self.model_path
@@ -656,7 +827,9 @@ class Llama:
 
     def _prompt_tokens(self, prompt) -> np.ndarray:
         if isinstance(prompt, (str, bytes)):
-            tokens = self._model.tokenize(prompt, add_special=True, parse_special=False)
+            # special tokens in the text are parsed (<|im_start|> is one
+            # token), as llama-cpp-python does for a prompt without suffix
+            tokens = self._model.tokenize(prompt, add_special=True, parse_special=True)
         elif isinstance(prompt, (list, tuple, np.ndarray)):
             try:
                 tokens = np.asarray(prompt)
@@ -697,15 +870,29 @@ class Llama:
             stops = [s for s in stop if s]
         else:
             raise ArgumentTypeError("stop must be a str or a list of str")
-        grammar = p.grammar
-        if grammar is not None and not isinstance(grammar, str):
-            grammar = getattr(grammar, "_grammar", None) or getattr(grammar, "grammar", None)
-            if not isinstance(grammar, str):
-                raise ArgumentTypeError("grammar must be a GBNF string")
+        grammar = grammar_text(p.grammar)
+        check_processors(p.logits_processor, p.stopping_criteria)
+        if self.draft_model is not None and self._native_draft() is None:
+            raise InvalidArgumentError("completions run speculative decoding in the native token loop, which "
+                                       "drafts by prompt lookup only (LlamaPromptLookupDecoding); another "
+                                       "LlamaDraftModel works with generate()")
+        if (p.logits_processor is not None or p.stopping_criteria is not None) and isinstance(self._pool, _BatchPool):
+            raise InvalidArgumentError("logits_processor / stopping_criteria (Python per token) need n_parallel=1")
         sampler = Sampler(self._model, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
                           typical_p=p.typical_p, repeat_penalty=p.repeat_penalty,
                           frequency_penalty=p.frequency_penalty, presence_penalty=p.presence_penalty,
+                          penalty_last_n=self.last_n_tokens_size,
                           seed=self._next_seed(p.seed), grammar=grammar, logit_bias=p.logit_bias)
         # Resolved last: it pins adapters, which the request must release.
         state, names = self._state(p.active_loras, p.control_vector, p.control_vectors)
-        return _Request(self, tokens, sampler, max_tokens, stops, logprobs, state, names, cancel, p.cache_prompt)
+        return _Request(self, tokens, sampler, max_tokens, stops, logprobs, state, names, cancel, p.cache_prompt,
+                        p.logits_processor, p.stopping_criteria)
+
+    def _native_draft(self):
+        """``Context.generate(draft=...)`` for the draft model, if the native
+        loop can run it (prompt lookup); None otherwise."""
+        from llamax.llama_speculative import LlamaPromptLookupDecoding
+        d = self.draft_model
+        if isinstance(d, LlamaPromptLookupDecoding):
+            return (d.max_ngram_size, d.num_pred_tokens)
+        return None

@@ -65,13 +65,22 @@ class _Pool:
                     return best
                 self.cond.wait()
 
+    def acquire_slot(self, slot: _Slot) -> _Slot:
+        """Take this very context (the session API's), waiting while it is busy."""
+        with self.cond:
+            while slot.busy:
+                self.cond.wait()
+            slot.busy = True
+            return slot
+
     def release(self, slot: _Slot) -> None:
         with self.cond:
             if slot.stale:
                 slot.forget()
             slot.busy = False
             slot.last_used = time.monotonic()
-            self.cond.notify()
+            # (all: a waiter for one particular context may be among them)
+            self.cond.notify_all()
 
     def forget(self) -> None:
         """Forget every cached prefix; a busy context forgets when its request ends."""

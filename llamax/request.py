@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 import numpy as np
 
 from llamax._core import Context, Model
-from llamax._errors import CancelledError, LlamaxError
+from llamax._errors import ArgumentTypeError, CancelledError, LlamaxError
 from llamax.cancel import CancelToken
 from llamax.pool import _BatchPool, _lcp
 
@@ -126,6 +126,20 @@ class RequestParams:
     control_vectors: Any
     cancel: CancelToken | None
     cache_prompt: bool
+    logits_processor: Any
+    stopping_criteria: Any
+
+
+def grammar_text(grammar) -> str | None:
+    """GBNF text from a str or a ``LlamaGrammar`` (llama-cpp-python's or ours)."""
+    if grammar is None or isinstance(grammar, str):
+        return grammar
+    text = getattr(grammar, "_grammar", None)
+    if not isinstance(text, str):
+        text = getattr(grammar, "grammar", None)
+    if not isinstance(text, str):
+        raise ArgumentTypeError(f"grammar must be GBNF text or a LlamaGrammar, not {type(grammar).__name__}")
+    return text
 
 
 _WAIT = object()  # _batched_steps: "send me the sequence's next tokens"
@@ -177,7 +191,8 @@ class _Request:
     (only under the same state), run the C++ loop, assemble text."""
 
     def __init__(self, llm: Llama, tokens, sampler, max_tokens, stops, logprobs, state, names,
-                 token: CancelToken | None = None, cache_prompt: bool = True):
+                 token: CancelToken | None = None, cache_prompt: bool = True, logits_processor=None,
+                 stopping_criteria=None):
         self.llm = llm
         self.user_token = token
         self.own_token = CancelToken()  # the stream's consumer going away aborts a long prompt decode
@@ -190,6 +205,9 @@ class _Request:
         self.names = names
         self.key = state.id
         self.cache_prompt = cache_prompt  # False: reuse no cached prefix
+        # Python per token, only when asked for (the per-token loop in _python_loop)
+        self.logits_processor = logits_processor
+        self.stopping_criteria = stopping_criteria
         self.cancel = threading.Event()
         self._released = False
         self._slot = None  # batched requests: the context's slot and the sequence
@@ -422,6 +440,8 @@ class _Request:
             for t in tokens:
                 t._attach(ctx)
                 attached.append(t)
+            if llm.cache is not None and self.cache_prompt:
+                llm._cache_before(slot, self)   # a saved state that shares more of the prompt
             ctx.set_state(self.state)           # a pointer compare when already applied
             # Reuse KV only if it was computed under this very state, and
             # only what a cold run would compute the same way: whole prompt
@@ -434,7 +454,8 @@ class _Request:
             # same numbers as the first time), unless logprobs need the live
             # buffer.  (The context checks that they still describe this
             # prompt under this state; an empty prompt raises otherwise.)
-            saved = lcp == n and slot.logits_n == n and self.logprobs is None
+            py_loop = self.logits_processor is not None or self.stopping_criteria is not None
+            saved = lcp == n and slot.logits_n == n and self.logprobs is None and not py_loop
             if saved:
                 n_keep = n
             elif llm._prefix_cache and self.cache_prompt and llm._prefix_exact:
@@ -443,11 +464,12 @@ class _Request:
                 n_keep = min(lcp, n - 1)  # any common prefix (prefix_cache_exact=False)
             else:
                 n_keep = 0  # only an exact repeat reuses the KV (see Llama's prefix_cache)
-            res.n_cached = n_keep
-            if n_keep > 0:
-                ctx.kv_remove(0, n_keep, -1)
-            else:
+            if n_keep > 0 and not ctx.kv_remove(0, n_keep, -1):
+                n_keep = 0  # a recurrent model's memory can't be cut at a position
+                saved = False
+            if n_keep == 0:
                 ctx.kv_clear()
+            res.n_cached = n_keep
             slot.key = self.key
             slot.tokens = self.tokens[:n_keep]
             slot.logits_n = -1
@@ -463,10 +485,15 @@ class _Request:
                     lps.append(_logprobs(ctx, tok, self.logprobs))
                 return text.add(tok)
 
+            draft = llm._native_draft()
             try:
-                out, finish = ctx.generate(self.tokens[n_keep:], self.sampler, max_tokens=self.max_tokens,
-                                           callback=on_token if want_cb else None,
-                                           chunk=chunk if llm._prefix_exact else 0)
+                if py_loop:
+                    out, finish = self._python_loop(ctx, n_keep, chunk if llm._prefix_exact else 0, on_token)
+                else:
+                    out, finish = ctx.generate(self.tokens[n_keep:], self.sampler, max_tokens=self.max_tokens,
+                                               callback=on_token if want_cb else None,
+                                               chunk=chunk if llm._prefix_exact else 0, draft=draft,
+                                               history=self.tokens[:n_keep] if draft is not None else None)
             except BaseException:
                 slot.key = None
                 slot.tokens = np.empty(0, np.int32)
@@ -482,13 +509,15 @@ class _Request:
             elif finish == "stop_sequence":
                 finish = "stop"
             res.finish_reason = finish
-            if not want_cb:
+            if not want_cb and not py_loop:
                 text.add_all(out)
             res.text = text.finish()
             if text.stopped:
                 # tokens past the stop string are not part of the answer
                 res.tokens = res.tokens[: text.n_tokens_used]
                 res.logprobs = res.logprobs[: text.n_tokens_used]
+            if llm.cache is not None and self.cache_prompt:
+                llm._cache_after(slot)
             return res
         finally:
             for t in attached:
@@ -496,6 +525,43 @@ class _Request:
             if slot is not None:
                 llm._pool.release(slot)
             self._release()
+
+
+    def _python_loop(self, ctx: Context, n_keep: int, chunk: int, on_token):
+        """The token loop with Python per token: logits processors see (and
+        may change) each token's logits before the sampler does, and
+        stopping criteria may end it.  Same results as the native loop
+        otherwise (the prompt is decoded by it, in the same chunks)."""
+        model = self.llm._model
+        n_vocab = model.n_vocab
+        ctx.generate(self.tokens[n_keep:], self.sampler, max_tokens=0, chunk=chunk)
+        ids = np.asarray(self.tokens, np.intc)
+        out: list[int] = []
+        max_tokens = self.max_tokens if self.max_tokens >= 0 else 1 << 31
+        finish = "length"
+        from llamax._session import apply_processors
+        while True:
+            rows = ctx.get_logits()
+            row = rows[-1].copy()
+            del rows
+            if self.logits_processor is not None:
+                row = apply_processors(self.logits_processor, ids, row, n_vocab)
+            tok = self.sampler.sample_logits(ctx, row)
+            if self.stopping_criteria is not None and self.stopping_criteria(ids, row):
+                finish = "stop"
+                break
+            if model.is_eog(tok):
+                finish = "stop"
+                break
+            out.append(tok)
+            ids = np.append(ids, np.intc(tok))
+            if on_token(tok):
+                finish = "callback"
+                break
+            if len(out) >= max_tokens or len(ids) >= ctx.n_ctx_seq:
+                break
+            ctx.decode([tok], pos=[len(ids) - 1])
+        return np.asarray(out, np.int32), finish
 
 
 def _logprobs(ctx: Context, tok: int, n_top: int):

@@ -114,6 +114,8 @@ cdef extern from "llama.h" nogil:
     int32_t llama_model_meta_val_str_by_index(const llama_model * model, int32_t i, char * buf, size_t buf_size)
     const char * llama_model_chat_template(const llama_model * model, const char * name)
     bint llama_model_has_encoder(const llama_model * model)
+    bint llama_model_is_recurrent(const llama_model * model)
+    bint llama_model_is_hybrid(const llama_model * model)
 
     llama_vocab_type llama_get_vocab_type "llama_vocab_type"(const llama_vocab * vocab)
     int32_t llama_vocab_n_tokens(const llama_vocab * vocab)

@@ -1,7 +1,7 @@
 # Declarations of csrc/ (namespace llamax).  Every function that can throw is
 # `except +translate_exception`, which raises the llamax.LlamaxError subclass
 # named by the C++ error's kind (csrc/pyerrors.h).
-from libc.stdint cimport int8_t, int32_t, int64_t
+from libc.stdint cimport int8_t, int32_t, int64_t, uint8_t
 from libcpp cimport bool as cbool
 from libcpp.memory cimport shared_ptr
 from libcpp.string cimport string
@@ -81,6 +81,9 @@ cdef extern from "llamax.h" namespace "llamax" nogil:
         int32_t chunk
         vector[vector[llama_token]] stop_sequences
         llama_sampler * grammar
+        int32_t draft_ngram
+        int32_t draft_n
+        vector[llama_token] history
 
     cdef enum class CFinish "llamax::Finish":
         Eog
@@ -94,6 +97,9 @@ cdef extern from "llamax.h" namespace "llamax" nogil:
         vector[llama_token] tokens
         CFinish finish
         int32_t n_prompt
+        int32_t n_drafted
+        int32_t n_accepted
+        int32_t n_decodes
 
     cdef cppclass CContext "llamax::Context":
         CContext(const CModelPtr & model, llama_context_params params, int32_t max_positions) except +translate_exception
@@ -108,6 +114,10 @@ cdef extern from "llamax.h" namespace "llamax" nogil:
         CGenResult generate(llama_sampler * smpl, const llama_token * prompt, int32_t n_prompt,
                             const CGenParams & params, token_cb_fn cb, void * user) except +translate_exception
         llama_token sample(llama_sampler * chain, llama_sampler * grammar, int32_t row) except +translate_exception
+        llama_token sample_logits(llama_sampler * chain, llama_sampler * grammar,
+                                  const float * logits) except +translate_exception
+        vector[uint8_t] state_seq_get(llama_seq_id seq) except +translate_exception
+        void state_seq_set(const uint8_t * data, size_t n, llama_seq_id seq) except +translate_exception
         void kv_clear()
         cbool kv_remove(llama_seq_id seq, llama_pos p0, llama_pos p1) except +translate_exception
         void kv_copy(llama_seq_id src, llama_seq_id dst, llama_pos p0, llama_pos p1) except +translate_exception

@@ -128,8 +128,9 @@ def test_chat_format_chatml(smollm2_path):
     with llamax.Llama(str(smollm2_path), n_ctx=256, n_threads=1, chat_format="chatml") as m:
         assert m.chat_format == "chatml"
         rendered = m.apply_chat_template(HI)
-        # the named format has no default system prompt, unlike the GGUF's template
-        assert rendered == "<|im_start|>user\nSay hello.<|im_end|>\n<|im_start|>assistant\n"
+        # llama-cpp-python's "chatml": an empty system turn, not the GGUF template's default system prompt
+        assert rendered == ("<|im_start|>system\n<|im_end|>\n<|im_start|>user\nSay hello.<|im_end|>\n"
+                            "<|im_start|>assistant\n")
         r = m.create_chat_completion(HI, max_tokens=8, **G)
         toks = prompt_tokens(m, rendered)
         assert r["usage"]["prompt_tokens"] == len(toks)

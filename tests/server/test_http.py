@@ -79,7 +79,9 @@ def test_semantic_errors(http):
     err(http.post("/v1/chat/completions", json=dict(CHAT, stop=["x"] * 17)), 400)
     err(http.post("/v1/chat/completions", json=dict(CHAT, max_tokens=100000)), 400)
     err(http.post("/v1/chat/completions", json=dict(CHAT, grammar="root ::= [")), 400, "grammar_error")
-    err(http.post("/v1/chat/completions", json=dict(CHAT, response_format={"type": "json_object"})), 400)
+    err(http.post("/v1/chat/completions", json=dict(CHAT, response_format={"type": "yaml"})), 400)
+    err(http.post("/v1/chat/completions", json=dict(CHAT, response_format={
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "not": {}}}})), 400)
     err(http.post("/v1/chat/completions", json=dict(CHAT, active_loras=[{"name": "coder", "scale": 1.0}],
                                                     lora=[{"id": 0, "scale": 1.0}])), 400)
     err(http.post("/v1/completions", json={"prompt": [1, 2, 10 ** 7]}), 400, "invalid_token")

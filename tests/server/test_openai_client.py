@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import base64
+import json
 
 import numpy as np
 import openai
@@ -84,6 +85,22 @@ def test_completion_parses_special_tokens(oai, http):
     assert len(toks) < 12  # the markers are single tokens
     r = oai.completions.create(model="smol", prompt=prompt, max_tokens=4, temperature=0.0)
     assert r.usage.prompt_tokens == len(toks) + 0  # SmolLM2 adds no BOS
+
+
+def test_structured_output(oai):
+    """response_format json_object / json_schema: the reply is JSON (of the schema)."""
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24},
+                                               "population": {"type": "integer", "minimum": 0}},
+              "required": ["city", "population"], "additionalProperties": False}
+    msgs = [{"role": "user", "content": "Describe Paris as JSON."}]
+    r = oai.chat.completions.create(model="smol", messages=msgs, max_tokens=60, temperature=0.0,
+                                    response_format={"type": "json_schema",
+                                                     "json_schema": {"name": "city", "schema": schema}})
+    value = json.loads(r.choices[0].message.content)
+    assert set(value) == {"city", "population"} and isinstance(value["population"], int)
+    r = oai.chat.completions.create(model="smol", messages=msgs, max_tokens=60, temperature=0.0,
+                                    response_format={"type": "json_object"})
+    assert isinstance(json.loads(r.choices[0].message.content), dict)
 
 
 def test_batch_prompts_and_n(oai):

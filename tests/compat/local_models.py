@@ -1,0 +1,48 @@
+"""The model files llama-cpp-python's tests download from a hub, mapped to
+the local ones the rest of llamax's suite uses (no hub is reachable here).
+
+- Qwen3.5-0.8B (a small chat model) and stories15M (a small transformer):
+  SmolLM2-135M-Instruct Q4_1.
+- bge-small-en-v1.5 (a BERT embedder): all-MiniLM-L6-v2, f16.
+- mamba-130m (recurrent) and Falcon-H1-Tiny (hybrid): no such model file is
+  available offline, so those cases are skipped, saying so.
+
+With LLAMAX_COMPAT_MODELS (a JSON object {"smollm2": path, "minilm": path,
+"vocab_dir": path}) the paths come from there (the peer's venv has no llamax).
+"""
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+_RECURRENT = {"QuantFactory/mamba-130m-hf-GGUF": "recurrent (Mamba)",
+              "tiiuae/Falcon-H1-Tiny-90M-Instruct-GGUF": "hybrid (Falcon-H1)"}
+
+
+def _paths() -> dict:
+    env = os.environ.get("LLAMAX_COMPAT_MODELS")
+    if env:
+        return json.loads(env)
+    import data  # tests/data.py: fetched and verified once, cached
+    return {"smollm2": str(data.smollm2()), "minilm": str(data.minilm("f16")), "vocab_dir": str(data.vocab_dir())}
+
+
+def hf_hub_download(repo_id: str, filename: str) -> str:
+    if repo_id in _RECURRENT:
+        pytest.skip(f"no {_RECURRENT[repo_id]} model file is available offline ({repo_id}/{filename})")
+    if (repo_id, filename) in {("lmstudio-community/Qwen3.5-0.8B-GGUF", "Qwen3.5-0.8B-Q8_0.gguf"),
+                               ("ggml-org/models", "tinyllamas/stories15M-q4_0.gguf")}:
+        return _paths()["smollm2"]
+    if repo_id == "CompendiumLabs/bge-small-en-v1.5-gguf":
+        return _paths()["minilm"]
+    raise LookupError(f"no local equivalent for {repo_id}/{filename}: add one to tests/compat/local_models.py")
+
+
+# a plain str, as the tests' own constant was (llama-cpp-python encodes it)
+MODEL_LLAMA_SPM = str(Path(_paths()["vocab_dir"]) / "ggml-vocab-llama-spm.gguf")
+
+# SmolLM2-135M-Instruct's greedy 6 tokens after "The quick brown fox jumps over
+# the lazy dog. The quick brown fox" (llama-cpp-python 0.3.36 gives the same:
+# benchmarks/compat_peer.py runs these tests on it too)
+FOX_CONTINUATION = " is a classic example of a"
