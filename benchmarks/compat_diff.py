@@ -136,7 +136,10 @@ def main() -> None:
             for d in diffs:
                 extra = f" (max |diff| {d['max_abs_diff']:.2e})" if d.get("max_abs_diff") is not None else ""
                 print(f"{name}: {d['field']}: peer={_short(d['peer'])} llamax={_short(d['llamax'])}{extra}", flush=True)
-            rows.append({"case": name, "same": not diffs, "diffs": diffs, "peer": peer, "llamax": ours})
+            # (the answers without their floats: a differing float field is in diffs)
+            rows.append({"case": name, "same": not diffs, "diffs": diffs,
+                         "peer": {k: v for k, v in peer.items() if not k.startswith("f:")},
+                         "llamax": {k: v for k, v in ours.items() if not k.startswith("f:")}})
     finally:
         both.close()
     n_diff = sum(not r["same"] for r in rows)
@@ -147,7 +150,7 @@ def main() -> None:
     (OUT / "compat_diff.json").write_text(json.dumps(
         {"peer": peers.describe(), "float_tolerance": cw.FLOAT_TOL, "summary": summary, "cases": rows}, indent=1,
         ensure_ascii=False))
-    lines = [f"# llamax against llama-cpp-python 0.3.36, call by call", "",
+    lines = ["# llamax against llama-cpp-python 0.3.36, call by call", "",
              f"{summary}.  The same calls (benchmarks/compat_diff_worker.py) on both; floats compared "
              f"with tolerance {cw.FLOAT_TOL}.  `g:` fields follow a greedy output, `f:` fields are floats.", "",
              "| case | same | differing fields |", "|---|---|---|"]
@@ -162,7 +165,10 @@ def main() -> None:
                     "tests/compat/test_diff_reference.py",
            "peer": both.info["peer"]["version"],
            "cases": {r["case"]: stored(r["peer"]) for r in rows}}
-    REFERENCE.write_text(json.dumps(ref, indent=1, ensure_ascii=False) + "\n")
+    # one line per case, so that a change shows as the case's line in a diff
+    cases = ",\n".join(f"  {json.dumps(k)}: {json.dumps(v, ensure_ascii=False)}" for k, v in ref["cases"].items())
+    head = "".join(f" {json.dumps(k)}: {json.dumps(v)},\n" for k, v in ref.items() if k != "cases")
+    REFERENCE.write_text("{\n" + head + ' "cases": {\n' + cases + "\n }\n}\n")
     print(f"wrote {OUT / 'compat_diff.json'}, {OUT / 'compat_diff.md'}, {REFERENCE}")
 
 

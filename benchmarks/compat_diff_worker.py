@@ -690,7 +690,8 @@ def _(llm, lib):
 @case("emb/create_embedding_str", "minilm")
 def _(llm, lib):
     r = llm.create_embedding(SENTENCES[1])
-    return {"keys": _keys(r), "usage": r["usage"], "len(data)": len(r["data"]), "dims": [len(d["embedding"]) for d in r["data"]]}
+    return {"keys": _keys(r), "usage": r["usage"], "len(data)": len(r["data"]),
+            "dims": [len(d["embedding"]) for d in r["data"]]}
 
 
 @case("emb/too_long_no_truncate", "minilm")

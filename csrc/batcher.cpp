@@ -505,7 +505,9 @@ bool Batcher::push_token(const SeqPtr & s, llama_token tok, const float * logits
         end(s, Finish::Length);
         return true;
     }
-    if (s->pos_ >= ctx_->n_ctx_seq()) {
+    // prompt + output never exceed the context (the next token would need a
+    // cell at pos_ + 1), as llama-cpp-python and OpenAI count
+    if (s->pos_ + 1 >= ctx_->n_ctx_seq()) {
         end(s, Finish::ContextFull);
         return true;
     }

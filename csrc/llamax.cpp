@@ -1746,7 +1746,9 @@ GenResult Context::generate(llama_sampler * smpl, const llama_token * prompt, in
                 res.finish = Finish::Length;
                 keep_going = false;
             }
-            if (keep_going && pos >= n_ctx_seq_) {
+            // prompt + output never exceed the context (as llama-cpp-python
+            // and OpenAI count): this token's cell is the last one
+            if (keep_going && pos + 1 >= n_ctx_seq_) {
                 res.finish = Finish::ContextFull;
                 keep_going = false;
             }

@@ -35,6 +35,7 @@ from llamax.llama_cache import (  # noqa: E402,F401
 )
 from llamax._session import LogitsProcessorList, MinTokensLogitsProcessor, StoppingCriteriaList  # noqa: E402,F401
 from llamax.llama_speculative import LlamaDraftModel, LlamaPromptLookupDecoding  # noqa: E402,F401
+from llamax.llama_tokenizer import LlamaTokenizer  # noqa: E402,F401
 from llamax.chat import ChatTemplate, ChatTemplateError  # noqa: E402,F401
 from llamax.embedder import Embedder, cos_sim  # noqa: E402,F401
 from llamax._fetch import FetchError  # noqa: E402,F401
@@ -50,7 +51,7 @@ __all__ = [
 __all__ += [
     "LlamaGrammar", "BaseLlamaCache", "LlamaCache", "LlamaDiskCache", "LlamaRAMCache", "LlamaState",
     "LogitsProcessorList", "MinTokensLogitsProcessor", "StoppingCriteriaList", "LlamaDraftModel",
-    "LlamaPromptLookupDecoding",
+    "LlamaPromptLookupDecoding", "LlamaTokenizer",
 ]
 __all__ += _errors.__all__  # (this form, so that type checkers read the names)
 __all__ += llama_types.__all__

@@ -536,6 +536,11 @@ class _SessionMixin:
     def _is_hybrid(self) -> bool:
         return self._model.is_hybrid
 
+    def tokenizer(self):
+        """A :class:`llamax.llama_tokenizer.LlamaTokenizer` over this Llama's vocabulary."""
+        from llamax.llama_tokenizer import LlamaTokenizer
+        return LlamaTokenizer(self)
+
     def token_nl(self) -> int:
         nl = self._model.special_tokens["nl"]
         if nl < 0:

@@ -26,7 +26,9 @@ from llamax.cancel import CancelToken
 from llamax.chat import ChatTemplate, ChatTemplateError, _check_messages, prepare_prefill
 from llamax._session import _SessionMixin, check_processors
 from llamax.pool import _BatchPool, _BatchSlot, _Pool, _Slot
-from llamax.request import RequestParams, _adeliver, _Chunks, _deliver, _Request, grammar_text
+from llamax.request import (
+    RequestParams, _adeliver, _Chunks, _deliver, _Request, chat_logprobs, completion_logprobs, grammar_text,
+)
 
 __all__ = ["Llama"]
 
@@ -236,6 +238,7 @@ class Llama(_SessionMixin):
         self.model_path = os.fsdecode(model_path)
         self.verbose = verbose
         self._model = Model(self.model_path, n_gpu_layers=n_gpu_layers, use_mmap=use_mmap, vocab_only=vocab_only)
+        self.n_batch = n_batch
         self._ctx_kwargs = dict(n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, n_threads=n_threads,
                                 n_threads_batch=n_threads_batch, flash_attn=flash_attn)
         self._seed = seed
@@ -287,6 +290,8 @@ class Llama(_SessionMixin):
         self._adapters = AdapterRegistry(self._model, max_loaded_adapters)
         self._cvecs: dict[str, ControlVector] = {}
         self._embed_lock = threading.Lock()
+        self._score_lock = threading.Lock()
+        self._score_ctx: Context | None = None  # echo=True with logprobs: the prompt's own logprobs
         self._embed_ctx: Context | None = None
         self.chat_format = chat_format
         self._template = self._make_template(chat_format, chat_template)
@@ -309,6 +314,8 @@ class Llama(_SessionMixin):
         self._pool.close()
         if self._embed_ctx is not None:
             self._embed_ctx.close()
+        if self._score_ctx is not None:
+            self._score_ctx.close()
         self._adapters.close()
         self._model.close()
 
@@ -602,20 +609,42 @@ class Llama(_SessionMixin):
         cid = f"cmpl-{uuid.uuid4()}"
         created = int(time.time())
         name = model or self.model_path
-        prompt_text = self._model.detokenize_text(tokens, errors="replace") if echo else ""
+        full_prompt = self._model.detokenize_text(tokens, errors="replace") if echo or logprobs is not None else ""
+        prompt_text = full_prompt if echo else ""
+        # text offsets count from the prompt's start, echoed or not (OpenAI's and llama-cpp-python's)
+        offset = [len(full_prompt)]
+
+        echo_lp = None
+        if echo and logprobs is not None:
+            # OpenAI's echo with logprobs: an entry per prompt token too (the first without logprobs)
+            scored = self._prompt_logprobs(tokens, logprobs, req.state)
+            echo_lp = completion_logprobs(self._model, [t for t, _, _ in scored],
+                                          [(lp, top or []) for _, lp, top in scored], 0)
+            echo_lp["top_logprobs"][0] = None
 
         def result(res):
-            choice = {"text": prompt_text + res.text, "index": 0,
-                      "logprobs": res.completion_logprobs(prompt_text) if logprobs is not None else None,
+            lp = None
+            if logprobs is not None:
+                lp = res.completion_logprobs(offset[0])
+                if echo_lp is not None:
+                    lp = {k: echo_lp[k] + lp[k] for k in lp}
+            choice = {"text": prompt_text + res.text, "index": 0, "logprobs": lp,
                       "finish_reason": res.finish_reason}
             return {"id": cid, "object": "text_completion", "created": created, "model": name,
                     "choices": [choice], "usage": res.usage()}
 
-        def chunk(text, finish=None):
+        def chunk(text, finish=None, echoed=False):
+            lp = None
+            if echoed:
+                lp = echo_lp
+            elif logprobs is not None and finish is None:
+                lp = completion_logprobs(self._model, getattr(text, "tokens", []), getattr(text, "logprobs", []),
+                                         offset[0])
+                offset[0] += sum(len(t) for t in lp["tokens"])
             return {"id": cid, "object": "text_completion", "created": created, "model": name,
-                    "choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": finish}]}
+                    "choices": [{"text": str(text), "index": 0, "logprobs": lp, "finish_reason": finish}]}
 
-        head = [chunk(prompt_text)] if prompt_text else []
+        head = [chunk(prompt_text, echoed=True)] if prompt_text else []
         return _deliver(req, stream, result, _Chunks(head, chunk, lambda res: chunk("", res.finish_reason)))
 
     # -- chat -----------------------------------------------------------------
@@ -680,12 +709,15 @@ class Llama(_SessionMixin):
             return {"id": cid, "object": "chat.completion", "created": created, "model": name,
                     "choices": [choice], "usage": res.usage()}
 
-        def chunk(delta, finish=None):
+        def chunk(delta, finish=None, piece=None):
+            lp = None
+            if logprobs and piece is not None:
+                lp = chat_logprobs(self._model, getattr(piece, "tokens", []), getattr(piece, "logprobs", []))
             return {"id": cid, "object": "chat.completion.chunk", "created": created, "model": name,
-                    "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+                    "choices": [{"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}]}
 
         return _deliver(req, stream, result, _Chunks([chunk({"role": "assistant"})],
-                                                     lambda piece: chunk({"content": piece}),
+                                                     lambda piece: chunk({"content": str(piece)}, piece=piece),
                                                      lambda res: chunk({}, res.finish_reason)))
 
     # -- async twins ------------------------------------------------------------
@@ -708,6 +740,40 @@ class Llama(_SessionMixin):
     async def acreate_embedding(self, input, **kwargs):
         import asyncio
         return await asyncio.to_thread(self.create_embedding, input, **kwargs)
+
+    # -- the prompt's own logprobs (echo=True with logprobs) ----------------------
+
+    def _prompt_logprobs(self, tokens, n_top: int, state) -> list:
+        """Per prompt token after the first, ``(token, logprob, top)`` under
+        ``state`` (the first token has none: nothing precedes it).  Decoded
+        on a context of its own, made on first use, all rows output."""
+        out = [(int(tokens[0]), None, None)]
+        with self._score_lock:
+            if self._score_ctx is None:
+                kw = dict(self._ctx_kwargs)
+                self._score_ctx = Context(self._model, **kw)
+            ctx = self._score_ctx
+            ctx.set_state(state)
+            ctx.kv_clear()
+            nb = ctx.n_batch
+            for i in range(0, len(tokens) - 1, nb):
+                part = np.asarray(tokens[i:min(i + nb, len(tokens) - 1)], np.int32)
+                ctx.decode(part, pos=np.arange(i, i + len(part), dtype=np.int32), logits="all")
+                rows = ctx.get_logits()
+                for j in range(len(part)):
+                    tok = int(tokens[i + j + 1])
+                    row = rows[j]
+                    m = float(row.max())
+                    lse = m + float(np.log(np.exp(row - m).sum()))
+                    top = []
+                    if n_top:
+                        idx = np.argpartition(row, -n_top)[-n_top:]
+                        idx = idx[np.argsort(row[idx])[::-1]]
+                        top = [(int(k), float(row[k]) - lse) for k in idx]
+                    out.append((tok, float(row[tok]) - lse, top))
+                del rows, row
+            ctx.kv_clear()
+        return out
 
     # -- embeddings --------------------------------------------------------------
 
@@ -739,15 +805,18 @@ class Llama(_SessionMixin):
         with self._embed_lock:
             return min(self._ctx_kwargs["n_ctx"], self._embedding_context().n_ctx_seq)
 
-    def embed(self, input, normalize: bool = False, truncate: bool = True, active_loras=None,
-              control_vector=None, control_vectors=None):
-        """Pooled embedding(s): a list of floats for a str, a list of lists for a list of str.
+    def embed(self, input, normalize: bool = False, truncate: bool = True, return_count: bool = False,
+              active_loras=None, control_vector=None, control_vectors=None):
+        """Pooled embedding(s): a list of floats for a str, a list of lists for a list of str
+        (with ``return_count=True``: and the number of tokens embedded).
 
         (llama-cpp-python's shape.  :meth:`embed_array` returns the same as
         one float32 array without a Python float per number.)
         """
-        vecs, _ = self._embed(input, normalize, truncate, active_loras, control_vector, control_vectors)
-        return vecs[0].tolist() if _single(input) else vecs.tolist()
+        _check_bools(return_count=return_count)
+        vecs, n = self._embed(input, normalize, truncate, active_loras, control_vector, control_vectors)
+        out = vecs[0].tolist() if _single(input) else vecs.tolist()
+        return (out, n) if return_count else out
 
     def embed_array(self, input, *, normalize: bool = False, truncate: bool = True, max_tokens: int | None = None,
                     active_loras=None, control_vector=None, control_vectors=None) -> np.ndarray:

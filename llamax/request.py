@@ -162,28 +162,66 @@ class _Result:
                 "total_tokens": self.n_prompt + len(self.tokens),
                 "prompt_tokens_details": {"cached_tokens": self.n_cached}}
 
-    def completion_logprobs(self, prefix=""):
-        m = self.model
-        toks, offs, lps, tops = [], [], [], []
-        off = len(prefix)
-        for t, (lp, top) in zip(self.tokens, self.logprobs):
-            piece = m.token_to_piece(t).decode("utf-8", "replace")
-            toks.append(piece)
-            offs.append(off)
-            off += len(piece)
-            lps.append(lp)
-            tops.append({m.token_to_piece(a).decode("utf-8", "replace"): b for a, b in top})
-        return {"tokens": toks, "text_offset": offs, "token_logprobs": lps, "top_logprobs": tops}
+    def completion_logprobs(self, offset=0):
+        return completion_logprobs(self.model, self.tokens, self.logprobs, offset)
 
     def chat_logprobs(self):
-        m = self.model
-        content = []
-        for t, (lp, top) in zip(self.tokens, self.logprobs):
-            b = m.token_to_piece(t)
-            content.append({"token": b.decode("utf-8", "replace"), "logprob": lp, "bytes": list(b),
-                            "top_logprobs": [{"token": m.token_to_piece(a).decode("utf-8", "replace"),
-                                              "logprob": c, "bytes": list(m.token_to_piece(a))} for a, c in top]})
-        return {"content": content}
+        return chat_logprobs(self.model, self.tokens, self.logprobs)
+
+
+def completion_logprobs(model, tokens, logprobs, offset: int) -> dict:
+    """OpenAI's completion ``logprobs`` for ``tokens``, whose text starts at
+    character ``offset`` of the whole text (the prompt's length without echo).
+    Each ``top_logprobs`` dict holds the sampled token too (as
+    llama-cpp-python's and OpenAI's do)."""
+    toks, offs, lps, tops = [], [], [], []
+    off = offset
+    for t, (lp, top) in zip(tokens, logprobs):
+        piece = model.token_to_piece(t).decode("utf-8", "replace")
+        toks.append(piece)
+        offs.append(off)
+        off += len(piece)
+        lps.append(lp)
+        d = {model.token_to_piece(a).decode("utf-8", "replace"): b for a, b in top}
+        d.setdefault(piece, lp)
+        tops.append(d)
+    return {"tokens": toks, "text_offset": offs, "token_logprobs": lps, "top_logprobs": tops}
+
+
+def chat_logprobs(model, tokens, logprobs) -> dict:
+    content = []
+    for t, (lp, top) in zip(tokens, logprobs):
+        b = model.token_to_piece(t)
+        content.append({"token": b.decode("utf-8", "replace"), "logprob": lp, "bytes": list(b),
+                        "top_logprobs": [{"token": model.token_to_piece(a).decode("utf-8", "replace"),
+                                          "logprob": c, "bytes": list(model.token_to_piece(a))} for a, c in top]})
+    return {"content": content, "refusal": None}
+
+
+class _Piece(str):
+    """A streamed text piece, with the tokens (and their logprobs) read
+    since the previous piece when the request asked for logprobs."""
+
+    tokens: list = []
+    logprobs: list = []
+
+
+class _PieceMaker:
+    """Turns the assembler's text pieces into _Pieces carrying the tokens
+    (and logprobs) that arrived since the last one."""
+
+    def __init__(self, emit):
+        self.emit = emit
+        self.tokens: list = []
+        self.logprobs: list = []
+        self.sent = 0
+
+    def __call__(self, text):
+        p = _Piece(text)
+        p.tokens = self.tokens[self.sent:]
+        p.logprobs = self.logprobs[self.sent:]
+        self.sent = len(self.tokens)
+        self.emit(p)
 
 
 class _Request:
@@ -279,7 +317,8 @@ class _Request:
         res = _Result(model)
         res.n_prompt = len(self.tokens)
         pieces: list[str] = []
-        text = _TextAssembler(model, self.stops, pieces.append if streaming else None)
+        maker = _PieceMaker(pieces.append) if streaming and self.logprobs is not None else None
+        text = _TextAssembler(model, self.stops, (maker or pieces.append) if streaming else None)
         self._slot = llm._pool.acquire()
         self._seq = seq = self._slot.batcher.submit(
             self.tokens, self.sampler, max_tokens=self.max_tokens, logprobs=self.logprobs, state=self.state,
@@ -294,8 +333,12 @@ class _Request:
                 toks = yield _WAIT
                 if toks is None:
                     break
+                if maker is not None:
+                    maker.logprobs = seq.logprobs
                 for tok in toks:
                     res.tokens.append(tok)
+                    if maker is not None:
+                        maker.tokens.append(tok)
                     if text.add(tok):
                         stopped = True
                         seq.cancel()
@@ -474,7 +517,8 @@ class _Request:
             slot.tokens = self.tokens[:n_keep]
             slot.logits_n = -1
             slot.exact_n = 0
-            text = _TextAssembler(model, self.stops, emit)
+            maker = _PieceMaker(emit) if emit is not None and self.logprobs is not None else None
+            text = _TextAssembler(model, self.stops, maker or emit)
             want_cb = emit is not None or self.stops or self.logprobs is not None
             lps = res.logprobs
 
@@ -483,6 +527,9 @@ class _Request:
                     return True
                 if self.logprobs is not None:
                     lps.append(_logprobs(ctx, tok, self.logprobs))
+                    if maker is not None:
+                        maker.tokens.append(tok)
+                        maker.logprobs = lps
                 return text.add(tok)
 
             draft = llm._native_draft()

@@ -61,6 +61,10 @@ def test_token_helpers(llm):
     assert np.isclose(np.exp(lp).sum(), 1.0)
     assert llm.longest_token_prefix([1, 2, 3], [1, 2, 4]) == 2
     assert llm._is_recurrent is False and llm._is_hybrid is False
+    tk = llm.tokenizer()
+    assert tk.encode("Hello world") == llm.tokenize(b"Hello world", special=True)
+    assert tk.decode(tk.encode("Hello world")) == "Hello world"
+    assert tk.detokenize(tk.tokenize(b"Hi there")) == b"Hi there"
 
 
 # -- the session: eval / sample / generate ----------------------------------------------
@@ -410,3 +414,41 @@ def test_constructor_keywords(smollm2_path):
         llamax.Llama(str(smollm2_path), n_ctx=64, n_threads=1, no_such_keyword=1)
     with pytest.raises(llamax.InvalidArgumentError):
         llamax.Llama(str(smollm2_path), n_ctx=64, n_threads=1, pooling_type=9)
+
+
+# -- logprobs as llama-cpp-python and OpenAI give them ---------------------------------------------
+
+def test_completion_logprobs_offsets_echo_and_stream(llm):
+    prompt = "The capital of France is"
+    kw = dict(max_tokens=4, logprobs=2, **GREEDY)
+    plain = llm.create_completion(prompt, **kw)
+    lp = plain["choices"][0]["logprobs"]
+    # offsets count from the prompt's start; each top dict holds the sampled token
+    assert lp["text_offset"][0] == len(prompt)
+    assert all(tok in top for tok, top in zip(lp["tokens"], lp["top_logprobs"]))
+    # echo: an entry per prompt token as well, the first without logprobs
+    echo = llm.create_completion(prompt, echo=True, **kw)
+    elp = echo["choices"][0]["logprobs"]
+    n_prompt = echo["usage"]["prompt_tokens"]
+    assert len(elp["tokens"]) == n_prompt + 4
+    assert elp["token_logprobs"][0] is None and elp["top_logprobs"][0] is None
+    assert all(v <= 0 for v in elp["token_logprobs"][1:])
+    assert "".join(elp["tokens"]) == echo["choices"][0]["text"]
+    assert elp["text_offset"] == sorted(elp["text_offset"]) and elp["text_offset"][0] == 0
+    assert elp["tokens"][n_prompt:] == lp["tokens"]
+    # streamed: each chunk carries its own tokens' logprobs; together, the non-streamed ones
+    chunks = list(llm.create_completion(prompt, stream=True, **kw))
+    got = [c["choices"][0]["logprobs"] for c in chunks if c["choices"][0]["logprobs"]]
+    assert [t for g in got for t in g["tokens"]] == lp["tokens"]
+    assert [o for g in got for o in g["text_offset"]] == lp["text_offset"]
+    assert np.allclose([v for g in got for v in g["token_logprobs"]], lp["token_logprobs"], atol=1e-3)
+    chat = list(llm.create_chat_completion([{"role": "user", "content": "Hi"}], stream=True, logprobs=True,
+                                           top_logprobs=2, max_tokens=4, **GREEDY))
+    content = [e for c in chat if c["choices"][0]["logprobs"] for e in c["choices"][0]["logprobs"]["content"]]
+    assert len(content) == 4 and all(len(e["top_logprobs"]) == 2 for e in content)
+
+
+def test_embed_return_count(smollm2_path):
+    with llamax.Llama(str(smollm2_path), n_ctx=128, n_threads=1, embedding=True) as m:
+        vecs, n = m.embed(["Hello world", "Hi"], return_count=True)
+        assert len(vecs) == 2 and n == len(m.tokenize(b"Hello world")) + len(m.tokenize(b"Hi"))

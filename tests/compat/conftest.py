@@ -11,12 +11,12 @@ import sys
 
 if os.environ.get("LLAMAX_COMPAT_PEER") != "1":
     import llamax
-    from llamax import grammar, llama_cache, llama_chat_format, llama_speculative, llama_types
+    from llamax import grammar, llama_cache, llama_chat_format, llama_speculative, llama_tokenizer, llama_types
 
     for name, module in {
         "llama_cpp": llamax, "llama_cpp.llama_types": llama_types, "llama_cpp.llama_chat_format": llama_chat_format,
         "llama_cpp.llama_grammar": grammar, "llama_cpp.llama_cache": llama_cache,
-        "llama_cpp.llama_speculative": llama_speculative,
+        "llama_cpp.llama_speculative": llama_speculative, "llama_cpp.llama_tokenizer": llama_tokenizer,
     }.items():
         if name in sys.modules and sys.modules[name] is not module:
             raise RuntimeError(f"{name} is already imported from {sys.modules[name].__file__}: these tests must "

@@ -95,6 +95,10 @@ def _known(case: str, field: str):
     return KNOWN.get((case, field)) or KNOWN.get(("*", field))
 
 
+def _show(v) -> str:
+    return "<absent>" if v is ABSENT else json.dumps(v)[:300]
+
+
 @pytest.fixture(scope="module")
 def runner():
     r = cw.Runner(llamax, {"smollm2": str(data.smollm2()), "minilm": str(data.minilm("f16")),
@@ -128,6 +132,5 @@ def test_case(runner, case):
             want = known[0]
         got = ours.get(field, ABSENT)
         if got is not want and got != want:
-            diffs.append(f"{field}: peer={'<absent>' if want is ABSENT else json.dumps(want)[:300]} "
-                         f"llamax={'<absent>' if got is ABSENT else json.dumps(got)[:300]}")
+            diffs.append(f"{field}: {'KNOWN' if known else 'peer'}={_show(want)} llamax={_show(got)}")
     assert not diffs, f"{case}:\n  " + "\n  ".join(diffs)
