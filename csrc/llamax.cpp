@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -1559,6 +1560,50 @@ int32_t Context::embed(const llama_token * tokens, const int64_t * offsets, int3
 
 int32_t find_draft(const std::vector<llama_token> & hist, int32_t max_ngram, int32_t n_max, llama_token * out);
 
+// How many of the available drafts a verify decode should carry, from what
+// this generation measured: the seconds per token out of plain decodes and
+// of verify decodes (kept drafts + the token sampled after them).  Drafting
+// goes on while it yields tokens faster than plain decoding, with as many
+// drafts as the last verify kept plus one (twice as many after a verify that
+// kept all); otherwise plain decodes, with a draft now and then to look
+// again.  (On a CPU with a small model a batch costs nearly its length in
+// single decodes: only long runs of kept drafts pay.  Acceptance comes in
+// runs -- a copied passage -- so it is measured, not modelled.)
+struct DraftPlanner {
+    explicit DraftPlanner(int32_t max_k) : max_k(max_k), want(max_k) {}
+    int32_t max_k;
+    int32_t want;            // drafts for the next verify
+    double s_plain = 0.0;    // decayed mean seconds per token: plain decodes ...
+    double s_draft = 0.0;    // ... and verify decodes
+    int32_t n_plain = 0;     // plain decodes timed (the first one, a warm-up, is not counted)
+    int32_t streak = 0;      // consecutive choices of one kind, to re-measure the other now and then
+
+    int32_t plan(int32_t available) {
+        if (available <= 0) {
+            return 0;
+        }
+        if (n_plain < 2) {
+            return 0;  // plain decodes first: their time is the yardstick
+        }
+        const bool drafting = s_draft <= 0.0 || s_draft < 0.95 * s_plain;
+        if (++streak >= (drafting ? 16 : 64)) {
+            streak = 0;
+            return drafting ? 0 : std::min(available, 4);  // look at the other side again
+        }
+        return drafting ? std::min(available, want) : 0;
+    }
+    static double mix(double old, double x) { return old > 0.0 ? 0.7 * old + 0.3 * x : x; }
+    void plain(double secs) {
+        if (n_plain++ > 0) {
+            s_plain = mix(s_plain, secs);
+        }
+    }
+    void verified(double secs, int32_t k, int32_t n_kept, bool rejected) {
+        s_draft = mix(s_draft, secs / (n_kept + 1));
+        want = rejected ? std::max(1, n_kept + 1) : std::min(max_k, 2 * k);
+    }
+};
+
 GenResult Context::generate(llama_sampler * smpl, const llama_token * prompt, int32_t n_prompt,
                             const GenParams & gp, token_cb_fn cb, void * user) {
     abort_.store(false, std::memory_order_relaxed);  // a cancel between requests is not for this one
@@ -1666,11 +1711,8 @@ GenResult Context::generate(llama_sampler * smpl, const llama_token * prompt, in
     }
     llama_token tok;
     int8_t one = 1;
-    // Drafts per verify decode adapt to how many were kept: all kept, the
-    // next draft may be twice as long (up to draft_n); otherwise it is one
-    // longer than what was kept.  A verify decode costs more per token than
-    // it saves when most of its drafts are rejected.
-    int32_t want = draft_n;
+    DraftPlanner planner(draft_n);
+    double t_verify = 0.0;
     int32_t n_draft = 0;   // drafts of the last verify decode ...
     int32_t row = 0;       // ... and the output row the next token is sampled from
     for (;;) {
@@ -1715,7 +1757,7 @@ GenResult Context::generate(llama_sampler * smpl, const llama_token * prompt, in
                 ++pos;
             } else {
                 llama_memory_seq_rm(llama_get_memory(ctx_), gp.seq_id, pos, -1);
-                want = row == n_draft ? std::min(draft_n, 2 * n_draft) : row + 1;
+                planner.verified(t_verify, n_draft, row, row < n_draft);
                 n_draft = 0;
             }
         }
@@ -1772,14 +1814,21 @@ GenResult Context::generate(llama_sampler * smpl, const llama_token * prompt, in
             // no more drafts than tokens still wanted, or room in the context
             // (k kept drafts and the token sampled after them make k + 1)
             int32_t cap = (int32_t) std::min<int64_t>(
-                want, std::min<int64_t>((int64_t) max_tokens - (int64_t) res.tokens.size() - 1,
-                                        (int64_t) n_ctx_seq_ - pos - 1));
+                draft_n, std::min<int64_t>((int64_t) max_tokens - (int64_t) res.tokens.size() - 1,
+                                           (int64_t) n_ctx_seq_ - pos - 1));
             k = cap > 0 ? find_draft(hist, gp.draft_ngram, cap, vbuf.data() + 1) : 0;
+            if (gp.draft_adaptive) {
+                k = planner.plan(k);  // how many of them are worth verifying
+            }
         }
         ++res.n_decodes;
         if (k == 0) {
             llama_batch b = {1, &tok, nullptr, &pos, nsbuf.data(), spbuf.data(), &one};
+            const auto t0 = std::chrono::steady_clock::now();
             raw_decode(b, 1);
+            if (draft_n > 0) {
+                planner.plain(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+            }
             ++pos;
             continue;
         }
@@ -1788,7 +1837,9 @@ GenResult Context::generate(llama_sampler * smpl, const llama_token * prompt, in
             vpos[i] = pos + i;
         }
         llama_batch b = {k + 1, vbuf.data(), nullptr, vpos.data(), vns.data(), vseq.data(), vout.data()};
+        const auto t0 = std::chrono::steady_clock::now();
         raw_decode(b, k + 1);
+        t_verify = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
         ++pos;
         res.n_drafted += k;
         n_draft = k;

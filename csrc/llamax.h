@@ -235,6 +235,9 @@ struct GenParams {
     // most draft_n drafts per decode; fewer after drafts were rejected.
     int32_t draft_ngram = 0;
     int32_t draft_n = 0;
+    // false: verify every draft found (no timing): for tests, and where a
+    // batch is known to cost about one token (a GPU)
+    bool draft_adaptive = true;
     std::vector<llama_token> history;
 };
 

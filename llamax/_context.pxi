@@ -491,7 +491,8 @@ cdef class Context:
 
 
     def generate(self, tokens, sampler, *, max_tokens=16, seq_id=0,
-                 stop_sequences=(), ignore_eos=False, callback=None, chunk=0, draft=None, history=None):
+                 stop_sequences=(), ignore_eos=False, callback=None, chunk=0, draft=None, history=None,
+                 draft_adaptive=True):
         """Decode ``tokens`` after what sequence ``seq_id`` holds, then sample up to ``max_tokens``.
 
         The whole loop runs in C++ without the GIL.  ``callback(token)``, if
@@ -518,6 +519,10 @@ cdef class Context:
         greedy, exactly so up to llama.cpp's batch-shape arithmetic).
         ``history``: the tokens the sequence holds before ``tokens`` (the
         lookup searches them too).  :attr:`draft_stats` tells how it went.
+        ``draft_adaptive`` (default): verify drafts only while that yields
+        tokens faster than plain decodes, as timed in this call (on a CPU
+        with a small model a batch costs nearly its length); False: verify
+        every draft found.
         """
         cdef Sampler _sa_t = _typed(sampler, Sampler, "sampler")
         if sampler.model is not self.model:
@@ -545,6 +550,7 @@ cdef class Context:
             _check_int(draft[1], "draft n_pred", 0, 1024)
             gp.draft_ngram = draft[0]
             gp.draft_n = draft[1]
+            gp.draft_adaptive = bool(draft_adaptive)
             n_pred = draft[1]
             if history is not None:
                 hv = _as_tokens(history)

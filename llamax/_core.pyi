@@ -376,6 +376,7 @@ class Context:
         chunk: int = 0,
         draft: tuple[int, int] | None = None,
         history: _Tokens | None = None,
+        draft_adaptive: bool = True,
     ) -> tuple[NDArray[np.int32], _FinishReason]: ...
     @property
     def draft_stats(self) -> dict[str, int]: ...

@@ -963,5 +963,5 @@ class Llama(_SessionMixin):
         from llamax.llama_speculative import LlamaPromptLookupDecoding
         d = self.draft_model
         if isinstance(d, LlamaPromptLookupDecoding):
-            return (d.max_ngram_size, d.num_pred_tokens)
+            return (d.max_ngram_size, d.num_pred_tokens), d.adaptive
         return None

@@ -36,7 +36,14 @@ class LlamaDraftModel(abc.ABC):
 class LlamaPromptLookupDecoding(LlamaDraftModel):
     """Drafts by n-gram lookup in the sequence itself (prompt lookup decoding)."""
 
-    def __init__(self, max_ngram_size: int = 2, num_pred_tokens: int = 10):
+    def __init__(self, max_ngram_size: int = 2, num_pred_tokens: int = 10, adaptive: bool = True):
+        """``adaptive`` (llamax): in completions, verify drafts only while
+        that yields tokens faster than plain decoding, as timed during the
+        request (on a CPU with a small model a verify batch costs nearly its
+        length, and drafting would slow it); False: verify every draft found."""
+        if not isinstance(adaptive, bool):
+            raise ArgumentTypeError("adaptive must be True or False")
+        self.adaptive = adaptive
         for name, v, hi in (("max_ngram_size", max_ngram_size, 64), ("num_pred_tokens", num_pred_tokens, 1024)):
             if isinstance(v, bool) or not isinstance(v, int):
                 raise ArgumentTypeError(f"{name} must be an int")

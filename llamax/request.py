@@ -539,8 +539,10 @@ class _Request:
                 else:
                     out, finish = ctx.generate(self.tokens[n_keep:], self.sampler, max_tokens=self.max_tokens,
                                                callback=on_token if want_cb else None,
-                                               chunk=chunk if llm._prefix_exact else 0, draft=draft,
-                                               history=self.tokens[:n_keep] if draft is not None else None)
+                                               chunk=chunk if llm._prefix_exact else 0,
+                                               draft=draft[0] if draft else None,
+                                               history=self.tokens[:n_keep] if draft else None,
+                                               draft_adaptive=draft[1] if draft else True)
             except BaseException:
                 slot.key = None
                 slot.tokens = np.empty(0, np.int32)

@@ -83,6 +83,7 @@ cdef extern from "llamax.h" namespace "llamax" nogil:
         llama_sampler * grammar
         int32_t draft_ngram
         int32_t draft_n
+        cbool draft_adaptive
         vector[llama_token] history
 
     cdef enum class CFinish "llamax::Finish":

@@ -297,7 +297,7 @@ def test_prompt_lookup_decoding_is_greedy_decoding(smollm2_path):
     prompt = _copy_prompt()
     with llamax.Llama(str(smollm2_path), n_ctx=1024, n_threads=1) as plain, \
             llamax.Llama(str(smollm2_path), n_ctx=1024, n_threads=1,
-                         draft_model=LlamaPromptLookupDecoding(num_pred_tokens=5)) as spec:
+                         draft_model=LlamaPromptLookupDecoding(num_pred_tokens=5, adaptive=False)) as spec:
         a = plain.create_completion(prompt, max_tokens=64, **GREEDY)
         b = spec.create_completion(prompt, max_tokens=64, **GREEDY)
         stats = spec._pool.slots[0].ctx.draft_stats
@@ -321,7 +321,7 @@ def _logits_after(m, tokens):
 def test_speculative_drafts_cut_at_stops_and_limits(smollm2_path):
     prompt = _copy_prompt()
     with llamax.Llama(str(smollm2_path), n_ctx=1024, n_threads=1,
-                      draft_model=LlamaPromptLookupDecoding(num_pred_tokens=8)) as spec:
+                      draft_model=LlamaPromptLookupDecoding(num_pred_tokens=8, adaptive=False)) as spec:
         for n in (1, 2, 7, 13):
             r = spec.create_completion(prompt, max_tokens=n, **GREEDY)
             assert r["usage"]["completion_tokens"] == n
@@ -330,6 +330,20 @@ def test_speculative_drafts_cut_at_stops_and_limits(smollm2_path):
             assert slot.ctx.seq_pos_max(0) + 1 == r["usage"]["prompt_tokens"] + n - 1
         r = spec.create_completion(prompt, max_tokens=40, stop=["def"], **GREEDY)
         assert "def" not in r["choices"][0]["text"]
+
+
+def test_adaptive_drafting_keeps_the_answer(smollm2_path):
+    """With adaptive drafting (the default) how many verify decodes run
+    depends on timing; what comes out does not (up to near-ties)."""
+    prompt = _copy_prompt()
+    with llamax.Llama(str(smollm2_path), n_ctx=1024, n_threads=1,
+                      draft_model=LlamaPromptLookupDecoding(num_pred_tokens=8)) as spec:
+        r = spec.create_completion(prompt, max_tokens=48, **GREEDY)
+        stats = spec._pool.slots[0].ctx.draft_stats
+        assert r["usage"]["completion_tokens"] == 48
+        assert stats["accepted"] <= stats["drafted"] and stats["decodes"] + stats["accepted"] == 47
+    with pytest.raises(llamax.ArgumentTypeError):
+        LlamaPromptLookupDecoding(adaptive="yes")
 
 
 def test_draft_model_errors(smollm2_path):
