@@ -133,8 +133,31 @@ def _tojson(value, indent=None, ensure_ascii=False, sort_keys=False, separators=
     return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii, sort_keys=sort_keys, separators=separators)
 
 
+_GENERATION_EXT = None
+
+
+def _generation_ext():
+    """transformers' ``{% generation %}...{% endgeneration %}`` (it marks the
+    assistant's tokens for training masks): rendered as its body."""
+    global _GENERATION_EXT
+    if _GENERATION_EXT is None:
+        from jinja2.ext import Extension
+
+        class _Generation(Extension):
+            tags = {"generation"}
+
+            def parse(self, parser):
+                next(parser.stream)
+                return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+        _GENERATION_EXT = _Generation
+    return _GENERATION_EXT
+
+
 def _make_env(budget: _Budget):
-    env = _env_class()(trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
+    # {% break %} / {% continue %} and {% generation %}, as transformers' environment has them
+    env = _env_class()(trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True,
+                       extensions=["jinja2.ext.loopcontrols", _generation_ext()])
     env.budget = budget
     env.globals.update(range=functools.partial(_bounded_range, budget), raise_exception=_raise_exception,
                        strftime_now=_strftime_now)
@@ -173,8 +196,7 @@ class ChatTemplate:
         ctx = dict(extra)
         ctx.update(messages=[dict(m) for m in messages], add_generation_prompt=add_generation_prompt,
                    bos_token=self.bos_token, eos_token=self.eos_token)
-        if tools is not None:
-            ctx["tools"] = tools
+        ctx["tools"] = tools  # None when absent (defined, as transformers renders it)
         self._budget.deadline = time.monotonic() + MAX_RENDER_SECONDS
         out: list[str] = []
         size = 0

@@ -16,9 +16,13 @@ older names for the same types.
 # annotations` TypedDict can't see NotRequired (every key would be required),
 # and pydantic on Python 3.9 can't read `X | None`.
 # ruff: noqa: FA100
-from typing import Any, Optional, Union
+import sys
+from typing import Any, Literal, Optional, Union
 
-from typing_extensions import Literal, NotRequired, TypedDict
+if sys.version_info >= (3, 11):
+    from typing import NotRequired, TypedDict
+else:  # (typing_extensions: a dependency on these Pythons only)
+    from typing_extensions import NotRequired, TypedDict
 
 __all__ = [
     "JsonType",

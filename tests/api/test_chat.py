@@ -242,3 +242,16 @@ def test_cve_payload_runs_outside_a_sandbox(tmp_path):
     """, timeout=60)
     assert r.returncode == 0, r.stderr[-2000:]
     assert pwned.exists()
+
+
+def test_template_loop_controls_and_generation_tag():
+    """{% break %}/{% continue %}, {% generation %} and `tools` defined as None:
+    what transformers' environment gives templates."""
+    t = llamax.ChatTemplate(
+        "{% for m in messages %}{% if loop.index > 2 %}{% break %}{% endif %}"
+        "{% if m['role'] == 'system' %}{% continue %}{% endif %}"
+        "{% generation %}[{{ m['content'] }}]{% endgeneration %}{% endfor %}"
+        "{% if tools is none %}(no tools){% endif %}")
+    msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "a"}, {"role": "user", "content": "b"}]
+    assert t.render(msgs) == "[a](no tools)"
+    assert t.render(msgs, tools=[{"type": "function"}]) == "[a]"
