@@ -179,7 +179,8 @@ def test_logprobs(llm):
     lp = r["choices"][0]["logprobs"]
     assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == 8
     assert "".join(lp["tokens"]) == text(r)
-    assert lp["text_offset"][0] == 0
+    # offsets count from the prompt's start, echoed or not (OpenAI's and llama-cpp-python's)
+    assert lp["text_offset"][0] == len(PROMPT)
     for i in range(1, 8):
         assert lp["text_offset"][i] == lp["text_offset"][i - 1] + len(lp["tokens"][i - 1])
     for tok, l, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]):
@@ -189,9 +190,11 @@ def test_logprobs(llm):
         assert tok in top and top[tok] == pytest.approx(max(top.values()))
         assert sum(np.exp(v) for v in top.values()) <= 1.0 + 1e-4
     assert lp["tokens"][0] == " Paris" and np.exp(lp["token_logprobs"][0]) > 0.5
-    # with echo, offsets count the prompt
+    # with echo, the prompt's tokens get entries too (the first without logprobs)
     r = llm(PROMPT, max_tokens=2, logprobs=1, echo=True, **G)
-    assert r["choices"][0]["logprobs"]["text_offset"][0] == len(PROMPT)
+    elp, n = r["choices"][0]["logprobs"], r["usage"]["prompt_tokens"]
+    assert len(elp["tokens"]) == n + 2 and elp["token_logprobs"][0] is None
+    assert elp["text_offset"][0] == 0 and elp["text_offset"][n] == len(PROMPT)
     # chat logprobs
     c = llm.create_chat_completion(STORY, max_tokens=4, logprobs=True, top_logprobs=2, **G)
     items = c["choices"][0]["logprobs"]["content"]
