@@ -9,16 +9,18 @@ import time
 import numpy as np
 
 from llamax._core import Batcher, Context
+from llamax._errors import ContextBusyError
 
 
 class _Slot:
     """One context of the pool, with what its KV holds and under which state."""
 
-    __slots__ = ("ctx", "busy", "key", "tokens", "logits_n", "exact_n", "last_used", "stale")
+    __slots__ = ("ctx", "busy", "owner", "key", "tokens", "logits_n", "exact_n", "last_used", "stale")
 
     def __init__(self, ctx: Context):
         self.ctx = ctx
         self.busy = False
+        self.owner = 0             # the thread holding it (a callback of that thread must not wait for it)
         self.key = None            # state key the KV was computed under
         self.tokens = np.empty(0, np.int32)  # tokens held in sequence 0's KV
         self.logits_n = -1         # the context saved the logits after tokens[:logits_n]
@@ -33,6 +35,16 @@ class _Slot:
         self.logits_n = -1
         self.exact_n = 0
         self.stale = False
+
+
+def _no_wait_on_self(slots, me: int) -> None:
+    """A call that would wait for a context its own thread holds -- a
+    logits processor, stopping criterion or stream consumer calling back into
+    the Llama running it -- would wait forever: refuse it."""
+    if any(s.owner == me for s in slots):
+        raise ContextBusyError("re-entrant call: this thread is running a request on the context it would wait "
+                               "for (a logits processor, stopping criterion or callback calling the same Llama); "
+                               "use another Llama, or n_contexts > 1")
 
 
 def _lcp(a: np.ndarray, b: np.ndarray) -> int:
@@ -53,6 +65,7 @@ class _Pool:
         self.cond = threading.Condition()
 
     def acquire(self, key, tokens: np.ndarray) -> _Slot:
+        me = threading.get_ident()
         with self.cond:
             while True:
                 free = [s for s in self.slots if not s.busy]
@@ -62,15 +75,20 @@ class _Pool:
                         return (same, _lcp(s.tokens, tokens) if same else 0, -s.last_used)
                     best = max(free, key=score)
                     best.busy = True
+                    best.owner = me
                     return best
+                _no_wait_on_self(self.slots, me)
                 self.cond.wait()
 
     def acquire_slot(self, slot: _Slot) -> _Slot:
         """Take this very context (the session API's), waiting while it is busy."""
+        me = threading.get_ident()
         with self.cond:
             while slot.busy:
+                _no_wait_on_self([slot], me)
                 self.cond.wait()
             slot.busy = True
+            slot.owner = me
             return slot
 
     def release(self, slot: _Slot) -> None:
@@ -78,6 +96,7 @@ class _Pool:
             if slot.stale:
                 slot.forget()
             slot.busy = False
+            slot.owner = 0
             slot.last_used = time.monotonic()
             # (all: a waiter for one particular context may be among them)
             self.cond.notify_all()

@@ -466,3 +466,33 @@ def test_embed_return_count(smollm2_path):
     with llamax.Llama(str(smollm2_path), n_ctx=128, n_threads=1, embedding=True) as m:
         vecs, n = m.embed(["Hello world", "Hi"], return_count=True)
         assert len(vecs) == 2 and n == len(m.tokenize(b"Hello world")) + len(m.tokenize(b"Hi"))
+
+
+def test_reentrant_callbacks_are_refused_not_deadlocked(smollm2_path):
+    """A logits processor or stopping criterion calling back into the Llama
+    that runs it would wait for its own context forever: a typed error."""
+    with llamax.Llama(str(smollm2_path), n_ctx=128, n_threads=1) as m:
+        def nested_completion(ids, scores):
+            m.create_completion("x", max_tokens=1)
+            return scores
+
+        def nested_eval(ids, logits):
+            m.eval([1])
+            return False
+
+        with pytest.raises(llamax.ContextBusyError, match="re-entrant"):
+            m.create_completion(FOX, max_tokens=2, logits_processor=llamax.LogitsProcessorList([nested_completion]))
+        with pytest.raises(llamax.ContextBusyError, match="re-entrant"):
+            m.create_completion(FOX, max_tokens=2, stopping_criteria=llamax.StoppingCriteriaList([nested_eval]))
+        assert m.create_completion(FOX, max_tokens=2, **GREEDY)["usage"]["completion_tokens"] == 2
+    # with a second context the nested request simply runs there
+    with llamax.Llama(str(smollm2_path), n_ctx=128, n_threads=1, n_contexts=2) as m:
+        seen = []
+
+        def nested(ids, scores):
+            if not seen:
+                seen.append(m.create_completion("Hi", max_tokens=1, **GREEDY)["usage"]["completion_tokens"])
+            return scores
+
+        r = m.create_completion(FOX, max_tokens=2, logits_processor=llamax.LogitsProcessorList([nested]), **GREEDY)
+        assert seen == [1] and r["usage"]["completion_tokens"] == 2
