@@ -557,9 +557,4 @@ class _SessionMixin:
 
     @staticmethod
     def longest_token_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-        n = 0
-        for x, y in zip(a, b):
-            if x != y:
-                break
-            n += 1
-        return n
+        return _lcp(np.asarray(a, np.int64), np.asarray(b, np.int64))

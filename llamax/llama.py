@@ -28,6 +28,7 @@ from llamax._session import _SessionMixin, check_processors
 from llamax.pool import _BatchPool, _BatchSlot, _Pool, _Slot
 from llamax.request import (
     RequestParams, _adeliver, _Chunks, _deliver, _Request, chat_logprobs, completion_logprobs, grammar_text,
+    row_logprobs,
 )
 
 __all__ = ["Llama"]
@@ -762,16 +763,8 @@ class Llama(_SessionMixin):
                 rows = ctx.get_logits()
                 for j in range(len(part)):
                     tok = int(tokens[i + j + 1])
-                    row = rows[j]
-                    m = float(row.max())
-                    lse = m + float(np.log(np.exp(row - m).sum()))
-                    top = []
-                    if n_top:
-                        idx = np.argpartition(row, -n_top)[-n_top:]
-                        idx = idx[np.argsort(row[idx])[::-1]]
-                        top = [(int(k), float(row[k]) - lse) for k in idx]
-                    out.append((tok, float(row[tok]) - lse, top))
-                del rows, row
+                    out.append((tok, *row_logprobs(rows[j], tok, n_top)))
+                del rows
             ctx.kv_clear()
         return out
 

@@ -31,6 +31,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from llamax._errors import ArgumentTypeError, InvalidArgumentError
+from llamax.pool import _lcp as pool_lcp
 
 __all__ = ["BaseLlamaCache", "LlamaRAMCache", "LlamaCache", "LlamaDiskCache", "LlamaState"]
 
@@ -38,11 +39,7 @@ BASE_STATE = ""  # state_key of the pure base model (no adapters, no control vec
 
 
 def _lcp(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    a = np.asarray(a[:n], dtype=np.int64)
-    b = np.asarray(b[:n], dtype=np.int64)
-    neq = np.flatnonzero(a != b)
-    return int(neq[0]) if len(neq) else n
+    return pool_lcp(np.asarray(a, np.int64), np.asarray(b, np.int64))
 
 
 class LlamaState:

@@ -615,16 +615,22 @@ class _Request:
 
 def _logprobs(ctx: Context, tok: int, n_top: int):
     row = ctx.get_logits()[-1]
+    try:
+        return row_logprobs(row, tok, n_top)
+    finally:
+        del row
+
+
+def row_logprobs(row: np.ndarray, tok: int, n_top: int):
+    """``(logprob of tok, [(token, logprob), ...] of the n_top likeliest)`` from one logits row."""
     m = float(row.max())
     lse = m + float(np.log(np.exp(row - m).sum()))
-    lp = float(row[tok]) - lse
     top = []
     if n_top:
         idx = np.argpartition(row, -n_top)[-n_top:]
         idx = idx[np.argsort(row[idx])[::-1]]
         top = [(int(i), float(row[i]) - lse) for i in idx]
-    del row
-    return lp, top
+    return float(row[tok]) - lse, top
 
 
 class _TextAssembler:
