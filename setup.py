@@ -49,6 +49,7 @@ class LlamaxBuildExt(build_ext):
             ext.extra_objects = info["libraries"] + ext.extra_objects
             ext.extra_link_args = ext.extra_link_args + info["extra_link_args"]
             ext.extra_compile_args = ext.extra_compile_args + info["extra_compile_args"]
+            ext.runtime_library_dirs = list(ext.runtime_library_dirs or []) + info["runtime_library_dirs"]
         super().run()
 
 
@@ -78,7 +79,22 @@ def extensions():
     )
 
 
+def install_requires():
+    reqs = ["numpy>=1.23", "jinja2>=3.1", "gguf>=0.10", "scipy-openblas32>=0.3.27",
+            "typing_extensions>=4.6; python_version < '3.11'"]
+    if llama_build.backend() == "cuda" and not os.environ.get("LLAMAX_CUBLAS_DIR"):
+        # cuBLAS from NVIDIA's wheel at run time, as it was at build time
+        # (third_party/_llamax_backend.py); a toolkit with its own cuBLAS
+        # (a system CUDA install) is the user's to keep on the library path
+        nvcc = llama_build._nvcc()
+        req = llama_build.cublas_requirement()
+        if req and not (nvcc and llama_build._toolkit_has_cublas(nvcc)):
+            reqs.append(req)
+    return reqs
+
+
 setup(
+    install_requires=install_requires(),
     ext_modules=extensions(),
     cmdclass={"build_ext": LlamaxBuildExt},
 )

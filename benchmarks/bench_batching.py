@@ -59,10 +59,10 @@ def find_batched_bench() -> Path:
     return exe
 
 
-def batched_bench(exe: Path, model: Path, threads: int, n: int) -> dict:
+def batched_bench(exe: Path, model: Path, threads: int, n: int, extra: tuple[str, ...] = ()) -> dict:
     cmd = [str(exe), "-m", str(model), "-t", str(threads), "-tb", str(threads), "-c", str(n * (NPP + NTG)),
            "-b", str(N_BATCH), "-ub", str(N_BATCH), "-npp", str(NPP), "-ntg", str(NTG), "-npl", str(n),
-           "--output-format", "jsonl"]
+           "--output-format", "jsonl", *extra]
     p = subprocess.run(cmd, capture_output=True, text=True)
     if p.returncode != 0:
         raise RuntimeError(f"llama-batched-bench failed ({p.returncode}):\n{p.stderr[-2000:]}")

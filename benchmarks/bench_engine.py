@@ -161,7 +161,7 @@ def find_llama_bench(explicit: str | None) -> Path:
     return Path(info["build"]) / "bin" / "llama-bench"
 
 
-def run_llama_bench(exe: Path, model: Path, threads: int) -> dict:
+def run_llama_bench(exe: Path, model: Path, threads: int, extra: tuple[str, ...] = ()) -> dict:
     """One llama-bench invocation: pp512 and tg128, one repetition each.
 
     -r 1 so every invocation is one measured sample and the runs can be
@@ -169,7 +169,7 @@ def run_llama_bench(exe: Path, model: Path, threads: int) -> dict:
     before each test.  -b/-ub 512 match llamax's contexts.
     """
     cmd = [str(exe), "-m", str(model), "-t", str(threads), "-r", "1", "-o", "json",
-           "-p", str(N_PROMPT), "-n", str(N_GEN), "-b", str(N_BATCH), "-ub", str(N_BATCH)]
+           "-p", str(N_PROMPT), "-n", str(N_GEN), "-b", str(N_BATCH), "-ub", str(N_BATCH), *extra]
     p = subprocess.run(cmd, capture_output=True, text=True)
     if p.returncode != 0:
         raise RuntimeError(f"llama-bench failed ({p.returncode}):\n{p.stderr[-2000:]}")
@@ -237,10 +237,11 @@ class LlamaxRunner:
         self.pp.close()
 
 
-def throughput(exe: Path, model_path: Path, runner: LlamaxRunner, threads: int, runs: int) -> dict:
+def throughput(exe: Path, model_path: Path, runner: LlamaxRunner, threads: int, runs: int,
+               extra: tuple[str, ...] = ()) -> dict:
     pairs, warmup = [], None
     for i in range(runs + 1):  # pair 0 is the warm-up, not reported
-        b = run_llama_bench(exe, model_path, threads)
+        b = run_llama_bench(exe, model_path, threads, extra)
         tg_s, n_tok = runner.tg_run()
         pp_s = runner.pp_run()
         if n_tok != N_GEN:

@@ -42,12 +42,17 @@ void log_callback(ggml_log_level level, const char * text, void *) {
     int lvl = level == GGML_LOG_LEVEL_CONT ? t_prev_level : (int) level;
     t_prev_level = lvl;
     if (lvl == GGML_LOG_LEVEL_ERROR) {
-        // Loaders log why they failed, then return NULL: keep the reason for
-        // the exception message.
-        if (level != GGML_LOG_LEVEL_CONT) {
-            t_last_error.clear();
+        // Loaders log why they failed, then return NULL: keep the reasons for
+        // the exception message.  Every error record since the last take is
+        // kept (bounded): the cause comes first and a generic "failed to
+        // load model" last, and the error's kind is read off the cause.
+        if (level != GGML_LOG_LEVEL_CONT && !t_last_error.empty() && t_last_error.back() != '\n') {
+            t_last_error += '\n';
         }
         t_last_error += text;
+        if (t_last_error.size() > 8192) {
+            t_last_error.erase(0, t_last_error.size() - 4096);
+        }
     }
     log_sink_fn sink = g_sink.load(std::memory_order_acquire);
     if (sink == nullptr || lvl < g_min_level.load(std::memory_order_relaxed)) {
@@ -91,6 +96,13 @@ ErrorKind classify_log(const std::string & why, ErrorKind fallback) {
 std::string take_last_log_error() {
     std::string s;
     s.swap(t_last_error);
+    // one line: records joined with "; " (trailing newlines dropped)
+    while (!s.empty() && (s.back() == '\n' || s.back() == ' ')) {
+        s.pop_back();
+    }
+    for (size_t i = 0; (i = s.find('\n', i)) != std::string::npos;) {
+        s.replace(i, 1, "; ");
+    }
     return s;
 }
 

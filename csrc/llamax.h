@@ -98,6 +98,7 @@ inline constexpr LogPhrase kLogPhrases[] = {
     {"not transposed", ErrorKind::AdapterMismatch},
     {"unexpected suffix", ErrorKind::AdapterMismatch},
     {"failed to allocate", ErrorKind::OutOfMemory},
+    {"unable to allocate", ErrorKind::OutOfMemory},  // a model's weights (CPU or GPU buffer)
 };
 // The kind of the first phrase `why` contains, else `fallback`.
 ErrorKind classify_log(const std::string & why, ErrorKind fallback);

@@ -8,9 +8,20 @@ adapters, control vectors and samplers; errors live in one hierarchy under
 from llamax._errors import *  # noqa: F401,F403
 from llamax import _errors
 try:
+    try:
+        from llamax import _core as _core_module  # noqa: F401
+    except ImportError as _e:
+        # A CUDA build whose RPATH doesn't reach the nvidia-cublas wheel:
+        # load the wheel's libraries by path, then import again (_cuda.py).
+        if "libcublas" not in str(_e):
+            raise
+        from llamax import _cuda
+        if not _cuda.preload():
+            raise ImportError(_cuda.missing_message(_e), name="llamax._core") from None
+        from llamax import _core as _core_module  # noqa: F401
     from llamax._core import (  # noqa: F401
         Batcher, BatchSequence, Context, ControlVector, LoraAdapter, Model, Sampler, State, set_log_level, supports_gpu_offload,
-        system_info,
+        gpu_devices, system_info,
     )
 except ModuleNotFoundError as _e:
     if _e.name != "llamax._core":
@@ -45,7 +56,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Model", "Context", "LoraAdapter", "ControlVector", "State", "Sampler", "Batcher", "BatchSequence",
-    "set_log_level", "system_info", "sgemm_info", "supports_gpu_offload", "Llama", "CancelToken", "ChatTemplate", "ChatTemplateError",
+    "set_log_level", "system_info", "sgemm_info", "supports_gpu_offload", "gpu_devices", "Llama", "CancelToken", "ChatTemplate", "ChatTemplateError",
     "Embedder", "cos_sim", "FetchError",
 ]
 __all__ += [

@@ -14,6 +14,7 @@ cdef class Model:
     cdef int32_t _unk              # [UNK] id (WPM fix-up), -1 if none
     cdef readonly str path
     cdef readonly bint vocab_only
+    cdef readonly int n_gpu_layers  # as asked (-1: all); supports_gpu_offload() says whether any GPU runs them
     cdef object _children      # weakref.WeakSet of Context / LoraAdapter / Sampler
     cdef int32_t _max_positions    # learned position embeddings: rows (n_ctx_train), else 0
     cdef int _busy             # calls running without the GIL (tokenize, ...): close() refuses

@@ -36,7 +36,7 @@ from llamax.includes.shim cimport *
 
 from llamax._errors import (
     AdapterInUseError, ArgumentTypeError, ClosedError, ContextBusyError, ContextOverflowError, ControlVectorError,
-    GrammarError, InvalidArgumentError, InvalidGGUFError, InvalidUtf8Error, LlamaxError, LoadError, TokenError,
+    GrammarError, InvalidArgumentError, InvalidGGUFError, InvalidUtf8Error, LlamaxError, LoadError, OutOfMemoryError, TokenError,
     ViewsExportedError,
 )
 
@@ -169,7 +169,30 @@ def system_info():
 
 
 def supports_gpu_offload():
+    """Whether this build has a GPU backend *and* it found a GPU: a CUDA build
+    on a machine without an NVIDIA GPU or driver says False (and runs on the
+    CPU)."""
     return bool(llama_supports_gpu_offload())
+
+
+def gpu_devices():
+    """The GPUs llama.cpp's backends found: ``[{"name", "description",
+    "memory_free", "memory_total"}, ...]`` (bytes), empty on a CPU build or a
+    machine without one."""
+    cdef size_t i, free_b, total_b
+    cdef ggml_backend_dev_t dev
+    out = []
+    for i in range(ggml_backend_dev_count()):
+        dev = ggml_backend_dev_get(i)
+        if ggml_backend_dev_type(dev) not in (GGML_BACKEND_DEVICE_TYPE_GPU, GGML_BACKEND_DEVICE_TYPE_IGPU):
+            continue
+        free_b = total_b = 0
+        with nogil:
+            ggml_backend_dev_memory(dev, &free_b, &total_b)
+        out.append({"name": ggml_backend_dev_name(dev).decode("utf-8", "replace"),
+                    "description": ggml_backend_dev_description(dev).decode("utf-8", "replace"),
+                    "memory_free": free_b, "memory_total": total_b})
+    return out
 
 
 # ---------------------------------------------------------------------------

@@ -32,11 +32,31 @@ cdef class _ModelUse:
         self.model._busy -= 1
 
 
+def _default_gpu_layers(n_gpu_layers):
+    """``n_gpu_layers`` checked, None taken from LLAMAX_N_GPU_LAYERS (else 0)."""
+    if n_gpu_layers is None:
+        env = os.environ.get("LLAMAX_N_GPU_LAYERS", "").strip()
+        if not env:
+            return 0
+        try:
+            n_gpu_layers = int(env)
+        except ValueError:
+            raise InvalidArgumentError(f"LLAMAX_N_GPU_LAYERS={env!r}: expected an integer (-1: all layers)") from None
+    _check_int(n_gpu_layers, "n_gpu_layers", -1, 1 << 30)
+    return n_gpu_layers
+
+
 cdef class Model:
     """A GGUF model loaded once; contexts, adapters and samplers hang off it.
 
-    ``Model(path, n_gpu_layers=0, use_mmap=True, vocab_only=False)``.  The
-    GIL is released while the file loads.
+    ``Model(path, n_gpu_layers=None, use_mmap=True, vocab_only=False)``.
+    The GIL is released while the file loads.
+
+    ``n_gpu_layers``: how many of the model's layers llama.cpp puts on the
+    GPU (-1: all of them, and the output layer); None takes the environment
+    variable ``LLAMAX_N_GPU_LAYERS``, else 0.  A build without a GPU backend,
+    or a machine without a GPU, runs every layer on the CPU whatever the
+    number (``supports_gpu_offload()`` tells which).
     """
 
     def __cinit__(self):
@@ -44,9 +64,10 @@ cdef class Model:
         self._vocab = NULL
         self._children = weakref.WeakSet()
 
-    def __init__(self, path, *, n_gpu_layers=0, use_mmap=True, vocab_only=False):
+    def __init__(self, path, *, n_gpu_layers=None, use_mmap=True, vocab_only=False):
         self.path = _fspath(path)
-        _check_int(n_gpu_layers, "n_gpu_layers", -1, 1 << 30)
+        n_gpu_layers = _default_gpu_layers(n_gpu_layers)
+        self.n_gpu_layers = n_gpu_layers
         cdef llama_model_params params = llama_model_default_params()
         params.n_gpu_layers = n_gpu_layers
         params.load_mode = LLAMA_LOAD_MODE_MMAP if use_mmap else LLAMA_LOAD_MODE_NONE
@@ -67,6 +88,11 @@ cdef class Model:
             why = take_last_log_error()
         if m == NULL:
             reason = why.decode("utf-8", "replace").strip()
+            kind = error_class_name(<int> classify_log(why, CErrorKind.InvalidGGUF)).decode()
+            if kind == "OutOfMemoryError":
+                raise OutOfMemoryError(f"{self.path}: cannot load model: out of memory for its weights"
+                                       + (f" with n_gpu_layers={n_gpu_layers} (offload fewer layers)"
+                                          if n_gpu_layers else "") + f" ({reason})")
             raise InvalidGGUFError(f"{self.path}: cannot load model"
                                    + (f" ({reason})" if reason else " (corrupt or unsupported GGUF)"))
         self._model = m

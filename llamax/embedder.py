@@ -43,7 +43,8 @@ class Embedder:
     """An embedding model: ``encode`` many sentences into one float32 array.
 
     ``Embedder(model_path, *, max_seq_length=None, n_threads=None,
-    pooling=None, n_ctx=None, verbose=False)``.  ``max_seq_length`` caps the
+    pooling=None, n_ctx=None, n_gpu_layers=None, verbose=False)``
+    (``n_gpu_layers`` as for :class:`llamax.Model`).  ``max_seq_length`` caps the
     tokens per input (default: the model's training context, at most
     ``n_ctx``); sentence-transformers' all-MiniLM-L6-v2 uses 256.  Longer
     inputs are truncated like Hugging Face tokenizers do (head plus the
@@ -51,7 +52,8 @@ class Embedder:
     """
 
     def __init__(self, model_path, *, max_seq_length: int | None = None, n_threads: int | None = None,
-                 pooling: str | None = None, n_ctx: int | None = None, verbose: bool = False):
+                 pooling: str | None = None, n_ctx: int | None = None, n_gpu_layers: int | None = None,
+                 verbose: bool = False):
         from llamax._core import Model
         path = os.fspath(model_path)
         if n_ctx is None:
@@ -59,7 +61,7 @@ class Embedder:
             with Model(path, vocab_only=True) as probe:
                 n_ctx = max(min(probe.n_ctx_train or 512, 8192), 512)
         self._llm = Llama(path, embedding=True, n_contexts=0, n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx,
-                          n_threads=n_threads, pooling=pooling, verbose=verbose)
+                          n_threads=n_threads, pooling=pooling, n_gpu_layers=n_gpu_layers, verbose=verbose)
         train = self._llm._model.n_ctx_train or n_ctx
         if max_seq_length is None:
             max_seq_length = min(train, n_ctx)

@@ -149,7 +149,8 @@ class Llama(_SessionMixin):
     """One base model serving many requests, each with its own adapters and control vector.
 
     Constructor keywords follow llama-cpp-python's ``Llama``; unknown ones
-    raise ``TypeError``.  Added: ``n_contexts`` (a pool of contexts, so
+    raise ``TypeError``.  ``n_gpu_layers`` (-1: all) is as for
+    :class:`llamax.Model`: None takes ``LLAMAX_N_GPU_LAYERS``, else 0.  Added: ``n_contexts`` (a pool of contexts, so
     tenants with different adapters run side by side; 0 with
     ``embedding=True`` for an embedding-only instance) and
     ``max_loaded_adapters`` (adapters registered with :meth:`register_lora`
@@ -173,7 +174,7 @@ class Llama(_SessionMixin):
     prompt tokens were reused.
     """
 
-    def __init__(self, model_path: str, *, n_gpu_layers: int = 0, use_mmap: bool = True,
+    def __init__(self, model_path: str, *, n_gpu_layers: int | None = None, use_mmap: bool = True,
                  vocab_only: bool = False, seed: int = _DEFAULT_SEED, n_ctx: int = 512,
                  n_batch: int = 512, n_ubatch: int = 512, n_threads: int | None = None,
                  n_threads_batch: int | None = None, embedding: bool = False, pooling: str | None = None,

@@ -21,6 +21,12 @@ llama.cpp.
 
 Environment:
   LLAMAX_BACKEND   cpu | cuda | metal (Metal by default on Apple silicon)
+  LLAMAX_CUDA_ARCHS  CUDA architectures, e.g. "90-real" or "80-real;90-real"
+                   (default: DEFAULT_CUDA_ARCHS below); CMAKE_CUDA_ARCHITECTURES
+                   in the environment is honoured too
+  LLAMAX_CUBLAS_DIR  a folder with include/cublas_v2.h and lib/libcublas.so*
+                   (default: the CUDA toolkit's own, else the nvidia-cublas wheel
+                   installed in the build environment, see cuda_args)
   LLAMAX_CPU       host (default: the x86 SIMD sets /proc/cpuinfo lists,
                    AMX always off) | baseline (AVX2+FMA+F16C, for wheels)
                    | native (-march=native: dies with SIGILL on VMs that
@@ -35,6 +41,7 @@ import hashlib
 import importlib.util
 import os
 import platform
+import re
 import shlex
 import shutil
 import subprocess
@@ -201,6 +208,129 @@ def sanitize_flags() -> list[str]:
     return [f"-fsanitize={','.join(parts)}", "-fno-omit-frame-pointer", "-g"]
 
 
+# CUDA: the archs a CUDA build compiles for unless told otherwise.  Real code
+# for Ampere (A100, RTX 30), Ada (L4, RTX 40) and Hopper (H100/H200), plus
+# PTX for sm_80 so that newer GPUs (Blackwell) JIT-compile at first use.
+# Every arch costs a full ggml-cuda compile (~35 min on 2 cores for one):
+# set LLAMAX_CUDA_ARCHS=90-real (say) for a build for one GPU.
+DEFAULT_CUDA_ARCHS = "80-real;86-real;89-real;90-real;80-virtual"
+
+CUBLAS_HEADERS = ("cublas.h", "cublas_api.h", "cublas_v2.h", "cublasLt.h", "cublasXt.h")
+
+
+def _nvcc() -> Path | None:
+    """The CUDA compiler, in its toolkit's bin/ (a wrapper script elsewhere on
+    PATH would hide where the toolkit's libraries are)."""
+    cands = [os.environ.get("CUDACXX")]
+    cands += [str(Path(os.environ[v]) / "bin" / "nvcc") for v in ("CUDA_HOME", "CUDA_PATH") if os.environ.get(v)]
+    cands += ["/usr/local/cuda/bin/nvcc", shutil.which("nvcc")]
+    for c in cands:
+        if c and Path(c).is_file():
+            return Path(c).resolve()
+    return None
+
+
+def cuda_major() -> int | None:
+    """The CUDA toolkit's major version, from ``nvcc --version``."""
+    nvcc = _nvcc()
+    if nvcc is None:
+        return None
+    try:
+        out = subprocess.run([str(nvcc), "--version"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    m = re.search(r"release (\d+)\.", out)
+    return int(m.group(1)) if m else None
+
+
+def cublas_requirement() -> str | None:
+    """The pip requirement that provides cuBLAS for this toolkit (and is the
+    CUDA build's run-time dependency): ``nvidia-cublas`` for CUDA 13,
+    ``nvidia-cublas-cu12`` for 12."""
+    major = cuda_major()
+    if major is None:
+        return None
+    if major >= 13:
+        return f"nvidia-cublas>={major},<{major + 1}"
+    return f"nvidia-cublas-cu{major}"
+
+
+def _toolkit_has_cublas(nvcc: Path) -> bool:
+    root = nvcc.parent.parent
+    return any(root.glob("lib*/libcublas.so*")) or any(root.glob("targets/*/lib/libcublas.so*"))
+
+
+def cublas_dir() -> Path | None:
+    """Where cuBLAS comes from when the CUDA toolkit has none (as with a
+    toolkit installed from the nvidia-* wheels): LLAMAX_CUBLAS_DIR, else the
+    nvidia-cublas wheel importable here (nvidia/cu13 or nvidia/cublas)."""
+    env = os.environ.get("LLAMAX_CUBLAS_DIR")
+    if env:
+        d = Path(env).expanduser().resolve()
+        if not (d / "include" / "cublas_v2.h").is_file():
+            raise RuntimeError(f"LLAMAX_CUBLAS_DIR={env} has no include/cublas_v2.h")
+        return d
+    nvcc = _nvcc()
+    if nvcc is not None and _toolkit_has_cublas(nvcc):
+        return None
+    spec = importlib.util.find_spec("nvidia")
+    for base in (spec.submodule_search_locations or []) if spec else []:
+        for sub in ("cu13", "cu12", "cublas"):
+            d = Path(base) / sub
+            if (d / "include" / "cublas_v2.h").is_file() and any((d / "lib").glob("libcublas.so*")):
+                return d
+    raise RuntimeError(
+        "LLAMAX_BACKEND=cuda: cuBLAS was not found, neither in the CUDA toolkit of "
+        f"{nvcc or 'nvcc (not on PATH)'} nor as the nvidia-cublas wheel in this Python.  "
+        f"pip install '{cublas_requirement() or 'nvidia-cublas'}' (a build with build isolation "
+        "gets it by itself), or set LLAMAX_CUBLAS_DIR")
+
+
+def _cublas_lib(d: Path, name: str) -> Path:
+    libs = sorted((d / "lib").glob(f"lib{name}.so*"), key=lambda p: len(p.name))
+    if not libs:
+        raise RuntimeError(f"{d}/lib has no lib{name}.so*")
+    return libs[0]
+
+
+def _cublas_include(d: Path) -> Path:
+    """A folder holding only cuBLAS's headers from ``d``: the wheels share one
+    include folder (nvidia/cu13/include) with other CUDA components, whose
+    headers must not shadow the toolkit's own."""
+    h = hashlib.sha256(str(d).encode()).hexdigest()[:12]
+    inc = cache_dir() / "cublas-include" / h
+    inc.mkdir(parents=True, exist_ok=True)
+    for name in CUBLAS_HEADERS:
+        src, dst = d / "include" / name, inc / name
+        if src.is_file() and not dst.exists():
+            dst.symlink_to(src)
+    return inc
+
+
+def cuda_args() -> list[str]:
+    archs = (os.environ.get("LLAMAX_CUDA_ARCHS") or os.environ.get("CMAKE_CUDA_ARCHITECTURES")
+             or DEFAULT_CUDA_ARCHS).replace(",", ";").replace(" ", "")
+    args = [
+        "-DGGML_CUDA=ON",
+        # no direct use of the driver API (libcuda): the extension then loads
+        # on machines without an NVIDIA driver and runs on the CPU there
+        # (llama.cpp's CUDA backend reports no device).  The cost is ggml's
+        # plain memory pool instead of its virtual-memory one.
+        "-DGGML_CUDA_NO_VMM=ON",
+        "-DGGML_CUDA_NCCL=OFF",
+        f"-DCMAKE_CUDA_ARCHITECTURES={archs}",
+    ]
+    nvcc = _nvcc()
+    if nvcc is not None:
+        args.append(f"-DCMAKE_CUDA_COMPILER={nvcc}")
+    d = cublas_dir()
+    if d is not None:
+        args += [f"-DCUDA_cublas_LIBRARY={_cublas_lib(d, 'cublas')}",
+                 f"-DCUDA_cublasLt_LIBRARY={_cublas_lib(d, 'cublasLt')}",
+                 f"-DCMAKE_CUDA_FLAGS=-isystem {_cublas_include(d)}"]
+    return args
+
+
 def cmake_args() -> list[str]:
     b = backend()
     args = [
@@ -232,7 +362,7 @@ def cmake_args() -> list[str]:
         if sys.platform == "darwin":
             args += ["-DGGML_METAL=OFF"]
     elif b == "cuda":
-        args += ["-DGGML_CUDA=ON"] + cpu_args()
+        args += cuda_args() + cpu_args()
     elif b == "metal":
         args += ["-DGGML_METAL=ON", "-DGGML_METAL_EMBED_LIBRARY=ON"]
     extra = os.environ.get("CMAKE_ARGS", "")
@@ -344,8 +474,12 @@ def link_info(src: Path, bdir: Path) -> dict:
     extra_link = []
     if openmp and sys.platform != "darwin":
         extra_link.append("-fopenmp")
+    rpath = []
     if b == "cuda":
-        extra_link += ["-lcudart", "-lcublas", "-lcublasLt", "-lcuda"]
+        extra_link += cuda_link_args()
+        # the nvidia-cublas wheel's folder, next to llamax/ in site-packages
+        # (CUDA 13 wheels: nvidia/cu13/lib; CUDA 12: nvidia/cublas/lib)
+        rpath = ["$ORIGIN/../nvidia/cu13/lib", "$ORIGIN/../nvidia/cublas/lib"]
     if b == "metal" or sys.platform == "darwin":
         extra_link += ["-framework", "Foundation", "-framework", "Metal",
                        "-framework", "MetalKit", "-framework", "Accelerate"]
@@ -356,7 +490,30 @@ def link_info(src: Path, bdir: Path) -> dict:
         "libraries": libs,
         "extra_link_args": extra_link + sanitize_flags(),
         "extra_compile_args": sanitize_flags(),
+        "runtime_library_dirs": rpath,
     }
+
+
+def cuda_link_args() -> list[str]:
+    """Link flags for ggml-cuda: the CUDA runtime statically (no libcudart to
+    find at run time), cuBLAS dynamically from the toolkit or the wheel, and
+    no libcuda (GGML_CUDA_NO_VMM: the runtime opens the driver itself)."""
+    nvcc = _nvcc()
+    if nvcc is None:
+        raise RuntimeError("LLAMAX_BACKEND=cuda: nvcc not found (set CUDACXX or CUDA_HOME)")
+    root = nvcc.parent.parent
+    libdirs = [d for d in [root / "lib64", root / "lib", *sorted(root.glob("targets/*/lib"))]
+               if (d / "libcudart_static.a").is_file()]
+    if not libdirs:
+        raise RuntimeError(f"the CUDA toolkit at {root} has no libcudart_static.a")
+    args = [f"-L{libdirs[0]}", "-lcudart_static", "-ldl", "-lrt", "-lpthread"]
+    d = cublas_dir()
+    if d is None:
+        args += ["-lcublas", "-lcublasLt"]
+    else:
+        # by path: the wheel ships libcublas.so.13 without the bare .so link
+        args += [str(_cublas_lib(d, "cublas")), str(_cublas_lib(d, "cublasLt"))]
+    return args
 
 
 if __name__ == "__main__":

@@ -16,6 +16,21 @@ cdef extern from "ggml.h" nogil:
         GGML_LOG_LEVEL_CONT
 
 
+cdef extern from "ggml-backend.h" nogil:
+    ctypedef void * ggml_backend_dev_t
+    cdef enum ggml_backend_dev_kind "ggml_backend_dev_type":
+        GGML_BACKEND_DEVICE_TYPE_CPU
+        GGML_BACKEND_DEVICE_TYPE_GPU
+        GGML_BACKEND_DEVICE_TYPE_IGPU
+        GGML_BACKEND_DEVICE_TYPE_ACCEL
+    size_t ggml_backend_dev_count()
+    ggml_backend_dev_t ggml_backend_dev_get(size_t index)
+    const char * ggml_backend_dev_name(ggml_backend_dev_t device)
+    const char * ggml_backend_dev_description(ggml_backend_dev_t device)
+    void ggml_backend_dev_memory(ggml_backend_dev_t device, size_t * free, size_t * total)
+    int ggml_backend_dev_type(ggml_backend_dev_t device)
+
+
 cdef extern from "llama.h" nogil:
     cdef struct llama_vocab
     cdef struct llama_model

@@ -31,7 +31,8 @@ cdef extern from "llamax.h" namespace "llamax" nogil:
 
     string take_last_log_error()
     cdef enum class CErrorKind "llamax::ErrorKind":
-        pass
+        InvalidGGUF "llamax::ErrorKind::InvalidGGUF"
+    CErrorKind classify_log(const string & why, CErrorKind fallback)
     cdef cppclass CLogPhrase "llamax::LogPhrase":
         const char * text
         CErrorKind kind

@@ -50,6 +50,7 @@ class ServerConfig:
     n_ctx: int = 4096
     n_batch: int = 512
     threads: int | None = None
+    n_gpu_layers: int | None = None  # None: LLAMAX_N_GPU_LAYERS, else 0
     loras: list[tuple[str, str]] = dataclasses.field(default_factory=list)
     lora_dir: str | None = None
     max_loaded_adapters: int | None = None
@@ -132,7 +133,7 @@ class Engine:
         cfg = self.cfg
         try:
             llm = llamax.Llama(cfg.model, n_ctx=cfg.n_ctx, n_batch=max(cfg.n_batch, cfg.parallel),
-                               n_threads=cfg.threads, n_contexts=cfg.n_contexts, n_parallel=cfg.parallel,
+                               n_threads=cfg.threads, n_gpu_layers=cfg.n_gpu_layers, n_contexts=cfg.n_contexts, n_parallel=cfg.parallel,
                                max_loaded_adapters=cfg.max_loaded_adapters, chat_format=cfg.chat_format,
                                prefix_cache=cfg.prefix_cache != "off", prefix_cache_exact=cfg.prefix_cache == "exact",
                                chat_template=cfg.chat_template, verbose=cfg.verbose)

@@ -34,6 +34,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--n-ctx", "-c", type=int, default=4096, help="context tokens per request (default 4096)")
     p.add_argument("--n-batch", type=int, default=512, help="tokens per decode (default 512)")
     p.add_argument("--threads", "-t", type=int, default=None, help="CPU threads (default: llama.cpp's choice)")
+    p.add_argument("--n-gpu-layers", "-ngl", type=int, default=None,
+                   help="layers on the GPU, -1 for all (default: LLAMAX_N_GPU_LAYERS, else 0; a build or "
+                        "machine without a GPU runs them on the CPU)")
     p.add_argument("--lora", action="append", type=_named, default=[], metavar="[NAME=]PATH",
                    help="an adapter, loaded at start (repeatable; a bare PATH is named by its stem)")
     p.add_argument("--lora-dir", help="the only folder runtime loads may read adapters from")
@@ -128,7 +131,7 @@ def server_config(args):
             template = f.read()
     return ServerConfig(model=args.model, host=args.host, port=args.port, alias=args.alias,
                         n_contexts=args.n_contexts, parallel=args.parallel, n_ctx=args.n_ctx,
-                        n_batch=args.n_batch, threads=args.threads, loras=args.lora, lora_dir=args.lora_dir,
+                        n_batch=args.n_batch, threads=args.threads, n_gpu_layers=args.n_gpu_layers, loras=args.lora, lora_dir=args.lora_dir,
                         max_loaded_adapters=args.max_loaded_adapters, control_vectors=args.control_vector,
                         prefix_cache=args.prefix_cache,
                         api_keys=keys, admin_api_keys=admin, allow_runtime_lora=args.allow_runtime_lora,

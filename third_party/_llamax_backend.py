@@ -1,0 +1,39 @@
+"""The PEP 517 build backend: setuptools', plus the build requirements that
+depend on LLAMAX_BACKEND (pyproject.toml's ``backend-path`` points here).
+
+A CUDA build (``LLAMAX_BACKEND=cuda``) compiles against cuBLAS.  When the
+CUDA toolkit has none (a toolkit installed from NVIDIA's pip wheels, as on
+these machines and in the CUDA wheel build), cuBLAS comes from the
+``nvidia-cublas`` wheel matching nvcc's major version, which is then also the
+built wheel's run-time dependency (setup.py).  Every other build needs
+nothing beyond ``[build-system] requires``.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from setuptools import build_meta as _orig
+from setuptools.build_meta import *  # noqa: F401,F403  (the hooks this module doesn't change)
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import build_llama_cpp as _build  # noqa: E402
+
+
+def _extra() -> list[str]:
+    if _build.backend() != "cuda" or os.environ.get("LLAMAX_CUBLAS_DIR"):
+        return []
+    nvcc = _build._nvcc()
+    if nvcc is not None and _build._toolkit_has_cublas(nvcc):
+        return []
+    req = _build.cublas_requirement()
+    return [req] if req else []
+
+
+def get_requires_for_build_wheel(config_settings=None):
+    return _orig.get_requires_for_build_wheel(config_settings) + _extra()
+
+
+def get_requires_for_build_editable(config_settings=None):
+    return _orig.get_requires_for_build_editable(config_settings) + _extra()
