@@ -13,7 +13,7 @@ try:
     except ImportError as _e:
         # A CUDA build whose RPATH doesn't reach the nvidia-cublas wheel:
         # load the wheel's libraries by path, then import again (_cuda.py).
-        if "libcublas" not in str(_e):
+        if "libcublas" not in str(_e) and "libcudart" not in str(_e):
             raise
         from llamax import _cuda
         if not _cuda.preload():

@@ -18,7 +18,7 @@ import ctypes
 import importlib.util
 from pathlib import Path
 
-_LIBS = ("cublasLt", "cublas")  # dependency first
+_LIBS = ("cudart", "cublasLt", "cublas")  # dependencies first; cudart only where the build linked it shared
 
 
 def _wheel_lib_dirs() -> list[Path]:
@@ -39,6 +39,8 @@ def preload() -> bool:
             for name in _LIBS:
                 libs = sorted(d.glob(f"lib{name}.so.*"), key=lambda p: len(p.name))
                 if not libs:
+                    if name == "cudart":
+                        continue
                     break
                 ctypes.CDLL(str(libs[0]), mode=ctypes.RTLD_GLOBAL)
             else:

@@ -502,12 +502,18 @@ def cuda_link_args() -> list[str]:
     if nvcc is None:
         raise RuntimeError("LLAMAX_BACKEND=cuda: nvcc not found (set CUDACXX or CUDA_HOME)")
     root = nvcc.parent.parent
-    libdirs = [d for d in [root / "lib64", root / "lib", *sorted(root.glob("targets/*/lib"))]
-               if (d / "libcudart_static.a").is_file()]
-    if not libdirs:
-        raise RuntimeError(f"the CUDA toolkit at {root} has no libcudart_static.a")
-    args = [f"-L{libdirs[0]}", "-lcudart_static", "-ldl", "-lrt", "-lpthread"]
+    dirs = [root / "lib64", root / "lib", *sorted(root.glob("targets/*/lib"))]
+    static = [d for d in dirs if (d / "libcudart_static.a").is_file()]
     d = cublas_dir()
+    if static:
+        args = [f"-L{static[0]}", "-lcudart_static", "-ldl", "-lrt", "-lpthread"]
+    else:
+        # a toolkit without the static runtime: the shared one, from the
+        # toolkit or from the wheel next to cuBLAS (llamax/_cuda.py preloads it)
+        shared = [p for x in dirs + ([d / "lib"] if d else []) for p in sorted(x.glob("libcudart.so*"))]
+        if not shared:
+            raise RuntimeError(f"the CUDA toolkit at {root} has neither libcudart_static.a nor libcudart.so")
+        args = [str(min(shared, key=lambda p: len(p.name))), "-ldl", "-lrt", "-lpthread"]
     if d is None:
         args += ["-lcublas", "-lcublasLt"]
     else:

@@ -11,7 +11,8 @@ run here, packs:
                                    llama-bench and llama-batched-bench need
                                    (no other GPU backends, no models, tests,
                                    docs or other tools): ~3 MiB of 176
-  .devcheck/src/gguf-*.whl         the gguf package (the device image has none)
+  .devcheck/src/*.whl              gguf and jsonschema (with its dependencies), which
+                                   the device image lacks, for its Python 3.12
   .devcheck/model1/, model2/       SmolLM2-135M-Instruct Q4_1 in two pieces,
                                    with its sha256: at 94 MiB the model alone is
                                    over one call's 64 MiB, so device_check.sh
@@ -81,12 +82,21 @@ def pack_tree(dest: Path) -> Path:
     return out
 
 
-def fetch_gguf_wheel(dest: Path) -> Path:
-    for old in dest.glob("gguf-*.whl"):
+# What tests/core and tests/api import that the device image lacks, as wheels
+# for its Python 3.12 on x86_64 (its pip list: KINDS.md of the device tool)
+WHEELS = ["gguf>=0.10", "jsonschema>=4", "jsonschema-specifications", "referencing", "rpds-py"]
+PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64"]
+
+
+def fetch_wheels(dest: Path) -> list[Path]:
+    for old in dest.glob("*.whl"):
         old.unlink()
-    subprocess.check_call([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
-                           "-d", str(dest), "gguf>=0.10"])
-    return next(dest.glob("gguf-*.whl"))
+    cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
+           "--python-version", "3.12", "--implementation", "cp", "-d", str(dest)]
+    for plat in PLATFORMS:
+        cmd += ["--platform", plat]
+    subprocess.check_call(cmd + WHEELS)
+    return sorted(dest.glob("*.whl"))
 
 
 def split_model(dest1: Path, dest2: Path) -> dict:
@@ -105,7 +115,7 @@ def main() -> int:
     for d in dirs.values():
         d.mkdir(parents=True, exist_ok=True)
     tar = pack_tree(dirs["src"])
-    whl = fetch_gguf_wheel(dirs["src"])
+    whls = fetch_wheels(dirs["src"])
     meta = split_model(dirs["model1"], dirs["model2"])
     tracked = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
     repo = sum((ROOT / p).stat().st_size for p in tracked.decode().split("\0") if p and (ROOT / p).is_file())
@@ -113,7 +123,7 @@ def main() -> int:
     def size(d: Path) -> int:
         return sum(p.stat().st_size for p in d.rglob("*") if p.is_file())
     mib = 1 << 20
-    print(f"{tar.relative_to(ROOT)}: {tar.stat().st_size / mib:.1f} MiB; {whl.name}")
+    print(f"{tar.relative_to(ROOT)}: {tar.stat().st_size / mib:.1f} MiB; {', '.join(w.name for w in whls)}")
     print(f"model {meta['name']}: {meta['size'] / mib:.1f} MiB in two pieces, sha256 {meta['sha256'][:16]}...")
     for call, carried in (("build", ("src", "model1")), ("test", ("model2",))):
         total = repo + sum(size(dirs[k]) for k in carried)

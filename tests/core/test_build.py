@@ -37,3 +37,84 @@ def test_package_ships_declarations():
     names = {p.name for p in r.files("llamax").iterdir()}
     assert "_core.pxd" in names
     assert {"llama.pxd", "shim.pxd"} <= {p.name for p in r.files("llamax.includes").iterdir()}
+
+
+# -- the CUDA build's configuration (third_party/build_llama_cpp.py) ------------------
+# Compiling ggml-cuda takes half an hour, so CI checks what the build script
+# asks CMake for; tools/device_check.sh builds and runs it on a GPU.
+
+def _build_script():
+    import importlib
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "third_party"))
+    return importlib.import_module("build_llama_cpp")
+
+
+def _fake_cublas(root):
+    (root / "include").mkdir(parents=True)
+    (root / "lib").mkdir()
+    for h in ("cublas.h", "cublas_api.h", "cublas_v2.h", "cublasLt.h", "cuda_runtime.h"):
+        (root / "include" / h).write_text("/* a stand-in */\n")
+    for lib in ("libcublas.so.13", "libcublasLt.so.13"):
+        (root / "lib" / lib).write_bytes(b"")
+    return root
+
+
+def test_cuda_cmake_arguments(tmp_path, monkeypatch):
+    b = _build_script()
+    cub = _fake_cublas(tmp_path / "cublas")
+    monkeypatch.setenv("LLAMAX_BACKEND", "cuda")
+    monkeypatch.setenv("LLAMAX_CUBLAS_DIR", str(cub))
+    monkeypatch.setenv("LLAMAX_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("CMAKE_CUDA_ARCHITECTURES", raising=False)
+    monkeypatch.setenv("LLAMAX_CUDA_ARCHS", "90-real,80-real")
+    args = b.cmake_args()
+    # no driver library linked: the build imports where there is no NVIDIA driver
+    assert {"-DGGML_CUDA=ON", "-DGGML_CUDA_NO_VMM=ON", "-DGGML_OPENMP=OFF"} <= set(args)
+    assert "-DCMAKE_CUDA_ARCHITECTURES=90-real;80-real" in args
+    assert f"-DCUDA_cublas_LIBRARY={cub / 'lib' / 'libcublas.so.13'}" in args
+    assert f"-DCUDA_cublasLt_LIBRARY={cub / 'lib' / 'libcublasLt.so.13'}" in args
+    # cuBLAS's headers only: the wheels' shared include folder must not shadow the toolkit's
+    flags = [a for a in args if a.startswith("-DCMAKE_CUDA_FLAGS=-isystem ")]
+    assert len(flags) == 1
+    inc = flags[0].split(" ", 1)[1]
+    import os
+    assert sorted(os.listdir(inc)) == ["cublas.h", "cublasLt.h", "cublas_api.h", "cublas_v2.h"]
+    monkeypatch.delenv("LLAMAX_CUDA_ARCHS")
+    assert f"-DCMAKE_CUDA_ARCHITECTURES={b.DEFAULT_CUDA_ARCHS}" in b.cmake_args()
+    monkeypatch.setenv("CMAKE_CUDA_ARCHITECTURES", "89-real")
+    assert "-DCMAKE_CUDA_ARCHITECTURES=89-real" in b.cmake_args()
+    # a CPU build is untouched by all this
+    monkeypatch.setenv("LLAMAX_BACKEND", "cpu")
+    assert not [a for a in b.cmake_args() if "CUDA" in a]
+
+
+def test_cuda_build_without_cublas_says_what_to_do(tmp_path, monkeypatch):
+    b = _build_script()
+    monkeypatch.setenv("LLAMAX_BACKEND", "cuda")
+    monkeypatch.setenv("LLAMAX_CUBLAS_DIR", str(tmp_path))
+    with pytest.raises(RuntimeError, match="has no include/cublas_v2.h"):
+        b.cmake_args()
+    monkeypatch.setenv("LLAMAX_BACKEND", "rocm")
+    with pytest.raises(RuntimeError, match="expected cpu, cuda or metal"):
+        b.cmake_args()
+
+
+def test_cuda_build_requirement_follows_nvcc(monkeypatch):
+    """The build backend asks for the nvidia-cublas wheel matching nvcc's
+    major version (CUDA 13: nvidia-cublas; 12: nvidia-cublas-cu12)."""
+    b = _build_script()
+    import _llamax_backend as backend
+    monkeypatch.delenv("LLAMAX_CUBLAS_DIR", raising=False)
+    monkeypatch.setenv("LLAMAX_BACKEND", "cpu")
+    assert backend._extra() == []
+    monkeypatch.setenv("LLAMAX_BACKEND", "cuda")
+    major = b.cuda_major()
+    nvcc = b._nvcc()
+    if major is None:
+        assert backend._extra() == []  # no toolkit: nothing to match (the build itself then says so)
+    elif b._toolkit_has_cublas(nvcc):
+        assert backend._extra() == []
+    else:
+        want = f"nvidia-cublas>={major},<{major + 1}" if major >= 13 else f"nvidia-cublas-cu{major}"
+        assert backend._extra() == [want]
