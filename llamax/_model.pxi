@@ -92,7 +92,8 @@ cdef class Model:
             if kind == "OutOfMemoryError":
                 raise OutOfMemoryError(f"{self.path}: cannot load model: out of memory for its weights"
                                        + (f" with n_gpu_layers={n_gpu_layers} (offload fewer layers)"
-                                          if n_gpu_layers else "") + f" ({reason})")
+                                          if n_gpu_layers and llama_supports_gpu_offload() else "")
+                                       + f" ({reason})")
             raise InvalidGGUFError(f"{self.path}: cannot load model"
                                    + (f" ({reason})" if reason else " (corrupt or unsupported GGUF)"))
         self._model = m

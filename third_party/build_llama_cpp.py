@@ -255,30 +255,50 @@ def cublas_requirement() -> str | None:
     return f"nvidia-cublas-cu{major}"
 
 
+def _lib_dirs(root: Path) -> list[Path]:
+    return [root / "lib64", root / "lib", *sorted(root.glob("targets/*/lib"))]
+
+
+def _inc_dirs(root: Path) -> list[Path]:
+    return [root / "include", *sorted(root.glob("targets/*/include"))]
+
+
 def _toolkit_has_cublas(nvcc: Path) -> bool:
+    """Whether the toolkit has cuBLAS as a system install does (headers and
+    the bare libcublas.so link that CMake's FindCUDAToolkit looks for)."""
     root = nvcc.parent.parent
-    return any(root.glob("lib*/libcublas.so*")) or any(root.glob("targets/*/lib/libcublas.so*"))
+    return any((d / "libcublas.so").exists() for d in _lib_dirs(root)) \
+        and any((d / "cublas_v2.h").is_file() for d in _inc_dirs(root))
+
+
+def _has_cublas(d: Path) -> bool:
+    return any((i / "cublas_v2.h").is_file() for i in _inc_dirs(d)) \
+        and any(any(x.glob("libcublas.so*")) for x in _lib_dirs(d))
 
 
 def cublas_dir() -> Path | None:
-    """Where cuBLAS comes from when the CUDA toolkit has none (as with a
-    toolkit installed from the nvidia-* wheels): LLAMAX_CUBLAS_DIR, else the
-    nvidia-cublas wheel importable here (nvidia/cu13 or nvidia/cublas)."""
+    """Where cuBLAS comes from, when CMake can't find it in the toolkit by
+    itself (None when it can): LLAMAX_CUBLAS_DIR; else the toolkit's folder
+    when it holds cuBLAS the way NVIDIA's wheels lay it out (libcublas.so.13,
+    no bare .so: a toolkit assembled from pip wheels, PyTorch's included);
+    else the nvidia-cublas wheel importable here (nvidia/cu13 or nvidia/cublas)."""
     env = os.environ.get("LLAMAX_CUBLAS_DIR")
     if env:
         d = Path(env).expanduser().resolve()
-        if not (d / "include" / "cublas_v2.h").is_file():
-            raise RuntimeError(f"LLAMAX_CUBLAS_DIR={env} has no include/cublas_v2.h")
+        if not _has_cublas(d):
+            raise RuntimeError(f"LLAMAX_CUBLAS_DIR={env} has no include/cublas_v2.h and lib/libcublas.so*")
         return d
     nvcc = _nvcc()
-    if nvcc is not None and _toolkit_has_cublas(nvcc):
-        return None
+    if nvcc is not None:
+        if _toolkit_has_cublas(nvcc):
+            return None
+        if _has_cublas(nvcc.parent.parent):
+            return nvcc.parent.parent
     spec = importlib.util.find_spec("nvidia")
     for base in (spec.submodule_search_locations or []) if spec else []:
         for sub in ("cu13", "cu12", "cublas"):
-            d = Path(base) / sub
-            if (d / "include" / "cublas_v2.h").is_file() and any((d / "lib").glob("libcublas.so*")):
-                return d
+            if _has_cublas(Path(base) / sub):
+                return Path(base) / sub
     raise RuntimeError(
         "LLAMAX_BACKEND=cuda: cuBLAS was not found, neither in the CUDA toolkit of "
         f"{nvcc or 'nvcc (not on PATH)'} nor as the nvidia-cublas wheel in this Python.  "
@@ -287,9 +307,9 @@ def cublas_dir() -> Path | None:
 
 
 def _cublas_lib(d: Path, name: str) -> Path:
-    libs = sorted((d / "lib").glob(f"lib{name}.so*"), key=lambda p: len(p.name))
+    libs = sorted((p for x in _lib_dirs(d) for p in x.glob(f"lib{name}.so*")), key=lambda p: len(p.name))
     if not libs:
-        raise RuntimeError(f"{d}/lib has no lib{name}.so*")
+        raise RuntimeError(f"{d} has no lib{name}.so* in lib/, lib64/ or targets/*/lib/")
     return libs[0]
 
 
@@ -301,9 +321,10 @@ def _cublas_include(d: Path) -> Path:
     inc = cache_dir() / "cublas-include" / h
     inc.mkdir(parents=True, exist_ok=True)
     for name in CUBLAS_HEADERS:
-        src, dst = d / "include" / name, inc / name
-        if src.is_file() and not dst.exists():
-            dst.symlink_to(src)
+        for i in _inc_dirs(d):
+            src, dst = i / name, inc / name
+            if src.is_file() and not dst.exists():
+                dst.symlink_to(src)
     return inc
 
 
@@ -323,6 +344,14 @@ def cuda_args() -> list[str]:
     nvcc = _nvcc()
     if nvcc is not None:
         args.append(f"-DCMAKE_CUDA_COMPILER={nvcc}")
+        # a toolkit from NVIDIA's pip wheels has libcudart.so.13 but no bare
+        # libcudart.so, which is what FindCUDAToolkit looks for
+        dirs = _lib_dirs(nvcc.parent.parent)
+        if not any((x / "libcudart.so").exists() for x in dirs):
+            versioned = sorted(p for x in dirs for p in x.glob("libcudart.so.*"))
+            if versioned:
+                cudart = min(versioned, key=lambda p: len(p.name))
+                args += [f"-DCUDA_CUDART={cudart}", f"-DCUDA_cudart_LIBRARY={cudart}"]
     d = cublas_dir()
     if d is not None:
         args += [f"-DCUDA_cublas_LIBRARY={_cublas_lib(d, 'cublas')}",
@@ -480,6 +509,8 @@ def link_info(src: Path, bdir: Path) -> dict:
         # the nvidia-cublas wheel's folder, next to llamax/ in site-packages
         # (CUDA 13 wheels: nvidia/cu13/lib; CUDA 12: nvidia/cublas/lib)
         rpath = ["$ORIGIN/../nvidia/cu13/lib", "$ORIGIN/../nvidia/cublas/lib"]
+        if cublas_dir() is None:  # a system toolkit's cuBLAS: where it is
+            rpath += [str(x) for x in _lib_dirs(_nvcc().parent.parent) if (x / "libcublas.so").exists()]
     if b == "metal" or sys.platform == "darwin":
         extra_link += ["-framework", "Foundation", "-framework", "Metal",
                        "-framework", "MetalKit", "-framework", "Accelerate"]
@@ -502,18 +533,19 @@ def cuda_link_args() -> list[str]:
     if nvcc is None:
         raise RuntimeError("LLAMAX_BACKEND=cuda: nvcc not found (set CUDACXX or CUDA_HOME)")
     root = nvcc.parent.parent
-    dirs = [root / "lib64", root / "lib", *sorted(root.glob("targets/*/lib"))]
+    dirs = _lib_dirs(root)
     static = [d for d in dirs if (d / "libcudart_static.a").is_file()]
     d = cublas_dir()
+    args = [f"-L{x}" for x in dirs if x.is_dir()]
     if static:
-        args = [f"-L{static[0]}", "-lcudart_static", "-ldl", "-lrt", "-lpthread"]
+        args += ["-lcudart_static", "-ldl", "-lrt", "-lpthread"]
     else:
         # a toolkit without the static runtime: the shared one, from the
         # toolkit or from the wheel next to cuBLAS (llamax/_cuda.py preloads it)
-        shared = [p for x in dirs + ([d / "lib"] if d else []) for p in sorted(x.glob("libcudart.so*"))]
+        shared = [p for x in dirs + (_lib_dirs(d) if d else []) for p in sorted(x.glob("libcudart.so*"))]
         if not shared:
             raise RuntimeError(f"the CUDA toolkit at {root} has neither libcudart_static.a nor libcudart.so")
-        args = [str(min(shared, key=lambda p: len(p.name))), "-ldl", "-lrt", "-lpthread"]
+        args += [str(min(shared, key=lambda p: len(p.name))), "-ldl", "-lrt", "-lpthread"]
     if d is None:
         args += ["-lcublas", "-lcublasLt"]
     else:

@@ -93,7 +93,7 @@ def test_cuda_build_without_cublas_says_what_to_do(tmp_path, monkeypatch):
     b = _build_script()
     monkeypatch.setenv("LLAMAX_BACKEND", "cuda")
     monkeypatch.setenv("LLAMAX_CUBLAS_DIR", str(tmp_path))
-    with pytest.raises(RuntimeError, match="has no include/cublas_v2.h"):
+    with pytest.raises(RuntimeError, match="has no include/cublas_v2.h and lib/libcublas.so"):
         b.cmake_args()
     monkeypatch.setenv("LLAMAX_BACKEND", "rocm")
     with pytest.raises(RuntimeError, match="expected cpu, cuda or metal"):
