@@ -317,14 +317,24 @@ def _cublas_include(d: Path) -> Path:
     """A folder holding only cuBLAS's headers from ``d``: the wheels share one
     include folder (nvidia/cu13/include) with other CUDA components, whose
     headers must not shadow the toolkit's own."""
-    h = hashlib.sha256(str(d).encode()).hexdigest()[:12]
-    inc = cache_dir() / "cublas-include" / h
-    inc.mkdir(parents=True, exist_ok=True)
+    found = {}
     for name in CUBLAS_HEADERS:
         for i in _inc_dirs(d):
-            src, dst = i / name, inc / name
-            if src.is_file() and not dst.exists():
-                dst.symlink_to(src)
+            if (i / name).is_file() and name not in found:
+                found[name] = (i / name).read_bytes()
+    # copies, named by their contents: the same cuBLAS gives the same folder
+    # (and CMake argument) from whichever temporary build environment it came
+    h = hashlib.sha256(b"".join(k.encode() + b"\0" + v for k, v in sorted(found.items()))).hexdigest()[:12]
+    inc = cache_dir() / "cublas-include" / h
+    if not inc.is_dir():
+        tmp = inc.with_name(inc.name + f".tmp{os.getpid()}")
+        tmp.mkdir(parents=True, exist_ok=True)
+        for name, data in found.items():
+            (tmp / name).write_bytes(data)
+        try:
+            tmp.rename(inc)
+        except OSError:  # another build made it first
+            shutil.rmtree(tmp, ignore_errors=True)
     return inc
 
 
@@ -398,6 +408,20 @@ def cmake_args() -> list[str]:
     return args + shlex.split(extra)
 
 
+# CUDA library paths change with every isolated build environment (pip's
+# temporary folders hold the nvidia-cublas wheel): the build key takes their
+# file names only, and a cached build whose CMakeCache holds other paths is
+# re-configured (which keeps every object file; only links change).
+_PATH_ARGS = ("-DCUDA_cublas_LIBRARY=", "-DCUDA_cublasLt_LIBRARY=", "-DCUDA_CUDART=", "-DCUDA_cudart_LIBRARY=")
+
+
+def _key_arg(a: str) -> str:
+    for prefix in _PATH_ARGS:
+        if a.startswith(prefix):
+            return prefix + Path(a[len(prefix):]).name
+    return a
+
+
 def build_key(args: list[str]) -> str:
     h = hashlib.sha256()
     local = os.environ.get("LLAMAX_LLAMA_CPP_DIR", "")
@@ -405,7 +429,7 @@ def build_key(args: list[str]) -> str:
     if not local:
         h.update(f":patches:{patches_digest()}".encode())
     for a in args:
-        h.update(b"\0" + a.encode())
+        h.update(b"\0" + _key_arg(a).encode())
     cc = os.environ.get("CC", "") + "|" + os.environ.get("CXX", "")
     h.update(cc.encode())
     return h.hexdigest()[:16]
@@ -426,12 +450,17 @@ def _cache_value(bdir: Path, key: str) -> str | None:
     return None
 
 
-def _needs_configure(bdir: Path) -> bool:
+def _needs_configure(bdir: Path, args: list[str] | None = None) -> bool:
     """Configure when new, or when the cmake/ninja that configured the cached
-    build are gone (pip's isolated build environments are temporary): a
-    re-configure with the current tools keeps every object file."""
+    build are gone (pip's isolated build environments are temporary), or when
+    a CUDA library path differs (_PATH_ARGS): a re-configure with the current
+    tools keeps every object file."""
     if not (bdir / "CMakeCache.txt").exists():
         return True
+    for a in args or []:
+        for prefix in _PATH_ARGS:
+            if a.startswith(prefix) and _cache_value(bdir, prefix[2:-1]) != a[len(prefix):]:
+                return True
     for key in ("CMAKE_COMMAND", "CMAKE_MAKE_PROGRAM"):
         v = _cache_value(bdir, key)
         if v and not Path(v).exists():
@@ -462,7 +491,7 @@ def build(targets: list[str] | None = None) -> dict:
     bdir.mkdir(parents=True, exist_ok=True)
     (bdir / "llamax-cmake-args.txt").write_text("\n".join(args) + "\n")
     jobs = os.environ.get("LLAMAX_BUILD_JOBS") or str(os.cpu_count() or 2)
-    if _needs_configure(bdir):
+    if _needs_configure(bdir, args):
         log(f"configuring llama.cpp in {bdir}")
         cmd = ["cmake", "-S", str(src), "-B", str(bdir)] + _generator(bdir) + args
         if shutil.which("ccache"):

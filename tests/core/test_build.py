@@ -118,3 +118,20 @@ def test_cuda_build_requirement_follows_nvcc(monkeypatch):
     else:
         want = f"nvidia-cublas>={major},<{major + 1}" if major >= 13 else f"nvidia-cublas-cu{major}"
         assert backend._extra() == [want]
+
+
+def test_cuda_build_cache_ignores_where_cublas_was_installed(tmp_path, monkeypatch):
+    """pip's isolated build environments are temporary folders: the same
+    cuBLAS from two of them must hit the same cached ggml-cuda build (an
+    hour of compiling), and another arch must not."""
+    b = _build_script()
+    monkeypatch.setenv("LLAMAX_BACKEND", "cuda")
+    monkeypatch.setenv("LLAMAX_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("LLAMAX_CUDA_ARCHS", "90-real")
+    dirs = []
+    for env in ("pip-build-env-a", "pip-build-env-b"):
+        monkeypatch.setenv("LLAMAX_CUBLAS_DIR", str(_fake_cublas(tmp_path / env / "nvidia" / "cu13")))
+        dirs.append(b.build_dir())
+    assert dirs[0] == dirs[1]
+    monkeypatch.setenv("LLAMAX_CUDA_ARCHS", "80-real")
+    assert b.build_dir() != dirs[0]
