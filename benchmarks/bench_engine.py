@@ -196,8 +196,10 @@ class LlamaxRunner:
     def __init__(self, model: llamax.Model, threads: int):
         self.model = model
         # llama-bench sizes its context as n_prompt + n_gen; do the same so
-        # both attend over the same KV size.
-        self.tg = llamax.Context(model, n_ctx=N_GEN, n_batch=N_BATCH, n_ubatch=N_BATCH,
+        # both attend over the same KV size (+1: generate counts its prompt
+        # token and the 128 it returns against n_ctx, as OpenAI does, though
+        # the last one is never decoded: the same 128 decodes as llama-bench)
+        self.tg = llamax.Context(model, n_ctx=N_GEN + 1, n_batch=N_BATCH, n_ubatch=N_BATCH,
                                  n_threads=threads, n_threads_batch=threads)
         self.pp = llamax.Context(model, n_ctx=N_PROMPT, n_batch=N_BATCH, n_ubatch=N_BATCH,
                                  n_threads=threads, n_threads_batch=threads)

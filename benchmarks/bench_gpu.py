@@ -43,8 +43,10 @@ def main(argv=None) -> int:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--npl", default="1,2,4,8,16,32,64")
     ap.add_argument("--out", default=str(HERE / "results"))
+    ap.add_argument("--allow-cpu", action="store_true",
+                    help="run without a GPU: a smoke check of this script, the numbers are the CPU's")
     a = ap.parse_args(argv)
-    if not llamax.supports_gpu_offload():
+    if not llamax.supports_gpu_offload() and not a.allow_cpu:
         print("no GPU: this llamax build or this machine has none (llamax.gpu_devices() is empty)", file=sys.stderr)
         return 2
     model_path = Path(a.model) if a.model else bench_engine.data.smollm2()
@@ -83,7 +85,7 @@ def main(argv=None) -> int:
 
 
 def table(res: dict) -> str:
-    g = ", ".join(d["description"] for d in res["gpus"])
+    g = ", ".join(d["description"] for d in res["gpus"]) or "none (--allow-cpu: these are CPU numbers)"
     t = res["throughput"]
     lines = [f"# GPU: {g}", "",
              f"{res['model']}, all layers offloaded, {res['threads']} CPU threads, {res['runs']} interleaved "
