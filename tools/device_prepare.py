@@ -130,7 +130,7 @@ def main() -> int:
         print(f"call '{call}': repository {repo / mib:.1f} MiB + carried {(total - repo) / mib:.1f} MiB "
               f"= {total / mib:.1f} MiB of 64")
         if total > 63 * mib:
-            print(f"  over the limit: trim the repository or move PIECE1_BYTES", file=sys.stderr)
+            print("  over the limit: trim the repository or move PIECE1_BYTES", file=sys.stderr)
             return 1
     return 0
 
