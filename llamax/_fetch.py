@@ -53,10 +53,14 @@ def sha256_file(path: Path) -> str:
 def _pip_env() -> dict:
     """The environment for a pip subprocess.  Inside pip's own isolated build
     environment (``pip install .`` runs setup.py there) PYTHONPATH and
-    PYTHONNOUSERSITE hide the interpreter's site-packages, pip included;
-    the user's PIP_* settings are kept."""
+    PYTHONNOUSERSITE hide the interpreter's site-packages, pip included,
+    and PEP517_BACKEND_PATH / PEP517_BUILD_BACKEND name *our* in-tree build
+    backend (pyproject.toml's backend-path), which a nested pip building
+    another sdist's metadata would then refuse; the user's PIP_* settings
+    are kept."""
     env = dict(os.environ)
-    for var in ("PYTHONPATH", "PYTHONNOUSERSITE", "PYTHONHOME"):
+    for var in ("PYTHONPATH", "PYTHONNOUSERSITE", "PYTHONHOME", "PEP517_BACKEND_PATH", "PEP517_BUILD_BACKEND",
+                "_PYPROJECT_HOOKS_BUILD_BACKEND"):
         env.pop(var, None)
     return env
 

@@ -82,3 +82,18 @@ def test_fetch_error_is_a_llamax_error():
     assert issubclass(llamax.FetchError, llamax.LlamaxError) and issubclass(llamax.FetchError, OSError)
     with pytest.raises(llamax.FetchError):
         raise llamax.FetchError("x")
+
+
+def test_pip_subprocess_does_not_inherit_our_build_backend(monkeypatch):
+    """During ``pip install .`` our in-tree PEP 517 backend runs with
+    PEP517_BACKEND_PATH/PEP517_BUILD_BACKEND naming it; the nested ``pip
+    download`` of llama.cpp's sdist must not pass them on, or pip refuses
+    that sdist's own backend ("Backend was not loaded from backend-path":
+    what a fresh clone's first build hit)."""
+    from llamax import _fetch
+    monkeypatch.setenv("PEP517_BACKEND_PATH", str(ROOT / "third_party"))
+    monkeypatch.setenv("PEP517_BUILD_BACKEND", "_llamax_backend")
+    monkeypatch.setenv("PIP_INDEX_URL", "https://example.invalid/simple")
+    env = _fetch._pip_env()
+    assert "PEP517_BACKEND_PATH" not in env and "PEP517_BUILD_BACKEND" not in env
+    assert env["PIP_INDEX_URL"] == "https://example.invalid/simple"   # the user's pip settings stay
