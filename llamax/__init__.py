@@ -5,11 +5,13 @@ adapters, control vectors and samplers; errors live in one hierarchy under
 :class:`LlamaxError`.
 """
 
+from importlib import import_module as _import_module
+
 from llamax._errors import *  # noqa: F401,F403
 from llamax import _errors
 try:
     try:
-        from llamax import _core as _core_module  # noqa: F401
+        _import_module("llamax._core")  # a missing extension: ModuleNotFoundError, below
     except ImportError as _e:
         # A CUDA build whose RPATH doesn't reach the nvidia-cublas wheel:
         # load the wheel's libraries by path, then import again (_cuda.py).
@@ -18,7 +20,7 @@ try:
         from llamax import _cuda
         if not _cuda.preload():
             raise ImportError(_cuda.missing_message(_e), name="llamax._core") from None
-        from llamax import _core as _core_module  # noqa: F401
+        _import_module("llamax._core")
     from llamax._core import (  # noqa: F401
         Batcher, BatchSequence, Context, ControlVector, LoraAdapter, Model, Sampler, State, set_log_level, supports_gpu_offload,
         gpu_devices, system_info,
