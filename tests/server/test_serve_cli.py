@@ -18,7 +18,7 @@ def test_help_lists_the_options():
     assert r.returncode == 0
     for opt in ("--host", "--port", "--alias", "--n-contexts", "--parallel", "--n-ctx", "--threads", "--lora",
                 "--lora-dir", "--max-loaded-adapters", "--control-vector", "--api-key", "--api-key-file",
-                "--admin-api-key", "--allow-runtime-lora", "--max-queue", "--metrics"):
+                "--admin-api-key", "--allow-runtime-lora", "--max-queue", "--metrics", "--n-gpu-layers"):
         assert opt in r.stdout, opt
 
 
@@ -57,3 +57,15 @@ def test_health_is_503_until_the_model_has_loaded(smollm2_path):
         assert client.get("/health").json() == {"status": "ok"}
     finally:
         engine.close()
+
+
+def test_n_gpu_layers_reaches_the_model(smollm2_path, tmp_path):
+    import argparse
+
+    from llamax.server import cli
+    p = argparse.ArgumentParser()
+    cli.add_arguments(p)
+    assert cli.server_config(p.parse_args([str(smollm2_path), "-ngl", "-1"])).n_gpu_layers == -1
+    assert cli.server_config(p.parse_args([str(smollm2_path)])).n_gpu_layers is None  # LLAMAX_N_GPU_LAYERS, else 0
+    r = serve(smollm2_path, "--n-gpu-layers", "-5", "--port", "0")
+    assert r.returncode == 1 and "n_gpu_layers" in r.stderr, r.stderr[-2000:]
