@@ -82,15 +82,8 @@ def extensions():
 def install_requires():
     reqs = ["numpy>=1.23", "jinja2>=3.1", "gguf>=0.10", "scipy-openblas32>=0.3.27",
             "typing_extensions>=4.6; python_version < '3.11'"]
-    if llama_build.backend() == "cuda" and not os.environ.get("LLAMAX_CUBLAS_DIR"):
-        # cuBLAS from NVIDIA's wheel at run time, as it was at build time
-        # (third_party/_llamax_backend.py); a toolkit with its own cuBLAS
-        # (a system CUDA install) is the user's to keep on the library path
-        nvcc = llama_build._nvcc()
-        req = llama_build.cublas_requirement()
-        if req and not (nvcc and llama_build._toolkit_has_cublas(nvcc)):
-            reqs.append(req)
-    return reqs
+    cublas = llama_build.cublas_wheel_requirement()  # cuBLAS at run time as at build time
+    return reqs + ([cublas] if cublas else [])
 
 
 setup(

@@ -88,8 +88,7 @@ cdef class Model:
             why = take_last_log_error()
         if m == NULL:
             reason = why.decode("utf-8", "replace").strip()
-            kind = error_class_name(<int> classify_log(why, CErrorKind.InvalidGGUF)).decode()
-            if kind == "OutOfMemoryError":
+            if classify_log(why, CErrorKind.InvalidGGUF) == CErrorKind.OutOfMemory:
                 raise OutOfMemoryError(f"{self.path}: cannot load model: out of memory for its weights"
                                        + (f" with n_gpu_layers={n_gpu_layers} (offload fewer layers)"
                                           if n_gpu_layers and llama_supports_gpu_offload() else "")

@@ -10,7 +10,6 @@ nothing beyond ``[build-system] requires``.
 """
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -22,12 +21,7 @@ import build_llama_cpp as _build  # noqa: E402
 
 
 def _extra() -> list[str]:
-    if _build.backend() != "cuda" or os.environ.get("LLAMAX_CUBLAS_DIR"):
-        return []
-    nvcc = _build._nvcc()
-    if nvcc is not None and _build._toolkit_has_cublas(nvcc):
-        return []
-    req = _build.cublas_requirement()
+    req = _build.cublas_wheel_requirement()
     return [req] if req else []
 
 

@@ -255,6 +255,20 @@ def cublas_requirement() -> str | None:
     return f"nvidia-cublas-cu{major}"
 
 
+def cublas_wheel_requirement() -> str | None:
+    """The nvidia-cublas requirement a CUDA build takes cuBLAS from, both at
+    build time (third_party/_llamax_backend.py) and as the installed
+    package's dependency (setup.py); None for other backends, with
+    LLAMAX_CUBLAS_DIR, or when the toolkit has cuBLAS as a system install
+    does (then it is the user's to keep on the library path)."""
+    if backend() != "cuda" or os.environ.get("LLAMAX_CUBLAS_DIR"):
+        return None
+    nvcc = _nvcc()
+    if nvcc is not None and _toolkit_has_cublas(nvcc):
+        return None
+    return cublas_requirement()
+
+
 def _lib_dirs(root: Path) -> list[Path]:
     return [root / "lib64", root / "lib", *sorted(root.glob("targets/*/lib"))]
 

@@ -32,6 +32,7 @@ cdef extern from "llamax.h" namespace "llamax" nogil:
     string take_last_log_error()
     cdef enum class CErrorKind "llamax::ErrorKind":
         InvalidGGUF "llamax::ErrorKind::InvalidGGUF"
+        OutOfMemory "llamax::ErrorKind::OutOfMemory"
     CErrorKind classify_log(const string & why, CErrorKind fallback)
     cdef cppclass CLogPhrase "llamax::LogPhrase":
         const char * text
