@@ -241,7 +241,10 @@ void check_adapter_kv_types(const std::string & path) {
 }  // namespace
 
 ModelPtr model_own(llama_model * model) {
-    return ModelPtr(model, [](llama_model * m) { llama_model_free(m); });
+    return ModelPtr(model, [](llama_model * m) {
+        packed::forget(m);
+        llama_model_free(m);
+    });
 }
 
 Adapter::~Adapter() {
@@ -1157,8 +1160,9 @@ void Context::set_threads(int32_t n_threads, int32_t n_threads_batch) {
     }
     llama_detach_threadpool(ctx_);
     free_threadpools();
-    // Embedding contexts multiply float weights with an external SGEMM when
-    // one is set (patch 0005) and take flash attention's tiled kernel for
+    // Embedding contexts multiply float weights from packed copies (patch
+    // 0010, packed_gemm.h), with an external SGEMM for what those kernels
+    // leave (patch 0005), and take flash attention's tiled kernel for
     // inputs of any length (0007); generation keeps ggml's kernels, whose
     // numbers do not depend on how many sequences are decoded together.  (A
     // tree given with LLAMAX_LLAMA_CPP_DIR, built unpatched, has neither.)
@@ -1184,9 +1188,22 @@ void Context::set_threads(int32_t n_threads, int32_t n_threads_batch) {
     if (tp_ == nullptr || tp_batch_ == nullptr) {
         free_threadpools();
         sgemm_ = nullptr;
+        packed_.reset();
         llama_set_n_threads(ctx_, n_threads, n_threads_batch);  // ggml's per-graph pools
         return;
     }
+#ifdef GGML_THREADPOOL_HAS_MUL_MAT_HOOK
+    // and multiply the model's float weights from packed copies (patch 0010)
+    packed_ = (embeddings_ && packed::enabled()) ? packed::store_for(model_) : nullptr;
+    if (packed_) {
+        ggml_threadpool_set_mul_mat_hook(tp_, packed::mul_mat_hook, packed_.get());
+        if (tp_batch_ != tp_) {
+            ggml_threadpool_set_mul_mat_hook(tp_batch_, packed::mul_mat_hook, packed_.get());
+        }
+    }
+#else
+    packed_.reset();
+#endif
     llama_attach_threadpool(ctx_, tp_, tp_batch_ == tp_ ? nullptr : tp_batch_);
     llama_set_n_threads(ctx_, n_threads, n_threads_batch);
 }

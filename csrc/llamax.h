@@ -16,6 +16,7 @@
 
 #include "llama.h"
 #include "ggml-cpu.h"
+#include "packed_gemm.h"
 
 #include <atomic>
 #include <cstdint>
@@ -388,6 +389,8 @@ public:
     bool outputs_all() const { return !has_memory_ || embeddings_; }
     // Whether float matmuls run the external SGEMM (set_embedding_sgemm).
     bool external_sgemm() const { return sgemm_ != nullptr; }
+    // Whether float weights are multiplied from packed copies (packed_gemm.h).
+    bool packed_weights() const { return packed_ != nullptr; }
     // The most tokens one decode may take: n_ubatch where llama.cpp needs the
     // whole batch in one ubatch (no KV memory, or non-causal attention).
     int32_t n_call_max() const { return n_call_max_; }
@@ -411,6 +414,7 @@ private:
     bool has_memory_ = true;
     bool embeddings_ = false;
     SgemmFn sgemm_ = nullptr;  // what the threadpools were given
+    packed::StorePtr packed_;  // the model's packed weights the threadpools' hook reads (null: none)
     bool kv_unified_ = true;
     int32_t n_vocab_ = 0, n_ctx_ = 0, n_ctx_seq_ = 0, n_batch_ = 0, n_seq_max_ = 0, n_call_max_ = 0;
     std::mutex mu_;

@@ -204,6 +204,13 @@ cdef class Context:
         return self._get().external_sgemm()
 
     @property
+    def packed_weights(self):
+        """Whether this context multiplies the model's float weights from
+        copies packed once for llamax's own kernels (embedding contexts on
+        x86-64 with AVX2 or AVX-512; see ``llamax.sgemm_info()``)."""
+        return self._get().packed_weights()
+
+    @property
     def n_ctx_seq(self):
         return self._get().n_ctx_seq()
 

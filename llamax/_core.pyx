@@ -117,6 +117,52 @@ def _set_embedding_sgemm(address):
     set_embedding_sgemm(<SgemmFn> <size_t> address)
 
 
+def _packed_config(enabled=None, isa=None, budget=None):
+    """Set, for embedding contexts made from now on, whether float weights
+    are multiplied from packed copies (``enabled``), with which kernels
+    (``isa``: "avx512", "avx2", "" for the best the CPU has) and how many
+    bytes of packed weights one model may hold (``budget``); None leaves a
+    setting as it is.  Returns the settings: {"enabled", "isa", "budget"}.
+    llamax._sgemm and the tests call it."""
+    if enabled is not None:
+        if not isinstance(enabled, bool):
+            raise ArgumentTypeError("enabled must be a bool or None")
+        packed_set_enabled(enabled)
+    if isa is not None:
+        if not isinstance(isa, str):
+            raise ArgumentTypeError("isa must be a str or None")
+        if not packed_set_isa(isa.encode()):
+            raise InvalidArgumentError(f"isa={isa!r}: this CPU (or build) can't run it; "
+                                       f"expected one of {_packed_isas()}")
+    if budget is not None:
+        if isinstance(budget, bool) or not isinstance(budget, int):
+            raise ArgumentTypeError("budget must be an int (bytes) or None")
+        if budget < 0:
+            raise InvalidArgumentError(f"budget={budget}: must be >= 0 bytes")
+        packed_set_budget(<size_t> min(budget, (1 << 63) - 1))
+    return {"enabled": packed_enabled(), "isa": packed_isa().decode(), "budget": packed_budget()}
+
+
+def _packed_isas():
+    out = []
+    cdef bytes cur = packed_isa()
+    for name in (b"avx512", b"avx2"):
+        if packed_set_isa(name):
+            out.append(name.decode())
+    packed_set_isa(cur)
+    return out
+
+
+def _packed_self_check(int M, int N, int K, int threads=1, unsigned int seed=0):
+    """max |C - C_ref| / max |C_ref| of the packed kernels on a random
+    M x K by N x K product against a double-precision reference (tests);
+    -1 when no kernels can run."""
+    cdef double r
+    with nogil:
+        r = packed_self_check(M, N, K, threads, seed)
+    return r
+
+
 def _stop_logging():
     global _log_alive
     _log_alive = False

@@ -191,6 +191,12 @@ cdef class Model:
         return llama_model_size(self._ptr())
 
     @property
+    def packed_weight_bytes(self):
+        """Bytes of float weights this model's embedding contexts have packed
+        for llamax's kernels so far (0: none; see ``Context.packed_weights``)."""
+        return packed_bytes(self._ptr())
+
+    @property
     def n_params(self):
         return llama_model_n_params(self._ptr())
 

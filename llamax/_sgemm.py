@@ -1,15 +1,24 @@
-"""The SGEMM that embedding contexts hand to ggml (third_party/patches/0005).
+"""How embedding contexts multiply float weights (third_party/patches/0005, 0010).
 
 ggml multiplies float weights with tinyBLAS, which reaches about half of a
-core's FMA peak on embedding-model shapes; a packed BLAS SGEMM reaches about
-90%.  llamax takes OpenBLAS's ``cblas_sgemm`` from the ``scipy-openblas32``
-wheel (the OpenBLAS build NumPy and SciPy ship), sets that library to one
-thread (ggml's own threads call it, each on its share of the output), and
-gives the function to the threadpools of embedding contexts.  Generation
-contexts keep ggml's kernels.
+core's FMA peak on embedding-model shapes.  Embedding contexts do better in
+two steps:
 
-``LLAMAX_SGEMM=ggml`` (or ``off``) keeps ggml's kernels everywhere; it is
-read when the first embedding context is made.
+* **llamax's packed kernels** (csrc/packed_gemm.cpp, patch 0010): each float
+  weight matrix is packed once, on first use, into panels that AVX-512 or
+  AVX2 kernels read in order, so no call pays to repack it (OpenBLAS packs
+  on every call: as much time as the product for inputs of 14-60 tokens).
+* **OpenBLAS's ``cblas_sgemm``** (patch 0005) from the ``scipy-openblas32``
+  wheel (the build NumPy and SciPy ship), set to one thread and called by
+  ggml's own threads, each on its share of the output, for what the packed
+  kernels do not take: AVX2-only CPUs' inputs of 256 rows and more, and
+  weights past the packing budget.
+
+Generation contexts keep ggml's kernels.  ``LLAMAX_SGEMM`` chooses, read
+when the first embedding context is made: ``llamax`` (the default: both),
+``openblas`` (OpenBLAS only), ``ggml`` (or ``off``: ggml's kernels only).
+``LLAMAX_PACKED_BUDGET_MB`` caps the packed copies one model may hold
+(default 2048; float32, so twice an f16 model's size).
 """
 from __future__ import annotations
 
@@ -25,27 +34,49 @@ _lib = None  # keeps the library loaded for the life of the process
 
 
 def ensure() -> dict:
-    """Load and install the SGEMM once per process (every embedding context
-    does; ``llamax.sgemm_info()`` is this function) and say what the float
-    matmuls of embedding contexts run: ``{"library": "OpenBLAS", "version",
-    "path", "config", "core"}``, or ``{"library": None, "reason"}`` when
-    ggml's kernels run."""
+    """Set up the float matmuls of embedding contexts once per process (every
+    embedding context calls this; ``llamax.sgemm_info()`` is this function)
+    and say what they run: ``{"packed": {"isa", "budget"} or None,
+    "library": "OpenBLAS", "version", "path", "config", "core"}``, with
+    ``"library": None`` and a ``"reason"`` when OpenBLAS is not used."""
     global _info
     if _info is None:
         with _lock:
             if _info is None:
                 _info = _load()
-    return dict(_info)
+    out = dict(_info)
+    if out["packed"] is not None:
+        out["packed"] = dict(out["packed"])
+    return out
+
+
+_CHOICES = {"llamax": ("llamax", "on", "1", "true", ""), "openblas": ("openblas",),
+            "ggml": ("ggml", "off", "0", "none", "false")}
 
 
 def _load() -> dict:
+    from llamax._errors import InvalidArgumentError
+    want = os.environ.get("LLAMAX_SGEMM", "llamax").strip().lower()
+    choice = next((k for k, names in _CHOICES.items() if want in names), None)
+    if choice is None:
+        raise InvalidArgumentError(f"LLAMAX_SGEMM={want!r}: expected llamax, openblas or ggml")
+    budget_mb = os.environ.get("LLAMAX_PACKED_BUDGET_MB", "2048").strip()
+    try:
+        budget = int(budget_mb) << 20
+        if budget < 0:
+            raise ValueError
+    except ValueError:
+        raise InvalidArgumentError(f"LLAMAX_PACKED_BUDGET_MB={budget_mb!r}: expected a whole number "
+                                   "of MiB >= 0") from None
+    packed = _core._packed_config(enabled=choice == "llamax", budget=budget)
+    out = {"packed": {"isa": packed["isa"], "budget": packed["budget"]} if packed["enabled"] else None}
+    if choice == "ggml":
+        return {**out, "library": None, "reason": f"LLAMAX_SGEMM={want}: ggml's kernels"}
+    return {**out, **_load_openblas()}
+
+
+def _load_openblas() -> dict:
     global _lib
-    want = os.environ.get("LLAMAX_SGEMM", "openblas").strip().lower()
-    if want in ("ggml", "off", "0", "none", "false"):
-        return {"library": None, "reason": f"LLAMAX_SGEMM={want}: ggml's kernels"}
-    if want not in ("openblas", "1", "on", "true", ""):
-        from llamax._errors import InvalidArgumentError
-        raise InvalidArgumentError(f"LLAMAX_SGEMM={want!r}: expected openblas or ggml")
     try:
         import scipy_openblas32 as sob
     except ImportError:
@@ -65,4 +96,3 @@ def _load() -> dict:
     _core._set_embedding_sgemm(address)
     _lib = lib
     return {"library": "OpenBLAS", "version": sob.__version__, "path": path, "config": config, "core": core}
-

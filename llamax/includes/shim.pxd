@@ -20,6 +20,18 @@ cdef extern from "pyerrors.h" namespace "llamax":
     int register_errors(dict ns) except -1
 
 
+cdef extern from "packed_gemm.h" namespace "llamax::packed" nogil:
+    # float weights packed once for embedding contexts (third_party/patches/0010)
+    const char * packed_isa "llamax::packed::isa"()
+    cbool packed_set_isa "llamax::packed::set_isa"(const char * name)
+    void packed_set_enabled "llamax::packed::set_enabled"(cbool on)
+    cbool packed_enabled "llamax::packed::enabled"()
+    void packed_set_budget "llamax::packed::set_budget"(size_t nbytes)
+    size_t packed_budget "llamax::packed::budget"()
+    size_t packed_bytes "llamax::packed::packed_bytes"(const llama_model * model)
+    double packed_self_check "llamax::packed::self_check"(int M, int N, int K, int threads, unsigned int seed)
+
+
 cdef extern from "llamax.h" namespace "llamax" nogil:
     ctypedef void (*log_sink_fn)(int level, const char * text) noexcept
     ctypedef int (*token_cb_fn)(void * user, llama_token token) noexcept
@@ -142,6 +154,7 @@ cdef extern from "llamax.h" namespace "llamax" nogil:
         cbool would_grow_outputs(int32_t n_tokens, int32_t n_outputs)
         cbool outputs_all()
         cbool external_sgemm()
+        cbool packed_weights()
         int32_t n_call_max()
         cbool has_memory()
 

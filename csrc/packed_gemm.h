@@ -1,0 +1,63 @@
+// Packed-weight matrix products for embedding contexts (third_party/patches/0010).
+//
+// ggml multiplies an embedding model's float weights with tinyBLAS (no
+// packing, about half of a core's FMA peak) or, through patch 0005, with
+// OpenBLAS, which packs the weights into its own layout on every call:
+// for inputs of 14-60 tokens that packing costs as much as the product.
+// Weights never change, so this packs each float weight matrix of a model
+// once, on first use, into panels of 32 (AVX-512) or 16 (AVX2) output
+// columns, and multiplies from them with register-blocked kernels that
+// read each panel in order.  Every output element is one dot product
+// summed in the same order whatever the number of rows, so a row's result
+// does not depend on what it was batched with.
+//
+// The packed copies are float32, one store per model, shared by its
+// contexts and freed with the model; a store stops packing past its budget
+// (set_budget), and a weight it did not pack goes on to patch 0005 / ggml.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+
+struct ggml_tensor;
+struct llama_model;
+
+namespace llamax {
+namespace packed {
+
+// The kernels this process runs: "avx512", "avx2", or "" when the CPU (or
+// the build: not x86-64 with GCC/Clang) has neither.
+const char * isa();
+// Tests: run the named kernels ("avx512", "avx2"; "" = the best the CPU
+// has).  False, changing nothing, when the CPU can't run them.
+bool set_isa(const char * name);
+
+// Whether embedding contexts made from now on use packed weights.
+void set_enabled(bool on);
+bool enabled();
+
+// Bytes of packed weights one model may hold (default 2 GiB).
+void set_budget(size_t bytes);
+size_t budget();
+
+class Store;
+using StorePtr = std::shared_ptr<Store>;
+
+// The packed-weight store of `model`, made on first use.
+StorePtr store_for(const llama_model * model);
+// Drops the model's store (the model is being freed).
+void forget(const llama_model * model);
+// Bytes packed for `model` so far (0: none).
+size_t packed_bytes(const llama_model * model);
+
+// The threadpool hook (ggml_mul_mat_hook_t); `data` is a Store.
+bool mul_mat_hook(void * data, const ggml_tensor * dst, int ith, int nth);
+
+// Packs a random M x K by N x K problem, multiplies it with `threads`
+// simulated shares and returns max |C - C_ref| / max |C_ref| against a
+// double-precision reference (tests).  -1 when no kernels can run.
+double self_check(int M, int N, int K, int threads, uint32_t seed);
+
+}  // namespace packed
+}  // namespace llamax

@@ -1,0 +1,205 @@
+"""Float weights packed once for llamax's own kernels (csrc/packed_gemm.cpp,
+third_party/patches/0010): the kernels against a double-precision
+reference, which weights get packed, agreement with the OpenBLAS and ggml
+paths, the budget, threads, and the LLAMAX_SGEMM / LLAMAX_PACKED_BUDGET_MB
+settings."""
+import json
+import threading
+
+import numpy as np
+import pytest
+
+import data
+import llamax
+from conftest import run_py
+from llamax import _core
+
+N_EMBD = 384
+
+
+def cosines(a, b):
+    a = a / np.linalg.norm(a, axis=1, keepdims=True)
+    b = b / np.linalg.norm(b, axis=1, keepdims=True)
+    return (a * b).sum(1)
+
+
+ISAS = _core._packed_isas()
+
+
+@pytest.fixture
+def restore_packed():
+    before = _core._packed_config()
+    yield
+    _core._packed_config(enabled=before["enabled"], isa=before["isa"], budget=before["budget"])
+
+
+def test_this_cpu_has_packed_kernels():
+    # every machine this project runs on has AVX2 + FMA at least
+    assert "avx2" in ISAS, ISAS
+    info = llamax.sgemm_info()
+    assert info["packed"] is not None and info["packed"]["isa"] in ISAS, info
+    assert info["packed"]["budget"] == 2048 << 20
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("M,N,K,threads", [
+    (1, 1, 1, 1), (1, 33, 7, 2), (12, 32, 384, 1), (13, 100, 385, 3), (6, 16, 16, 4),
+    (37, 384, 1536, 2), (300, 65, 600, 2), (5, 17, 513, 5), (200, 48, 20, 2),
+])
+def test_packed_kernels_match_a_double_reference(isa, M, N, K, threads, restore_packed):
+    """Every row count up to a kernel's height, last panels of 1-31 real
+    columns, K blocked (> 512), more threads than panels, strided rows; the
+    columns past N are never written."""
+    _core._packed_config(isa=isa)
+    err = _core._packed_self_check(M, N, K, threads, seed=M * 7 + N)
+    assert 0 <= err < 1e-5, err
+
+
+def test_unknown_isa_is_refused(restore_packed):
+    with pytest.raises(llamax.InvalidArgumentError, match="can't run it"):
+        _core._packed_config(isa="neon")
+    with pytest.raises(llamax.InvalidArgumentError, match=">= 0"):
+        _core._packed_config(budget=-1)
+    with pytest.raises(llamax.ArgumentTypeError):
+        _core._packed_config(enabled=1)
+
+
+def _matmul_weight_bytes(path, nr):
+    """float32 bytes of the model's matrix-product weights packed in panels
+    of nr columns (the token embeddings are looked up, not multiplied)."""
+    import gguf
+    total = 0
+    for t in gguf.GGUFReader(str(path)).tensors:
+        if t.name.startswith("blk.") and len(t.shape) == 2 and t.shape[1] > 1:
+            k, n = (int(x) for x in t.shape)  # gguf lists ne0 (K) first
+            total += -(-n // nr) * nr * k * 4
+    return total
+
+
+@pytest.mark.parametrize("kind", ["f32", "f16"])
+def test_embedding_contexts_pack_the_model_weights_once(kind, sentences):
+    path = data.minilm(kind)
+    nr = 32 if _core._packed_config()["isa"] == "avx512" else 16
+    want = _matmul_weight_bytes(path, nr)
+    # the 36 matrices of the six layers (Q, K, V, output, FFN up and down)
+    assert want == 6 * (4 * 384 * 384 + 2 * 384 * 1536) * 4
+    with llamax.Model(path) as m:
+        assert m.packed_weight_bytes == 0
+        with llamax.Context(m, n_ctx=64, n_threads=2) as gen:
+            assert not gen.packed_weights  # generation keeps ggml's kernels
+            gen.decode(m.tokenize("a generation context"))
+        assert m.packed_weight_bytes == 0
+        with llamax.Context(m, n_ctx=512, n_batch=512, n_ubatch=512, n_seq_max=8, n_threads=2,
+                            embeddings=True, pooling="mean") as c:
+            assert c.packed_weights
+            c.set_threads(3)  # new threadpools keep it
+            assert c.packed_weights
+            toks, offs = m.tokenize_batch(sentences[:8])
+            first = np.array(c.embed(toks, offs))
+            assert m.packed_weight_bytes == want
+            again = np.array(c.embed(toks, offs))
+            assert m.packed_weight_bytes == want  # packed once
+        assert np.array_equal(first, again)
+
+
+def test_packed_weights_agree_with_openblas_and_ggml(sentences, tmp_path):
+    """The same inputs with LLAMAX_SGEMM=openblas and =ggml (other processes):
+    batches and single inputs, f32 and f16 weights."""
+    outs = {}
+    for mode in ("openblas", "ggml"):
+        r = run_py(f"""
+            import json
+            import numpy as np
+            import llamax
+            texts = json.loads({json.dumps(sentences)!r})
+            out = []
+            for kind in ("f32", "f16"):
+                import data
+                with llamax.Embedder(data.minilm(kind), max_seq_length=256, n_threads=2) as e:
+                    assert llamax.sgemm_info()["packed"] is None
+                    out.append(np.concatenate([e.encode(texts, batch_size=64), e.encode(texts[:6], batch_size=1)]))
+                    assert e.llama._model.packed_weight_bytes == 0
+            np.save({str(tmp_path / (mode + ".npy"))!r}, np.concatenate(out))
+        """, env={"LLAMAX_SGEMM": mode})
+        assert r.returncode == 0, r.stderr
+        outs[mode] = np.load(tmp_path / (mode + ".npy"))
+    got = []
+    for kind in ("f32", "f16"):
+        with llamax.Embedder(data.minilm(kind), max_seq_length=256, n_threads=2) as e:
+            got.append(np.concatenate([e.encode(sentences, batch_size=64), e.encode(sentences[:6], batch_size=1)]))
+            assert e.llama._model.packed_weight_bytes > 0
+    got = np.concatenate(got)
+    for mode, ref in outs.items():
+        assert got.shape == ref.shape == (2 * (len(sentences) + 6), N_EMBD)
+        cos = cosines(got, ref)
+        assert cos.min() > 0.99999, (mode, int(np.argmin(cos)), cos.min())
+
+
+def test_avx2_kernels_agree_with_the_best(sentences, restore_packed):
+    """On an AVX-512 machine the AVX2 kernels (panels of 16) run too, so both
+    kernel sets are checked on every CI machine."""
+    path = data.minilm("f32")
+    with llamax.Embedder(path, max_seq_length=256, n_threads=2) as e:
+        best = e.encode(sentences, batch_size=32)
+        _core._packed_config(isa="avx2")  # live contexts switch at their next product
+        avx2 = e.encode(sentences, batch_size=32)
+    cos = cosines(best, avx2)
+    assert cos.min() > 0.99999, cos.min()
+
+
+def test_budget_leaves_weights_to_openblas(sentences, restore_packed):
+    path = data.minilm("f32")
+    with llamax.Embedder(path, max_seq_length=256, n_threads=2) as e:
+        full = e.encode(sentences[:10])
+    _core._packed_config(budget=3 * 384 * 384 * 4)  # three 384 x 384 matrices, then no more
+    with llamax.Embedder(path, max_seq_length=256, n_threads=2) as e:
+        part = e.encode(sentences[:10])
+        assert e.llama._model.packed_weight_bytes == 3 * 384 * 384 * 4
+    _core._packed_config(budget=0)
+    with llamax.Embedder(path, max_seq_length=256, n_threads=2) as e:
+        none = e.encode(sentences[:10])
+        assert e.llama._model.packed_weight_bytes == 0
+    assert cosines(full, part).min() > 0.99999
+    assert cosines(full, none).min() > 0.99999
+
+
+def test_contexts_of_one_model_pack_it_together(sentences):
+    """Two embedding contexts of one model in two threads from the first
+    product on: each weight is packed once, by one of them, and both get the
+    answer either gets alone afterwards."""
+    path = data.minilm("f16")
+    nr = 32 if _core._packed_config()["isa"] == "avx512" else 16
+    with llamax.Model(path) as m:
+        toks, offs = m.tokenize_batch(sentences[:16])
+        ctxs = [llamax.Context(m, n_ctx=1024, n_batch=1024, n_ubatch=1024, n_seq_max=16, n_threads=1,
+                               embeddings=True, pooling="mean") for _ in range(2)]
+        go = threading.Barrier(2)
+        out = [None, None]
+
+        def work(i):
+            go.wait()
+            out[i] = np.array(ctxs[i].embed(toks, offs))
+
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert m.packed_weight_bytes == _matmul_weight_bytes(path, nr)
+        want = np.array(ctxs[0].embed(toks, offs))
+        for c in ctxs:
+            c.close()
+    assert out[0].shape == (16, N_EMBD)
+    assert np.array_equal(out[0], want) and np.array_equal(out[1], want)
+
+
+def test_bad_budget_setting_is_refused_at_the_first_embedding_context():
+    r = run_py(f"""
+        import llamax, data
+        try:
+            llamax.Embedder(data.minilm("f32"))
+        except llamax.InvalidArgumentError as e:
+            print("refused:", e)
+    """, timeout=120, env={"LLAMAX_PACKED_BUDGET_MB": "lots"})
+    assert r.returncode == 0, r.stderr
+    assert "refused: LLAMAX_PACKED_BUDGET_MB='lots': expected a whole number of MiB >= 0" in r.stdout
