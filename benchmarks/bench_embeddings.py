@@ -239,8 +239,13 @@ def table(res: dict) -> str:
         for k, (lo, mean) in res["cosine"].items():
             out.append(f"| {k} | {lo:.6f} / {mean:.6f} |")
     sg = res.get("llamax_sgemm") or {}
-    out += ["", f"llamax's float matmuls: {sg.get('library') or 'ggml'} "
-                f"{sg.get('version', '')} {sg.get('core', '')}".rstrip() + "."]
+    packed = sg.get("packed")
+    rest = f"{sg.get('library') or 'ggml'} {sg.get('version', '')} {sg.get('core', '')}".rstrip()
+    if packed:
+        out += ["", f"llamax's float matmuls: weights packed once for llamax's {packed['isa']} kernels; "
+                    f"what those leave: {rest}."]
+    else:
+        out += ["", f"llamax's float matmuls: {rest}."]
     return "\n".join(out) + "\n"
 
 

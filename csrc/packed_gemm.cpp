@@ -29,8 +29,11 @@ namespace packed {
 namespace {
 
 // A kernel adds A[mr x K] * panel (K x nr) to (or stores it in) C[mr x nr],
-// `cols` of whose columns are real (the rest of a last panel is padding).
-using Kernel = void (*)(int K, const float * A, long lda, const float * B, float * C, long ldc, int cols, bool add);
+// `cols` of whose columns are real (the rest of a last panel is padding),
+// then adds `bias` (the panel's nr entries; nullptr: none) to each row: the
+// same two roundings as a product followed by ggml's ADD of the bias.
+using Kernel = void (*)(int K, const float * A, long lda, const float * B, float * C, long ldc, int cols, bool add,
+                        const float * bias);
 
 struct Kernels {
     const char * name;
@@ -45,7 +48,7 @@ struct Kernels {
 // AVX-512: 2 vectors of 16 columns by up to 12 rows (24 accumulators).
 template <int MR>
 __attribute__((target("avx512f,fma"))) void kernel_avx512(int K, const float * A, long lda, const float * B, float * C,
-                                                          long ldc, int cols, bool add) {
+                                                          long ldc, int cols, bool add, const float * bias) {
     __m512 c0[MR];
     __m512 c1[MR];
 #pragma GCC unroll 16
@@ -67,6 +70,8 @@ __attribute__((target("avx512f,fma"))) void kernel_avx512(int K, const float * A
     const __mmask16 m1 = cols >= 32 ? (__mmask16) 0xFFFF
                          : cols <= 16 ? (__mmask16) 0
                                       : (__mmask16) ((1u << (cols - 16)) - 1);
+    const __m512 bias0 = bias != nullptr ? _mm512_maskz_loadu_ps(m0, bias) : _mm512_setzero_ps();
+    const __m512 bias1 = bias != nullptr ? _mm512_maskz_loadu_ps(m1, bias + 16) : _mm512_setzero_ps();
 #pragma GCC unroll 16
     for (int i = 0; i < MR; i++) {
         float * c = C + i * ldc;
@@ -76,6 +81,10 @@ __attribute__((target("avx512f,fma"))) void kernel_avx512(int K, const float * A
             r0 = _mm512_add_ps(r0, _mm512_maskz_loadu_ps(m0, c));
             r1 = _mm512_add_ps(r1, _mm512_maskz_loadu_ps(m1, c + 16));
         }
+        if (bias != nullptr) {
+            r0 = _mm512_add_ps(r0, bias0);
+            r1 = _mm512_add_ps(r1, bias1);
+        }
         _mm512_mask_storeu_ps(c, m0, r0);
         _mm512_mask_storeu_ps(c + 16, m1, r1);
     }
@@ -84,7 +93,7 @@ __attribute__((target("avx512f,fma"))) void kernel_avx512(int K, const float * A
 // AVX2 + FMA: 2 vectors of 8 columns by up to 6 rows (12 accumulators).
 template <int MR>
 __attribute__((target("avx2,fma"))) void kernel_avx2(int K, const float * A, long lda, const float * B, float * C,
-                                                     long ldc, int cols, bool add) {
+                                                     long ldc, int cols, bool add, const float * bias) {
     __m256 c0[MR];
     __m256 c1[MR];
 #pragma GCC unroll 8
@@ -106,6 +115,8 @@ __attribute__((target("avx2,fma"))) void kernel_avx2(int K, const float * A, lon
     const __m256i n = _mm256_set1_epi32(cols);
     const __m256i m0 = _mm256_cmpgt_epi32(n, _mm256_load_si256((const __m256i *) ramp));
     const __m256i m1 = _mm256_cmpgt_epi32(n, _mm256_load_si256((const __m256i *) (ramp + 8)));
+    const __m256 bias0 = bias != nullptr ? _mm256_maskload_ps(bias, m0) : _mm256_setzero_ps();
+    const __m256 bias1 = bias != nullptr ? _mm256_maskload_ps(bias + 8, m1) : _mm256_setzero_ps();
 #pragma GCC unroll 8
     for (int i = 0; i < MR; i++) {
         float * c = C + i * ldc;
@@ -114,6 +125,10 @@ __attribute__((target("avx2,fma"))) void kernel_avx2(int K, const float * A, lon
         if (add) {
             r0 = _mm256_add_ps(r0, _mm256_maskload_ps(c, m0));
             r1 = _mm256_add_ps(r1, _mm256_maskload_ps(c + 8, m1));
+        }
+        if (bias != nullptr) {
+            r0 = _mm256_add_ps(r0, bias0);
+            r1 = _mm256_add_ps(r1, bias1);
         }
         _mm256_maskstore_ps(c, m0, r0);
         _mm256_maskstore_ps(c + 8, m1, r1);
@@ -157,6 +172,7 @@ const Kernels * best_kernels() { return nullptr; }
 std::atomic<const Kernels *> g_kernels{best_kernels()};
 std::atomic<bool> g_enabled{true};
 std::atomic<size_t> g_budget{size_t(2) << 30};
+std::atomic<uint64_t> g_fused{0};  // products computed with their bias ADD
 
 struct AlignedFree {
     void operator()(float * p) const { std::free(p); }
@@ -198,12 +214,12 @@ Panels pack(int N, int K, int nr, RowFn && row) {
     return out;
 }
 
-// C[M x columns of panels p0..p1) = A[M x K] * W^T from packed panels.
-// K is cut into blocks of kc (so a panel block stays in L2) and M into
-// blocks of mc (so A's block does); for each (column, row) the sum runs
-// over k in the same order whatever M is.
+// C[M x columns of panels p0..p1) = A[M x K] * W^T (+ bias) from packed
+// panels.  K is cut into blocks of kc (so a panel block stays in L2) and M
+// into blocks of mc (so A's block does); for each (column, row) the sum
+// runs over k in the same order whatever M is.
 void multiply(const Kernels & ks, int M, int N, int K, const float * A, long lda, const float * P, float * C, long ldc,
-              int p0, int p1) {
+              int p0, int p1, const float * bias) {
     const int nr = ks.nr;
     const int kc = K <= 512 ? K : 384;
     const int mc = 192;
@@ -214,10 +230,11 @@ void multiply(const Kernels & ks, int M, int N, int K, const float * A, long lda
             for (int p = p0; p < p1; p++) {
                 const float * B = P + (size_t) p * K * nr + (size_t) kb * nr;
                 const int cols = std::min(nr, N - p * nr);
+                const float * b = (bias != nullptr && kb + kl == K) ? bias + (size_t) p * nr : nullptr;
                 for (int i = m0; i < m1; i += ks.mr) {
                     const int rows = std::min(ks.mr, m1 - i);
                     ks.k[rows](kl, A + (size_t) i * lda + kb, lda, B, C + (size_t) i * ldc + (size_t) p * nr, ldc, cols,
-                               kb > 0);
+                               kb > 0, b);
                 }
             }
         }
@@ -306,11 +323,21 @@ std::unordered_map<const llama_model *, StorePtr> g_stores;
 
 bool fits_int(int64_t v) { return v >= 0 && v < (int64_t) std::numeric_limits<int>::max(); }
 
-// Whether dst = src0 * src1 is a product of model weights the kernels take.
-bool eligible(const ggml_tensor * dst, const Kernels & ks) {
-    const ggml_tensor * w = dst->src[0];
-    const ggml_tensor * x = dst->src[1];
-    if (w == nullptr || x == nullptr || w->data == nullptr || x->data == nullptr || dst->data == nullptr) {
+// Whether mm = src0 * src1 (+ bias, into out) is a product of model weights
+// the kernels take.
+bool eligible(const ggml_tensor * mm, const ggml_tensor * bias, const ggml_tensor * out, const Kernels & ks) {
+    const ggml_tensor * w = mm->src[0];
+    const ggml_tensor * x = mm->src[1];
+    if (w == nullptr || x == nullptr || out == nullptr || w->data == nullptr || x->data == nullptr ||
+        out->data == nullptr) {
+        return false;
+    }
+    if (bias != nullptr && (bias->type != GGML_TYPE_F32 || bias->data == nullptr || bias->ne[0] != w->ne[1] ||
+                            bias->nb[0] != sizeof(float) || ggml_nrows(bias) != 1)) {
+        return false;
+    }
+    const ggml_tensor * dst = out;
+    if (!ggml_are_same_shape(mm, out)) {
         return false;
     }
     if (w->type != GGML_TYPE_F32 && w->type != GGML_TYPE_F16 && w->type != GGML_TYPE_BF16) {
@@ -373,6 +400,8 @@ bool set_isa(const char * name) {
 void set_enabled(bool on) { g_enabled.store(on); }
 bool enabled() { return g_enabled.load() && g_kernels.load() != nullptr; }
 
+uint64_t fused_products() { return g_fused.load(std::memory_order_relaxed); }
+
 void set_budget(size_t bytes) { g_budget.store(bytes); }
 size_t budget() { return g_budget.load(); }
 
@@ -408,13 +437,15 @@ size_t packed_bytes(const llama_model * model) {
     return s->bytes();
 }
 
-bool mul_mat_hook(void * data, const ggml_tensor * dst, int ith, int nth) {
+bool mul_mat_hook(void * data, const ggml_tensor * mm, const ggml_tensor * bias, ggml_tensor * out, int ith, int nth) {
     const Kernels * ks = g_kernels.load();
-    if (data == nullptr || ks == nullptr || !eligible(dst, *ks)) {
+    if (data == nullptr || ks == nullptr || mm == nullptr || !eligible(mm, bias, out, *ks)) {
         return false;
     }
-    const ggml_tensor * w = dst->src[0];
-    const ggml_tensor * x = dst->src[1];
+    const ggml_tensor * w = mm->src[0];
+    const ggml_tensor * x = mm->src[1];
+    const ggml_tensor * dst = out;
+    const float * b = bias != nullptr ? static_cast<const float *>(bias->data) : nullptr;
     const float * P = static_cast<Store *>(data)->get(w, *ks);
     if (P == nullptr) {
         return false;
@@ -423,6 +454,9 @@ bool mul_mat_hook(void * data, const ggml_tensor * dst, int ith, int nth) {
     const int K = (int) w->ne[0];
     const int M = (int) x->ne[1];
     const int np = (N + ks->nr - 1) / ks->nr;
+    if (bias != nullptr && ith == 0) {
+        g_fused.fetch_add(1, std::memory_order_relaxed);
+    }
     const int p0 = (int) ((int64_t) np * ith / nth);
     const int p1 = (int) ((int64_t) np * (ith + 1) / nth);
     if (p0 >= p1) {
@@ -434,13 +468,13 @@ bool mul_mat_hook(void * data, const ggml_tensor * dst, int ith, int nth) {
         for (int64_t i2 = 0; i2 < x->ne[2]; i2++) {
             const float * A = (const float *) ((const char *) x->data + i2 * x->nb[2] + i3 * x->nb[3]);
             float * C = (float *) ((char *) dst->data + i2 * dst->nb[2] + i3 * dst->nb[3]);
-            multiply(*ks, M, N, K, A, lda, P, C, ldc, p0, p1);
+            multiply(*ks, M, N, K, A, lda, P, C, ldc, p0, p1, b);
         }
     }
     return true;
 }
 
-double self_check(int M, int N, int K, int threads, uint32_t seed) {
+double self_check(int M, int N, int K, int threads, uint32_t seed, bool with_bias) {
     const Kernels * ks = g_kernels.load();
     if (ks == nullptr || M < 1 || N < 1 || K < 1 || threads < 1) {
         return -1.0;
@@ -456,6 +490,11 @@ double self_check(int M, int N, int K, int threads, uint32_t seed) {
     for (auto & v : W) {
         v = u(rng);
     }
+    std::vector<float> bias((size_t) N);
+    for (auto & v : bias) {
+        v = u(rng);
+    }
+    const float * b = with_bias ? bias.data() : nullptr;
     Panels P = pack(N, K, ks->nr, [&](int n, float *) { return (const float *) (W.data() + (size_t) n * K); });
     if (!P) {
         return -1.0;
@@ -465,14 +504,14 @@ double self_check(int M, int N, int K, int threads, uint32_t seed) {
         const int p0 = (int) ((int64_t) np * t / threads);
         const int p1 = (int) ((int64_t) np * (t + 1) / threads);
         if (p0 < p1) {
-            multiply(*ks, M, N, K, A.data(), lda, P.get(), C.data(), ldc, p0, p1);
+            multiply(*ks, M, N, K, A.data(), lda, P.get(), C.data(), ldc, p0, p1, b);
         }
     }
     // a row's result does not depend on the rows multiplied with it: the
     // last rows alone (another kernel height, another start) give the same bits
     const int tail = std::min(M, 3);
     std::vector<float> T((size_t) tail * ldc, 7.0f);
-    multiply(*ks, tail, N, K, A.data() + (size_t) (M - tail) * lda, lda, P.get(), T.data(), ldc, 0, np);
+    multiply(*ks, tail, N, K, A.data() + (size_t) (M - tail) * lda, lda, P.get(), T.data(), ldc, 0, np, b);
     for (int i = 0; i < tail; i++) {
         if (std::memcmp(T.data() + (size_t) i * ldc, C.data() + (size_t) (M - tail + i) * ldc, N * sizeof(float)) != 0) {
             return std::numeric_limits<double>::infinity();
@@ -486,6 +525,7 @@ double self_check(int M, int N, int K, int threads, uint32_t seed) {
             for (int k = 0; k < K; k++) {
                 ref += (double) A[(size_t) i * lda + k] * (double) W[(size_t) n * K + k];
             }
+            ref += with_bias ? (double) bias[n] : 0.0;
             worst = std::max(worst, std::fabs(ref - (double) C[(size_t) i * ldc + n]));
             scale = std::max(scale, std::fabs(ref));
         }

@@ -37,6 +37,10 @@ bool set_isa(const char * name);
 void set_enabled(bool on);
 bool enabled();
 
+// Products computed together with the ADD of their bias (patch 0010's
+// fusion), since the process started.
+uint64_t fused_products();
+
 // Bytes of packed weights one model may hold (default 2 GiB).
 void set_budget(size_t bytes);
 size_t budget();
@@ -51,13 +55,16 @@ void forget(const llama_model * model);
 // Bytes packed for `model` so far (0: none).
 size_t packed_bytes(const llama_model * model);
 
-// The threadpool hook (ggml_mul_mat_hook_t); `data` is a Store.
-bool mul_mat_hook(void * data, const ggml_tensor * dst, int ith, int nth);
+// The threadpool hook (ggml_mul_mat_hook_t): mm's product plus `bias` (a
+// row; nullptr: none) into `out`; `data` is a Store.
+bool mul_mat_hook(void * data, const ggml_tensor * mm, const ggml_tensor * bias, ggml_tensor * out, int ith, int nth);
 
 // Packs a random M x K by N x K problem, multiplies it with `threads`
-// simulated shares and returns max |C - C_ref| / max |C_ref| against a
-// double-precision reference (tests).  -1 when no kernels can run.
-double self_check(int M, int N, int K, int threads, uint32_t seed);
+// simulated shares (adding a random bias row if asked) and returns
+// max |C - C_ref| / max |C_ref| against a double-precision reference, or
+// infinity if a row's bits depend on the rows multiplied with it or a
+// column past N was written (tests).  -1 when no kernels can run.
+double self_check(int M, int N, int K, int threads, uint32_t seed, bool with_bias);
 
 }  // namespace packed
 }  // namespace llamax

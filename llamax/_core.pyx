@@ -122,7 +122,9 @@ def _packed_config(enabled=None, isa=None, budget=None):
     are multiplied from packed copies (``enabled``), with which kernels
     (``isa``: "avx512", "avx2", "" for the best the CPU has) and how many
     bytes of packed weights one model may hold (``budget``); None leaves a
-    setting as it is.  Returns the settings: {"enabled", "isa", "budget"}.
+    setting as it is.  Returns the settings, {"enabled", "isa", "budget"},
+    and how many products were computed with their bias added in the same
+    pass since the process started ("fused_products").
     llamax._sgemm and the tests call it."""
     if enabled is not None:
         if not isinstance(enabled, bool):
@@ -140,7 +142,8 @@ def _packed_config(enabled=None, isa=None, budget=None):
         if budget < 0:
             raise InvalidArgumentError(f"budget={budget}: must be >= 0 bytes")
         packed_set_budget(<size_t> min(budget, (1 << 63) - 1))
-    return {"enabled": packed_enabled(), "isa": packed_isa().decode(), "budget": packed_budget()}
+    return {"enabled": packed_enabled(), "isa": packed_isa().decode(), "budget": packed_budget(),
+            "fused_products": packed_fused_products()}
 
 
 def _packed_isas():
@@ -153,13 +156,15 @@ def _packed_isas():
     return out
 
 
-def _packed_self_check(int M, int N, int K, int threads=1, unsigned int seed=0):
+def _packed_self_check(int M, int N, int K, int threads=1, unsigned int seed=0, bint bias=False):
     """max |C - C_ref| / max |C_ref| of the packed kernels on a random
-    M x K by N x K product against a double-precision reference (tests);
-    -1 when no kernels can run."""
+    M x K by N x K product (plus a random bias row if asked) against a
+    double-precision reference; infinity if a row's bits depend on the rows
+    multiplied with it or a column past N was written (tests); -1 when no
+    kernels can run."""
     cdef double r
     with nogil:
-        r = packed_self_check(M, N, K, threads, seed)
+        r = packed_self_check(M, N, K, threads, seed, bias)
     return r
 
 

@@ -1,7 +1,7 @@
 # Declarations of csrc/ (namespace llamax).  Every function that can throw is
 # `except +translate_exception`, which raises the llamax.LlamaxError subclass
 # named by the C++ error's kind (csrc/pyerrors.h).
-from libc.stdint cimport int8_t, int32_t, int64_t, uint8_t
+from libc.stdint cimport int8_t, int32_t, int64_t, uint8_t, uint64_t
 from libcpp cimport bool as cbool
 from libcpp.memory cimport shared_ptr
 from libcpp.string cimport string
@@ -28,8 +28,10 @@ cdef extern from "packed_gemm.h" namespace "llamax::packed" nogil:
     cbool packed_enabled "llamax::packed::enabled"()
     void packed_set_budget "llamax::packed::set_budget"(size_t nbytes)
     size_t packed_budget "llamax::packed::budget"()
+    uint64_t packed_fused_products "llamax::packed::fused_products"()
     size_t packed_bytes "llamax::packed::packed_bytes"(const llama_model * model)
-    double packed_self_check "llamax::packed::self_check"(int M, int N, int K, int threads, unsigned int seed)
+    double packed_self_check "llamax::packed::self_check"(int M, int N, int K, int threads, unsigned int seed,
+                                                            cbool with_bias)
 
 
 cdef extern from "llamax.h" namespace "llamax" nogil:

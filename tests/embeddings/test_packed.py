@@ -46,12 +46,14 @@ def test_this_cpu_has_packed_kernels():
     (1, 1, 1, 1), (1, 33, 7, 2), (12, 32, 384, 1), (13, 100, 385, 3), (6, 16, 16, 4),
     (37, 384, 1536, 2), (300, 65, 600, 2), (5, 17, 513, 5), (200, 48, 20, 2),
 ])
-def test_packed_kernels_match_a_double_reference(isa, M, N, K, threads, restore_packed):
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_kernels_match_a_double_reference(isa, M, N, K, threads, bias, restore_packed):
     """Every row count up to a kernel's height, last panels of 1-31 real
-    columns, K blocked (> 512), more threads than panels, strided rows; the
-    columns past N are never written."""
+    columns, K blocked (> 512), more threads than panels, strided rows, a
+    fused bias row; the columns past N are never written, and the last rows
+    alone give the same bits as in the whole product."""
     _core._packed_config(isa=isa)
-    err = _core._packed_self_check(M, N, K, threads, seed=M * 7 + N)
+    err = _core._packed_self_check(M, N, K, threads, seed=M * 7 + N, bias=bias)
     assert 0 <= err < 1e-5, err
 
 
@@ -145,6 +147,30 @@ def test_avx2_kernels_agree_with_the_best(sentences, restore_packed):
         avx2 = e.encode(sentences, batch_size=32)
     cos = cosines(best, avx2)
     assert cos.min() > 0.99999, cos.min()
+
+
+def test_bias_add_is_fused_with_the_product_bit_identically(sentences, tmp_path):
+    """Each projection's ADD of its bias runs inside the product (patch 0010);
+    with ggml's fusions off (another process) the numbers are the same bits."""
+    path = data.minilm("f32")
+    r = run_py(f"""
+        import json
+        import numpy as np
+        import llamax
+        from llamax import _core
+        texts = json.loads({json.dumps(sentences[:12])!r})
+        with llamax.Embedder({str(path)!r}, max_seq_length=256, n_threads=2) as e:
+            v = np.concatenate([e.encode(texts, batch_size=6), e.encode(texts[:2], batch_size=1)])
+            assert _core._packed_config()["fused_products"] == 0
+        np.save({str(tmp_path / "unfused.npy")!r}, v)
+    """, env={"GGML_CPU_DISABLE_FUSION": "1"})
+    assert r.returncode == 0, r.stderr
+    before = _core._packed_config()["fused_products"]
+    with llamax.Embedder(path, max_seq_length=256, n_threads=2) as e:
+        got = np.concatenate([e.encode(sentences[:12], batch_size=6), e.encode(sentences[:2], batch_size=1)])
+    # 4 decodes x 6 layers x (Q, K, V, output, FFN up, FFN down), each with a bias
+    assert _core._packed_config()["fused_products"] - before == 4 * 6 * 6
+    assert np.array_equal(got, np.load(tmp_path / "unfused.npy"))
 
 
 def test_budget_leaves_weights_to_openblas(sentences, restore_packed):
