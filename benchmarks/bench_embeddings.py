@@ -116,12 +116,22 @@ def _peer(worker, **fixed):
     return go
 
 
-def contestants(threads: int, with_peers: bool, log) -> tuple[dict, list, dict]:
+def contestants(threads: int, with_peers: bool, log, with_openblas: bool = False) -> tuple[dict, list, dict]:
     """name -> run(texts, batch_size, want_vectors) -> (seconds, vectors or None).
-    (run() warms every contestant up on every shape before timing.)"""
+    (run() warms every contestant up on every shape before timing.)
+    with_openblas adds llamax f32 without packed weights (OpenBLAS for every
+    float product, as before patch 0010): the A/B of that change."""
     runs, workers, info = {}, [], {}
-    for kind in ("f32", "f16", "q8_0"):
-        emb = llamax.Embedder(data.minilm(kind), max_seq_length=256, n_threads=threads)
+    llamax.sgemm_info()
+    kinds = ("f32", "f16", "q8_0") + (("f32 OpenBLAS",) if with_openblas else ())
+    for kind in kinds:
+        if kind == "f32 OpenBLAS":
+            before = llamax._core._packed_config()["enabled"]
+            llamax._core._packed_config(enabled=False)  # for the contexts made now
+            emb = llamax.Embedder(data.minilm("f32"), max_seq_length=256, n_threads=threads)
+            llamax._core._packed_config(enabled=before)
+        else:
+            emb = llamax.Embedder(data.minilm(kind), max_seq_length=256, n_threads=threads)
 
         def lx(ts, bs, want, emb=emb):
             t0 = time.perf_counter()
@@ -152,11 +162,11 @@ def contestants(threads: int, with_peers: bool, log) -> tuple[dict, list, dict]:
 
 
 def run(threads: int, runs: int, scale: float, lengths: list[str], batches: list[int], with_peers: bool,
-        log) -> dict:
+        log, with_openblas: bool = False) -> dict:
     inputs = {ln: texts(ln, scale) for ln in lengths}
     with llamax.Model(data.minilm("f16"), vocab_only=True) as m:
         tokens = {ln: float(np.diff(m.tokenize_batch(inputs[ln])[1]).mean()) for ln in lengths}
-    fns, workers, info = contestants(threads, with_peers, log)
+    fns, workers, info = contestants(threads, with_peers, log, with_openblas)
     names = list(fns)
     cells = [(ln, b) for ln in lengths for b in batches]
     secs = {(ln, b): {k: [] for k in names} for ln, b in cells}
@@ -280,6 +290,8 @@ def main(argv=None):
     ap.add_argument("--batches", default=",".join(map(str, BATCHES)))
     ap.add_argument("--no-peers", action="store_true", help="llamax only (no tool venv or llama-cpp-python venv)")
     ap.add_argument("--quick", action="store_true", help="one round on a quarter of the inputs")
+    ap.add_argument("--with-openblas", action="store_true",
+                    help="also llamax f32 without packed weights (OpenBLAS for every float product)")
     ap.add_argument("--out", default=str(HERE / "results"))
     a = ap.parse_args(argv)
     log = lambda s: print(f"[{time.strftime('%H:%M:%S')}] {s}", file=sys.stderr, flush=True)  # noqa: E731
@@ -289,7 +301,7 @@ def main(argv=None):
             ap.error(f"--lengths: {ln!r} is not one of {', '.join(LENGTHS)}")
     batches = [int(x) for x in a.batches.split(",") if x]
     res = run(a.threads, 1 if a.quick else a.runs, 0.25 if a.quick else a.scale, lengths, batches,
-              not a.no_peers, log)
+              not a.no_peers, log, a.with_openblas)
     res["date"] = time.strftime("%Y-%m-%dT%H:%M:%S")
     res["argv"] = sys.argv
     res["machine"] = {"cpu": bench_engine.cpu_model(), "loadavg_end": os.getloadavg(),

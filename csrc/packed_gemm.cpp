@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -536,6 +537,58 @@ double self_check(int M, int N, int K, int threads, uint32_t seed, bool with_bia
         }
     }
     return scale > 0.0 ? worst / scale : worst;
+}
+
+bool bench(int M, int N, int K, double seconds, SgemmFnRef sgemm, double out[2]) {
+    const Kernels * ks = g_kernels.load();
+    out[0] = out[1] = 0.0;
+    if (ks == nullptr || M < 1 || N < 1 || K < 1) {
+        return false;
+    }
+    std::mt19937 rng(1);
+    std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+    std::vector<float> A((size_t) M * K), W((size_t) N * K), C((size_t) M * N);
+    for (auto & v : A) {
+        v = u(rng);
+    }
+    for (auto & v : W) {
+        v = u(rng);
+    }
+    Panels P = pack(N, K, ks->nr, [&](int n, float *) { return (const float *) (W.data() + (size_t) n * K); });
+    if (!P) {
+        return false;
+    }
+    const int np = (N + ks->nr - 1) / ks->nr;
+    using clock = std::chrono::steady_clock;
+    auto rate = [&](auto && once) {
+        once();  // warm
+        int reps = 1;
+        for (;;) {  // enough repetitions for a fifth of `seconds`
+            const auto t0 = clock::now();
+            for (int r = 0; r < reps; r++) {
+                once();
+            }
+            if (std::chrono::duration<double>(clock::now() - t0).count() >= seconds / 5 || reps >= (1 << 20)) {
+                break;
+            }
+            reps *= 2;
+        }
+        double best = 1e300;
+        for (int round = 0; round < 5; round++) {
+            const auto t0 = clock::now();
+            for (int r = 0; r < reps; r++) {
+                once();
+            }
+            best = std::min(best, std::chrono::duration<double>(clock::now() - t0).count() / reps);
+        }
+        return 2.0 * M * N * K / best / 1e9;
+    };
+    out[0] = rate([&] { multiply(*ks, M, N, K, A.data(), K, P.get(), C.data(), N, 0, np, nullptr); });
+    if (sgemm != nullptr) {
+        // row-major C = A * W^T: CblasRowMajor (101), NoTrans (111), Trans (112)
+        out[1] = rate([&] { sgemm(101, 111, 112, M, N, K, 1.0f, A.data(), K, W.data(), K, 0.0f, C.data(), N); });
+    }
+    return true;
 }
 
 }  // namespace packed

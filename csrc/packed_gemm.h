@@ -66,5 +66,13 @@ bool mul_mat_hook(void * data, const ggml_tensor * mm, const ggml_tensor * bias,
 // column past N was written (tests).  -1 when no kernels can run.
 double self_check(int M, int N, int K, int threads, uint32_t seed, bool with_bias);
 
+// Times C = A * W^T (M x K by N x K, one thread) with the packed kernels
+// and, when `sgemm` is given (cblas_sgemm's signature), with it too, each
+// for at least `seconds`; writes GFLOP/s (best of 5 rounds) to out[0] and
+// out[1] (0: not run).  False when no kernels can run (benchmarks).
+using SgemmFnRef = void (*)(int, int, int, int, int, int, float, const float *, int, const float *, int, float, float *,
+                            int);
+bool bench(int M, int N, int K, double seconds, SgemmFnRef sgemm, double out[2]);
+
 }  // namespace packed
 }  // namespace llamax

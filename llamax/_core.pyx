@@ -168,6 +168,22 @@ def _packed_self_check(int M, int N, int K, int threads=1, unsigned int seed=0, 
     return r
 
 
+def _packed_bench(int M, int N, int K, double seconds=0.5, sgemm_address=0):
+    """GFLOP/s of one thread's C = A * W^T (M x K by N x K) with the packed
+    kernels and, given a cblas_sgemm address (int), with that SGEMM:
+    {"packed", "sgemm"} (benchmarks/bench_packed_gemm.py)."""
+    if isinstance(sgemm_address, bool) or not isinstance(sgemm_address, int) or not 0 <= sgemm_address < (1 << 64):
+        raise ArgumentTypeError("sgemm_address must be a function address (int) or 0")
+    cdef double out[2]
+    cdef SgemmFnRef fn = <SgemmFnRef> <size_t> sgemm_address
+    cdef cbool ok
+    with nogil:
+        ok = packed_bench(M, N, K, seconds, fn, out)
+    if not ok:
+        raise InvalidArgumentError("no packed kernels on this CPU/build, or a size < 1")
+    return {"packed": out[0], "sgemm": out[1] if sgemm_address else None}
+
+
 def _stop_logging():
     global _log_alive
     _log_alive = False

@@ -29,6 +29,9 @@ cdef extern from "packed_gemm.h" namespace "llamax::packed" nogil:
     void packed_set_budget "llamax::packed::set_budget"(size_t nbytes)
     size_t packed_budget "llamax::packed::budget"()
     uint64_t packed_fused_products "llamax::packed::fused_products"()
+    ctypedef void (*SgemmFnRef "llamax::packed::SgemmFnRef")(int, int, int, int, int, int, float, const float *, int,
+                                                          const float *, int, float, float *, int) noexcept
+    cbool packed_bench "llamax::packed::bench"(int M, int N, int K, double seconds, SgemmFnRef sgemm, double * out)
     size_t packed_bytes "llamax::packed::packed_bytes"(const llama_model * model)
     double packed_self_check "llamax::packed::self_check"(int M, int N, int K, int threads, unsigned int seed,
                                                             cbool with_bias)

@@ -1,0 +1,52 @@
+"""llamax's packed-weight kernels against OpenBLAS's SGEMM, one thread, on
+all-MiniLM-L6-v2's matrix shapes (csrc/packed_gemm.cpp, patch 0010).
+
+    python3 benchmarks/bench_packed_gemm.py [--isa avx512|avx2] [--seconds 0.5]
+
+C = A * W^T with A the activations (M rows: one short input, one medium,
+a batch of 32 short, 32 medium) and W a weight matrix (N x K).  The packed
+kernels read W from panels packed once; OpenBLAS (``scipy-openblas32``, set
+to one thread, what patch 0005 calls) packs W on every call.  Both run
+warm, best of 5 rounds; the numbers are GFLOP/s.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+
+import llamax
+from llamax import _core
+
+ROWS = (14, 58, 448, 1856)
+SHAPES = ((384, 384), (1536, 384), (384, 1536))  # (N, K): Q/K/V/output, FFN up, FFN down
+
+
+def openblas_sgemm() -> int:
+    import scipy_openblas32 as sob
+    lib = ctypes.CDLL(os.path.join(sob.get_lib_dir(), sob.get_library(fullname=True)))
+    lib.scipy_openblas_set_num_threads.argtypes = [ctypes.c_int]
+    lib.scipy_openblas_set_num_threads(1)
+    openblas_sgemm.lib = lib  # keep it loaded
+    return ctypes.cast(lib.scipy_cblas_sgemm, ctypes.c_void_p).value
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--isa", default="", help="avx512 or avx2 (default: the best this CPU has)")
+    ap.add_argument("--seconds", type=float, default=0.5)
+    a = ap.parse_args(argv)
+    cfg = _core._packed_config(isa=a.isa)
+    sgemm = openblas_sgemm()
+    print(f"kernels: {cfg['isa']}; OpenBLAS {llamax.sgemm_info().get('core', '')}; one thread, GFLOP/s\n")
+    print("| rows | N x K | packed | OpenBLAS | packed / OpenBLAS |")
+    print("|---|---|---|---|---|")
+    for n, k in SHAPES:
+        for m in ROWS:
+            r = _core._packed_bench(m, n, k, a.seconds, sgemm)
+            print(f"| {m} | {n} x {k} | {r['packed']:.1f} | {r['sgemm']:.1f} | {r['packed'] / r['sgemm']:.2f}x |",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()
