@@ -246,6 +246,11 @@ void multiply(const Kernels & ks, int M, int N, int K, const float * A, long lda
 
 class Store {
   public:
+    // The kernels this store packs for, fixed when it is made: every thread
+    // of every product splits the columns by the same panel width.
+    explicit Store(const Kernels * ks) : ks_(ks) {}
+    const Kernels * kernels() const { return ks_; }
+
     // The panels of weight `w` for kernels `ks`, packing them on first use
     // (nullptr: not packed, the store is at its budget or out of memory).
     // Every caller asking for the same weight gets the same answer.
@@ -312,6 +317,7 @@ class Store {
             return h;
         }
     };
+    const Kernels * const ks_;
     std::shared_mutex mu_;
     std::unordered_map<Key, Panels, KeyHash> map_;
     size_t bytes_ = 0;
@@ -410,7 +416,7 @@ StorePtr store_for(const llama_model * model) {
     std::lock_guard<std::mutex> lock(g_stores_mu);
     StorePtr & s = g_stores[model];
     if (!s) {
-        s = std::make_shared<Store>();
+        s = std::make_shared<Store>(g_kernels.load());
     }
     return s;
 }
@@ -439,15 +445,16 @@ size_t packed_bytes(const llama_model * model) {
 }
 
 bool mul_mat_hook(void * data, const ggml_tensor * mm, const ggml_tensor * bias, ggml_tensor * out, int ith, int nth) {
-    const Kernels * ks = g_kernels.load();
-    if (data == nullptr || ks == nullptr || mm == nullptr || !eligible(mm, bias, out, *ks)) {
+    Store * store = static_cast<Store *>(data);
+    const Kernels * ks = store != nullptr ? store->kernels() : nullptr;
+    if (ks == nullptr || mm == nullptr || !eligible(mm, bias, out, *ks)) {
         return false;
     }
     const ggml_tensor * w = mm->src[0];
     const ggml_tensor * x = mm->src[1];
     const ggml_tensor * dst = out;
     const float * b = bias != nullptr ? static_cast<const float *>(bias->data) : nullptr;
-    const float * P = static_cast<Store *>(data)->get(w, *ks);
+    const float * P = store->get(w, *ks);
     if (P == nullptr) {
         return false;
     }

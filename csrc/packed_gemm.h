@@ -30,7 +30,8 @@ namespace packed {
 // the build: not x86-64 with GCC/Clang) has neither.
 const char * isa();
 // Tests: run the named kernels ("avx512", "avx2"; "" = the best the CPU
-// has).  False, changing nothing, when the CPU can't run them.
+// has) for models whose first embedding context is made from now on.
+// False, changing nothing, when the CPU can't run them.
 bool set_isa(const char * name);
 
 // Whether embedding contexts made from now on use packed weights.

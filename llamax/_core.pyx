@@ -118,11 +118,12 @@ def _set_embedding_sgemm(address):
 
 
 def _packed_config(enabled=None, isa=None, budget=None):
-    """Set, for embedding contexts made from now on, whether float weights
-    are multiplied from packed copies (``enabled``), with which kernels
-    (``isa``: "avx512", "avx2", "" for the best the CPU has) and how many
-    bytes of packed weights one model may hold (``budget``); None leaves a
-    setting as it is.  Returns the settings, {"enabled", "isa", "budget"},
+    """Set whether embedding contexts made from now on multiply float
+    weights from packed copies (``enabled``), with which kernels the models
+    whose first embedding context is made from now on pack them (``isa``:
+    "avx512", "avx2", "" for the best the CPU has) and how many bytes of
+    packed weights one model may hold (``budget``); None leaves a setting as
+    it is.  Returns the settings, {"enabled", "isa", "budget"},
     and how many products were computed with their bias added in the same
     pass since the process started ("fused_products").
     llamax._sgemm and the tests call it."""
@@ -162,10 +163,19 @@ def _packed_self_check(int M, int N, int K, int threads=1, unsigned int seed=0, 
     double-precision reference; infinity if a row's bits depend on the rows
     multiplied with it or a column past N was written (tests); -1 when no
     kernels can run."""
+    _check_packed_shape(M, N, K)
+    if not 1 <= threads <= 64:
+        raise InvalidArgumentError(f"threads={threads}: must be in [1, 64]")
     cdef double r
     with nogil:
         r = packed_self_check(M, N, K, threads, seed, bias)
     return r
+
+
+cdef _check_packed_shape(int M, int N, int K):
+    for name, v in (("M", M), ("N", N), ("K", K)):
+        if not 1 <= v <= 16384:
+            raise InvalidArgumentError(f"{name}={v}: must be in [1, 16384]")
 
 
 def _packed_bench(int M, int N, int K, double seconds=0.5, sgemm_address=0):
@@ -174,13 +184,16 @@ def _packed_bench(int M, int N, int K, double seconds=0.5, sgemm_address=0):
     {"packed", "sgemm"} (benchmarks/bench_packed_gemm.py)."""
     if isinstance(sgemm_address, bool) or not isinstance(sgemm_address, int) or not 0 <= sgemm_address < (1 << 64):
         raise ArgumentTypeError("sgemm_address must be a function address (int) or 0")
+    _check_packed_shape(M, N, K)
+    if not 0 < seconds <= 60:
+        raise InvalidArgumentError(f"seconds={seconds}: must be in (0, 60]")
     cdef double out[2]
     cdef SgemmFnRef fn = <SgemmFnRef> <size_t> sgemm_address
     cdef cbool ok
     with nogil:
         ok = packed_bench(M, N, K, seconds, fn, out)
     if not ok:
-        raise InvalidArgumentError("no packed kernels on this CPU/build, or a size < 1")
+        raise InvalidArgumentError("no packed kernels on this CPU or build")
     return {"packed": out[0], "sgemm": out[1] if sgemm_address else None}
 
 

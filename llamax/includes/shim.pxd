@@ -31,10 +31,11 @@ cdef extern from "packed_gemm.h" namespace "llamax::packed" nogil:
     uint64_t packed_fused_products "llamax::packed::fused_products"()
     ctypedef void (*SgemmFnRef "llamax::packed::SgemmFnRef")(int, int, int, int, int, int, float, const float *, int,
                                                           const float *, int, float, float *, int) noexcept
-    cbool packed_bench "llamax::packed::bench"(int M, int N, int K, double seconds, SgemmFnRef sgemm, double * out)
+    cbool packed_bench "llamax::packed::bench"(int M, int N, int K, double seconds, SgemmFnRef sgemm,
+                                               double * out) except +translate_exception
     size_t packed_bytes "llamax::packed::packed_bytes"(const llama_model * model)
     double packed_self_check "llamax::packed::self_check"(int M, int N, int K, int threads, unsigned int seed,
-                                                            cbool with_bias)
+                                                            cbool with_bias) except +translate_exception
 
 
 cdef extern from "llamax.h" namespace "llamax" nogil:

@@ -57,6 +57,20 @@ def test_packed_kernels_match_a_double_reference(isa, M, N, K, threads, bias, re
     assert 0 <= err < 1e-5, err
 
 
+def test_kernel_bench_runs_and_bad_shapes_are_refused():
+    r = _core._packed_bench(14, 64, 96, seconds=0.02)
+    assert r["packed"] > 0 and r["sgemm"] is None
+    for bad in ((0, 8, 8), (8, 100000, 8), (8, 8, -1)):
+        with pytest.raises(llamax.InvalidArgumentError, match="must be in"):
+            _core._packed_bench(*bad)
+        with pytest.raises(llamax.InvalidArgumentError, match="must be in"):
+            _core._packed_self_check(*bad)
+    with pytest.raises(llamax.InvalidArgumentError, match="threads"):
+        _core._packed_self_check(4, 4, 4, threads=0)
+    with pytest.raises(llamax.ArgumentTypeError):
+        _core._packed_bench(4, 4, 4, sgemm_address=-1)
+
+
 def test_unknown_isa_is_refused(restore_packed):
     with pytest.raises(llamax.InvalidArgumentError, match="can't run it"):
         _core._packed_config(isa="neon")
@@ -143,8 +157,11 @@ def test_avx2_kernels_agree_with_the_best(sentences, restore_packed):
     path = data.minilm("f32")
     with llamax.Embedder(path, max_seq_length=256, n_threads=2) as e:
         best = e.encode(sentences, batch_size=32)
-        _core._packed_config(isa="avx2")  # live contexts switch at their next product
-        avx2 = e.encode(sentences, batch_size=32)
+        _core._packed_config(isa="avx2")  # for models packed from now on
+        again = e.encode(sentences, batch_size=32)  # this one keeps its kernels
+        with llamax.Embedder(path, max_seq_length=256, n_threads=2) as e2:
+            avx2 = e2.encode(sentences, batch_size=32)
+    assert np.array_equal(best, again)
     cos = cosines(best, avx2)
     assert cos.min() > 0.99999, cos.min()
 
