@@ -268,6 +268,29 @@ class Store {
         if (it != map_.end()) {
             return it->second.get();
         }
+        if (broken_) {
+            return nullptr;
+        }
+        // This runs on ggml's compute threads, under C frames: nothing may
+        // leave it as an exception.  An allocation that fails here (the
+        // packed copy, the map's node) turns packing off for this store, so
+        // that the other threads of the product get the same "no".
+        try {
+            return pack_locked(key, w, ks);
+        } catch (...) {
+            broken_ = true;
+            return nullptr;
+        }
+    }
+
+    size_t bytes() {
+        std::shared_lock<std::shared_mutex> lock(mu_);
+        return bytes_;
+    }
+
+  private:
+    struct Key;
+    const float * pack_locked(const Key & key, const ggml_tensor * w, const Kernels & ks) {
         const int N = (int) w->ne[1];
         const int K = (int) w->ne[0];
         const size_t bytes = (size_t) ((N + ks.nr - 1) / ks.nr) * K * ks.nr * sizeof(float);
@@ -284,22 +307,16 @@ class Store {
                     return (const float *) tmp;
                 });
             }
-            if (panels) {
-                bytes_ += bytes;
-            }
         }
         // a refusal is remembered too, so that every thread gets it
         const float * out = panels.get();
         map_.emplace(key, std::move(panels));
+        if (out != nullptr) {
+            bytes_ += bytes;
+        }
         return out;
     }
 
-    size_t bytes() {
-        std::shared_lock<std::shared_mutex> lock(mu_);
-        return bytes_;
-    }
-
-  private:
     struct Key {
         const void * data;
         int64_t ne0, ne1;
@@ -318,6 +335,7 @@ class Store {
         }
     };
     const Kernels * const ks_;
+    bool broken_ = false;  // an allocation failed: no more packing
     std::shared_mutex mu_;
     std::unordered_map<Key, Panels, KeyHash> map_;
     size_t bytes_ = 0;
