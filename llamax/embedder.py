@@ -49,6 +49,10 @@ class Embedder:
     ``n_ctx``); sentence-transformers' all-MiniLM-L6-v2 uses 256.  Longer
     inputs are truncated like Hugging Face tokenizers do (head plus the
     trailing [SEP]) unless ``encode(..., truncate=False)``, which raises.
+
+    The constructor embeds one short input, which packs the model's float
+    weights for llamax's kernels (``llamax.sgemm_info()``; ~40 ms for
+    all-MiniLM-L6-v2), so that the first real call does not pay for it.
     """
 
     def __init__(self, model_path, *, max_seq_length: int | None = None, n_threads: int | None = None,
@@ -66,6 +70,7 @@ class Embedder:
         if max_seq_length is None:
             max_seq_length = min(train, n_ctx)
         self.max_seq_length = max_seq_length
+        self._llm.embed_array(["warm up"], max_tokens=self._max_seq_length)  # packs the weights now
 
     # -- properties --------------------------------------------------------------
 

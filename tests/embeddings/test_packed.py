@@ -57,6 +57,15 @@ def test_packed_kernels_match_a_double_reference(isa, M, N, K, threads, bias, re
     assert 0 <= err < 1e-5, err
 
 
+def test_embedder_packs_the_weights_when_made(sentences):
+    path = data.minilm("f16")
+    nr = 32 if _core._packed_config()["isa"] == "avx512" else 16
+    with llamax.Embedder(path, max_seq_length=256, n_threads=2) as e:
+        assert e.llama._model.packed_weight_bytes == _matmul_weight_bytes(path, nr)
+        e.encode(sentences[:4])
+        assert e.llama._model.packed_weight_bytes == _matmul_weight_bytes(path, nr)
+
+
 def test_kernel_bench_runs_and_bad_shapes_are_refused():
     r = _core._packed_bench(14, 64, 96, seconds=0.02)
     assert r["packed"] > 0 and r["sgemm"] is None
@@ -185,8 +194,9 @@ def test_bias_add_is_fused_with_the_product_bit_identically(sentences, tmp_path)
     before = _core._packed_config()["fused_products"]
     with llamax.Embedder(path, max_seq_length=256, n_threads=2) as e:
         got = np.concatenate([e.encode(sentences[:12], batch_size=6), e.encode(sentences[:2], batch_size=1)])
-    # 4 decodes x 6 layers x (Q, K, V, output, FFN up, FFN down), each with a bias
-    assert _core._packed_config()["fused_products"] - before == 4 * 6 * 6
+    # 5 decodes (the constructor's warm-up and 4) x 6 layers x (Q, K, V,
+    # output, FFN up, FFN down), each with a bias
+    assert _core._packed_config()["fused_products"] - before == 5 * 6 * 6
     assert np.array_equal(got, np.load(tmp_path / "unfused.npy"))
 
 
