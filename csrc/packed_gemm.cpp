@@ -242,6 +242,36 @@ void multiply(const Kernels & ks, int M, int N, int K, const float * A, long lda
     }
 }
 
+// Thread ith of nth's share of C = A * W^T (+ bias): work items are
+// (panel, row part) pairs, rows split only when there are too few panels
+// to keep every thread busy (a 384-wide output is 12 panels of 32: more
+// than 6 threads would otherwise idle).  Rows split on whole kernel
+// heights, and a row's bits do not depend on where it falls.
+void multiply_share(const Kernels & ks, int M, int N, int K, const float * A, long lda, const float * P, float * C,
+                    long ldc, const float * bias, int ith, int nth) {
+    const int np = (N + ks.nr - 1) / ks.nr;
+    const int row_blocks = (M + ks.mr - 1) / ks.mr;
+    const int parts = np >= 2 * nth ? 1 : std::max(1, std::min(row_blocks, (2 * nth + np - 1) / np));
+    const int64_t items = (int64_t) np * parts;
+    const int64_t i0 = items * ith / nth;
+    const int64_t i1 = items * (ith + 1) / nth;
+    if (parts == 1) {
+        if (i0 < i1) {
+            multiply(ks, M, N, K, A, lda, P, C, ldc, (int) i0, (int) i1, bias);
+        }
+        return;
+    }
+    for (int64_t it = i0; it < i1; it++) {
+        const int p = (int) (it / parts);
+        const int part = (int) (it % parts);
+        const int r0 = (int) ((int64_t) row_blocks * part / parts) * ks.mr;
+        const int r1 = std::min(M, (int) ((int64_t) row_blocks * (part + 1) / parts) * ks.mr);
+        if (r0 < r1) {
+            multiply(ks, r1 - r0, N, K, A + (size_t) r0 * lda, lda, P, C + (size_t) r0 * ldc, ldc, p, p + 1, bias);
+        }
+    }
+}
+
 }  // namespace
 
 class Store {
@@ -479,14 +509,8 @@ bool mul_mat_hook(void * data, const ggml_tensor * mm, const ggml_tensor * bias,
     const int N = (int) w->ne[1];
     const int K = (int) w->ne[0];
     const int M = (int) x->ne[1];
-    const int np = (N + ks->nr - 1) / ks->nr;
     if (bias != nullptr && ith == 0) {
         g_fused.fetch_add(1, std::memory_order_relaxed);
-    }
-    const int p0 = (int) ((int64_t) np * ith / nth);
-    const int p1 = (int) ((int64_t) np * (ith + 1) / nth);
-    if (p0 >= p1) {
-        return true;
     }
     const long lda = (long) (x->nb[1] / sizeof(float));
     const long ldc = (long) (dst->nb[1] / sizeof(float));
@@ -494,7 +518,7 @@ bool mul_mat_hook(void * data, const ggml_tensor * mm, const ggml_tensor * bias,
         for (int64_t i2 = 0; i2 < x->ne[2]; i2++) {
             const float * A = (const float *) ((const char *) x->data + i2 * x->nb[2] + i3 * x->nb[3]);
             float * C = (float *) ((char *) dst->data + i2 * dst->nb[2] + i3 * dst->nb[3]);
-            multiply(*ks, M, N, K, A, lda, P, C, ldc, p0, p1, b);
+            multiply_share(*ks, M, N, K, A, lda, P, C, ldc, b, ith, nth);
         }
     }
     return true;
@@ -526,12 +550,8 @@ double self_check(int M, int N, int K, int threads, uint32_t seed, bool with_bia
         return -1.0;
     }
     const int np = (N + ks->nr - 1) / ks->nr;
-    for (int t = 0; t < threads; t++) {
-        const int p0 = (int) ((int64_t) np * t / threads);
-        const int p1 = (int) ((int64_t) np * (t + 1) / threads);
-        if (p0 < p1) {
-            multiply(*ks, M, N, K, A.data(), lda, P.get(), C.data(), ldc, p0, p1, b);
-        }
+    for (int t = 0; t < threads; t++) {  // every thread's share, as the hook splits them
+        multiply_share(*ks, M, N, K, A.data(), lda, P.get(), C.data(), ldc, b, t, threads);
     }
     // a row's result does not depend on the rows multiplied with it: the
     // last rows alone (another kernel height, another start) give the same bits

@@ -45,12 +45,14 @@ def test_this_cpu_has_packed_kernels():
 @pytest.mark.parametrize("M,N,K,threads", [
     (1, 1, 1, 1), (1, 33, 7, 2), (12, 32, 384, 1), (13, 100, 385, 3), (6, 16, 16, 4),
     (37, 384, 1536, 2), (300, 65, 600, 2), (5, 17, 513, 5), (200, 48, 20, 2),
+    # more threads than twice the panels: rows are split too
+    (300, 65, 600, 16), (37, 384, 384, 32), (5, 17, 13, 8), (130, 1536, 64, 64),
 ])
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_kernels_match_a_double_reference(isa, M, N, K, threads, bias, restore_packed):
     """Every row count up to a kernel's height, last panels of 1-31 real
-    columns, K blocked (> 512), more threads than panels, strided rows, a
-    fused bias row; the columns past N are never written, and the last rows
+    columns, K blocked (> 512), more threads than panels (rows split),
+    strided rows, a fused bias row; the columns past N are never written, and the last rows
     alone give the same bits as in the whole product."""
     _core._packed_config(isa=isa)
     err = _core._packed_self_check(M, N, K, threads, seed=M * 7 + N, bias=bias)
@@ -198,6 +200,17 @@ def test_bias_add_is_fused_with_the_product_bit_identically(sentences, tmp_path)
     # output, FFN up, FFN down), each with a bias
     assert _core._packed_config()["fused_products"] - before == 5 * 6 * 6
     assert np.array_equal(got, np.load(tmp_path / "unfused.npy"))
+
+
+def test_thread_counts_give_the_same_bits(sentences):
+    """7 threads split the 12 panels of a 384-wide output by rows too; every
+    row's product, and so every embedding, is the same bits as with 2."""
+    path = data.minilm("f32")
+    out = {}
+    for threads in (2, 7):
+        with llamax.Embedder(path, max_seq_length=256, n_threads=threads) as e:
+            out[threads] = e.encode(sentences[:12], batch_size=6)
+    assert np.array_equal(out[2], out[7])
 
 
 def test_budget_leaves_weights_to_openblas(sentences, restore_packed):
