@@ -12,23 +12,12 @@ warm, best of 5 rounds; the numbers are GFLOP/s.
 from __future__ import annotations
 
 import argparse
-import ctypes
-import os
 
 import llamax
-from llamax import _core
+from llamax import _core, _sgemm
 
 ROWS = (14, 58, 448, 1856)
 SHAPES = ((384, 384), (1536, 384), (384, 1536))  # (N, K): Q/K/V/output, FFN up, FFN down
-
-
-def openblas_sgemm() -> int:
-    import scipy_openblas32 as sob
-    lib = ctypes.CDLL(os.path.join(sob.get_lib_dir(), sob.get_library(fullname=True)))
-    lib.scipy_openblas_set_num_threads.argtypes = [ctypes.c_int]
-    lib.scipy_openblas_set_num_threads(1)
-    openblas_sgemm.lib = lib  # keep it loaded
-    return ctypes.cast(lib.scipy_cblas_sgemm, ctypes.c_void_p).value
 
 
 def main(argv=None) -> None:
@@ -37,7 +26,9 @@ def main(argv=None) -> None:
     ap.add_argument("--seconds", type=float, default=0.5)
     a = ap.parse_args(argv)
     cfg = _core._packed_config(isa=a.isa)
-    sgemm = openblas_sgemm()
+    sgemm = _sgemm.openblas_address()  # the OpenBLAS embedding contexts use, set to one thread
+    if not sgemm:
+        ap.error(f"no OpenBLAS to compare with: {llamax.sgemm_info().get('reason')}")
     print(f"kernels: {cfg['isa']}; OpenBLAS {llamax.sgemm_info().get('core', '')}; one thread, GFLOP/s\n")
     print("| rows | N x K | packed | OpenBLAS | packed / OpenBLAS |")
     print("|---|---|---|---|---|")

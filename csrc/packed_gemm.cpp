@@ -281,11 +281,11 @@ class Store {
     explicit Store(const Kernels * ks) : ks_(ks) {}
     const Kernels * kernels() const { return ks_; }
 
-    // The panels of weight `w` for kernels `ks`, packing them on first use
-    // (nullptr: not packed, the store is at its budget or out of memory).
-    // Every caller asking for the same weight gets the same answer.
-    const float * get(const ggml_tensor * w, const Kernels & ks) {
-        const Key key{w->data, w->ne[0], w->ne[1], w->nb[1], (int) w->type, ks.nr};
+    // The panels of weight `w` for this store's kernels, packing them on
+    // first use (nullptr: not packed, the store is at its budget or out of
+    // memory).  Every caller asking for the same weight gets the same answer.
+    const float * get(const ggml_tensor * w) {
+        const Key key{w->data, w->ne[0], w->ne[1], w->nb[1], (int) w->type};
         {
             std::shared_lock<std::shared_mutex> lock(mu_);
             auto it = map_.find(key);
@@ -306,7 +306,7 @@ class Store {
         // packed copy, the map's node) turns packing off for this store, so
         // that the other threads of the product get the same "no".
         try {
-            return pack_locked(key, w, ks);
+            return pack_locked(key, w);
         } catch (...) {
             broken_ = true;
             return nullptr;
@@ -320,7 +320,8 @@ class Store {
 
   private:
     struct Key;
-    const float * pack_locked(const Key & key, const ggml_tensor * w, const Kernels & ks) {
+    const float * pack_locked(const Key & key, const ggml_tensor * w) {
+        const Kernels & ks = *ks_;
         const int N = (int) w->ne[1];
         const int K = (int) w->ne[0];
         const size_t bytes = (size_t) ((N + ks.nr - 1) / ks.nr) * K * ks.nr * sizeof(float);
@@ -351,16 +352,16 @@ class Store {
         const void * data;
         int64_t ne0, ne1;
         size_t nb1;
-        int type, nr;
+        int type;
         bool operator==(const Key & o) const {
-            return data == o.data && ne0 == o.ne0 && ne1 == o.ne1 && nb1 == o.nb1 && type == o.type && nr == o.nr;
+            return data == o.data && ne0 == o.ne0 && ne1 == o.ne1 && nb1 == o.nb1 && type == o.type;
         }
     };
     struct KeyHash {
         size_t operator()(const Key & k) const {
             size_t h = std::hash<const void *>()(k.data);
             h ^= std::hash<int64_t>()(k.ne0 * 1000003 + k.ne1) + 0x9e3779b97f4a7c15ULL + (h << 6) + (h >> 2);
-            h ^= std::hash<size_t>()(k.nb1 * 31 + (size_t) k.type * 7 + (size_t) k.nr) + (h << 6) + (h >> 2);
+            h ^= std::hash<size_t>()(k.nb1 * 31 + (size_t) k.type) + (h << 6) + (h >> 2);
             return h;
         }
     };
@@ -432,24 +433,44 @@ const char * isa() {
     return ks != nullptr ? ks->name : "";
 }
 
-bool set_isa(const char * name) {
-    const Kernels * best = best_kernels();
-    const std::string want = name != nullptr ? name : "";
-    if (want.empty()) {
-        g_kernels.store(best);
-        return true;
-    }
+namespace {
+
+// The kernel set called `name` if this CPU can run it (nullptr if not).
+const Kernels * runnable(const std::string & name) {
 #ifdef LLAMAX_PACKED_X86
-    if (want == "avx512" && best == &kAvx512) {
-        g_kernels.store(&kAvx512);
-        return true;
+    const Kernels * best = best_kernels();
+    if (name == "avx512" && best == &kAvx512) {
+        return &kAvx512;
     }
-    if (want == "avx2" && best != nullptr) {
-        g_kernels.store(&kAvx2);
-        return true;
+    if (name == "avx2" && best != nullptr) {  // every AVX-512 CPU here has AVX2
+        return &kAvx2;
     }
+#else
+    (void) name;
 #endif
-    return false;
+    return nullptr;
+}
+
+}  // namespace
+
+std::vector<std::string> runnable_isas() {
+    std::vector<std::string> out;
+    for (const char * name : {"avx512", "avx2"}) {
+        if (runnable(name) != nullptr) {
+            out.emplace_back(name);
+        }
+    }
+    return out;
+}
+
+bool set_isa(const char * name) {
+    const std::string want = name != nullptr ? name : "";
+    const Kernels * ks = want.empty() ? best_kernels() : runnable(want);
+    if (ks == nullptr && !want.empty()) {
+        return false;
+    }
+    g_kernels.store(ks);
+    return true;
 }
 
 void set_enabled(bool on) { g_enabled.store(on); }
@@ -502,7 +523,7 @@ bool mul_mat_hook(void * data, const ggml_tensor * mm, const ggml_tensor * bias,
     const ggml_tensor * x = mm->src[1];
     const ggml_tensor * dst = out;
     const float * b = bias != nullptr ? static_cast<const float *>(bias->data) : nullptr;
-    const float * P = store->get(w, *ks);
+    const float * P = store->get(w);
     if (P == nullptr) {
         return false;
     }
@@ -524,31 +545,45 @@ bool mul_mat_hook(void * data, const ggml_tensor * mm, const ggml_tensor * bias,
     return true;
 }
 
+namespace {
+
+// A random product for the self-check and the benchmark: activations A
+// (M rows of lda floats), weights W (N x K), a bias row, W packed for ks.
+struct Problem {
+    std::vector<float> A, W, bias;
+    Panels P;
+    Problem(const Kernels & ks, int M, int N, int K, long lda, uint32_t seed) :
+        A((size_t) M * lda), W((size_t) N * K), bias((size_t) N) {
+        std::mt19937 rng(seed);
+        std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+        for (auto * v : {&A, &W, &bias}) {
+            for (auto & x : *v) {
+                x = u(rng);
+            }
+        }
+        P = pack(N, K, ks.nr, [&](int n, float *) { return (const float *) (W.data() + (size_t) n * K); });
+    }
+};
+
+}  // namespace
+
 double self_check(int M, int N, int K, int threads, uint32_t seed, bool with_bias) {
     const Kernels * ks = g_kernels.load();
     if (ks == nullptr || M < 1 || N < 1 || K < 1 || threads < 1) {
         return -1.0;
     }
-    std::mt19937 rng(seed);
-    std::uniform_real_distribution<float> u(-1.0f, 1.0f);
     const long lda = K + 3;  // strided rows, as ggml's views can be
     const long ldc = N + 5;
-    std::vector<float> A((size_t) M * lda), W((size_t) N * K), C((size_t) M * ldc, 7.0f);
-    for (auto & v : A) {
-        v = u(rng);
-    }
-    for (auto & v : W) {
-        v = u(rng);
-    }
-    std::vector<float> bias((size_t) N);
-    for (auto & v : bias) {
-        v = u(rng);
-    }
-    const float * b = with_bias ? bias.data() : nullptr;
-    Panels P = pack(N, K, ks->nr, [&](int n, float *) { return (const float *) (W.data() + (size_t) n * K); });
-    if (!P) {
+    Problem pr(*ks, M, N, K, lda, seed);
+    if (!pr.P) {
         return -1.0;
     }
+    const std::vector<float> & A = pr.A;
+    const std::vector<float> & W = pr.W;
+    const std::vector<float> & bias = pr.bias;
+    const Panels & P = pr.P;
+    std::vector<float> C((size_t) M * ldc, 7.0f);
+    const float * b = with_bias ? bias.data() : nullptr;
     const int np = (N + ks->nr - 1) / ks->nr;
     for (int t = 0; t < threads; t++) {  // every thread's share, as the hook splits them
         multiply_share(*ks, M, N, K, A.data(), lda, P.get(), C.data(), ldc, b, t, threads);
@@ -590,19 +625,14 @@ bool bench(int M, int N, int K, double seconds, SgemmFnRef sgemm, double out[2])
     if (ks == nullptr || M < 1 || N < 1 || K < 1) {
         return false;
     }
-    std::mt19937 rng(1);
-    std::uniform_real_distribution<float> u(-1.0f, 1.0f);
-    std::vector<float> A((size_t) M * K), W((size_t) N * K), C((size_t) M * N);
-    for (auto & v : A) {
-        v = u(rng);
-    }
-    for (auto & v : W) {
-        v = u(rng);
-    }
-    Panels P = pack(N, K, ks->nr, [&](int n, float *) { return (const float *) (W.data() + (size_t) n * K); });
-    if (!P) {
+    Problem pr(*ks, M, N, K, K, 1);
+    if (!pr.P) {
         return false;
     }
+    const std::vector<float> & A = pr.A;
+    const std::vector<float> & W = pr.W;
+    const Panels & P = pr.P;
+    std::vector<float> C((size_t) M * N);
     const int np = (N + ks->nr - 1) / ks->nr;
     using clock = std::chrono::steady_clock;
     auto rate = [&](auto && once) {

@@ -19,6 +19,8 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <string>
+#include <vector>
 
 struct ggml_tensor;
 struct llama_model;
@@ -29,6 +31,8 @@ namespace packed {
 // The kernels this process runs: "avx512", "avx2", or "" when the CPU (or
 // the build: not x86-64 with GCC/Clang) has neither.
 const char * isa();
+// The kernel sets this CPU can run, best first ("avx512", "avx2").
+std::vector<std::string> runnable_isas();
 // Tests: run the named kernels ("avx512", "avx2"; "" = the best the CPU
 // has) for models whose first embedding context is made from now on.
 // False, changing nothing, when the CPU can't run them.

@@ -148,13 +148,8 @@ def _packed_config(enabled=None, isa=None, budget=None):
 
 
 def _packed_isas():
-    out = []
-    cdef bytes cur = packed_isa()
-    for name in (b"avx512", b"avx2"):
-        if packed_set_isa(name):
-            out.append(name.decode())
-    packed_set_isa(cur)
-    return out
+    """The packed kernel sets this CPU can run, best first."""
+    return [name.decode() for name in packed_runnable_isas()]
 
 
 def _packed_self_check(int M, int N, int K, int threads=1, unsigned int seed=0, bint bias=False):

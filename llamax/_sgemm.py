@@ -31,6 +31,7 @@ from llamax import _core
 _lock = threading.Lock()
 _info: dict | None = None
 _lib = None  # keeps the library loaded for the life of the process
+_address = 0  # its cblas_sgemm
 
 
 def ensure() -> dict:
@@ -75,8 +76,17 @@ def _load() -> dict:
     return {**out, **_load_openblas()}
 
 
+def openblas_address() -> int:
+    """The address of the single-threaded ``cblas_sgemm`` embedding contexts
+    hand to ggml (0 when OpenBLAS is not used: ``LLAMAX_SGEMM=ggml``, or
+    scipy-openblas32 missing); benchmarks/bench_packed_gemm.py compares
+    against it."""
+    ensure()
+    return _address
+
+
 def _load_openblas() -> dict:
-    global _lib
+    global _lib, _address
     try:
         import scipy_openblas32 as sob
     except ImportError:
@@ -94,5 +104,5 @@ def _load_openblas() -> dict:
     except (OSError, AttributeError) as e:
         return {"library": None, "reason": f"cannot use {path}: {e}: ggml's kernels"}
     _core._set_embedding_sgemm(address)
-    _lib = lib
+    _lib, _address = lib, address
     return {"library": "OpenBLAS", "version": sob.__version__, "path": path, "config": config, "core": core}

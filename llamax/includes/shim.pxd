@@ -24,6 +24,7 @@ cdef extern from "packed_gemm.h" namespace "llamax::packed" nogil:
     # float weights packed once for embedding contexts (third_party/patches/0010)
     const char * packed_isa "llamax::packed::isa"()
     cbool packed_set_isa "llamax::packed::set_isa"(const char * name)
+    vector[string] packed_runnable_isas "llamax::packed::runnable_isas"() except +translate_exception
     void packed_set_enabled "llamax::packed::set_enabled"(cbool on)
     cbool packed_enabled "llamax::packed::enabled"()
     void packed_set_budget "llamax::packed::set_budget"(size_t nbytes)

@@ -279,7 +279,7 @@ def test_contexts_of_one_model_pack_it_together(sentences):
 
 
 def test_bad_budget_setting_is_refused_at_the_first_embedding_context():
-    r = run_py(f"""
+    r = run_py("""
         import llamax, data
         try:
             llamax.Embedder(data.minilm("f32"))
