@@ -44,7 +44,50 @@ struct Kernels {
     Kernel k[13];       // k[r]: r rows, 1 <= r <= mr
 };
 
+// The BF16 kernels (BF16 weights, on CPUs with AVX512_BF16): like Kernel,
+// over KP pairs of bf16 (two k each, packed in 32 bits) of A and of the
+// panel, summed in float32 by the CPU's bf16 dot-product instruction.
+using KernelBf16 = void (*)(int KP, const uint32_t * A, long lda, const uint32_t * B, float * C, long ldc, int cols,
+                            bool add, const float * bias);
+
+struct KernelsBf16 {
+    const char * name;
+    int nr;
+    int mr;
+    KernelBf16 k[13];
+};
+
 #ifdef LLAMAX_PACKED_X86
+
+// Stores (adds, when `add`) MR rows of 32 accumulated columns, `cols` of
+// them real, into C, then adds `bias` (nullptr: none).
+template <int MR>
+__attribute__((target("avx512f"), always_inline)) inline void store_avx512(const __m512 * c0, const __m512 * c1,
+                                                                            float * C, long ldc, int cols, bool add,
+                                                                            const float * bias) {
+    const __mmask16 m0 = cols >= 16 ? (__mmask16) 0xFFFF : (__mmask16) ((1u << cols) - 1);
+    const __mmask16 m1 = cols >= 32 ? (__mmask16) 0xFFFF
+                         : cols <= 16 ? (__mmask16) 0
+                                      : (__mmask16) ((1u << (cols - 16)) - 1);
+    const __m512 bias0 = bias != nullptr ? _mm512_maskz_loadu_ps(m0, bias) : _mm512_setzero_ps();
+    const __m512 bias1 = bias != nullptr ? _mm512_maskz_loadu_ps(m1, bias + 16) : _mm512_setzero_ps();
+#pragma GCC unroll 16
+    for (int i = 0; i < MR; i++) {
+        float * c = C + i * ldc;
+        __m512 r0 = c0[i];
+        __m512 r1 = c1[i];
+        if (add) {
+            r0 = _mm512_add_ps(r0, _mm512_maskz_loadu_ps(m0, c));
+            r1 = _mm512_add_ps(r1, _mm512_maskz_loadu_ps(m1, c + 16));
+        }
+        if (bias != nullptr) {
+            r0 = _mm512_add_ps(r0, bias0);
+            r1 = _mm512_add_ps(r1, bias1);
+        }
+        _mm512_mask_storeu_ps(c, m0, r0);
+        _mm512_mask_storeu_ps(c + 16, m1, r1);
+    }
+}
 
 // AVX-512: 2 vectors of 16 columns by up to 12 rows (24 accumulators).
 template <int MR>
@@ -67,27 +110,57 @@ __attribute__((target("avx512f,fma"))) void kernel_avx512(int K, const float * A
             c1[i] = _mm512_fmadd_ps(a, b1, c1[i]);
         }
     }
-    const __mmask16 m0 = cols >= 16 ? (__mmask16) 0xFFFF : (__mmask16) ((1u << cols) - 1);
-    const __mmask16 m1 = cols >= 32 ? (__mmask16) 0xFFFF
-                         : cols <= 16 ? (__mmask16) 0
-                                      : (__mmask16) ((1u << (cols - 16)) - 1);
-    const __m512 bias0 = bias != nullptr ? _mm512_maskz_loadu_ps(m0, bias) : _mm512_setzero_ps();
-    const __m512 bias1 = bias != nullptr ? _mm512_maskz_loadu_ps(m1, bias + 16) : _mm512_setzero_ps();
+    store_avx512<MR>(c0, c1, C, ldc, cols, add, bias);
+}
+
+// AVX512_BF16: the AVX-512 kernel's shape over pairs of k, each step one
+// bf16 dot product (a[k] * b[k] + a[k+1] * b[k+1] added in float32).
+template <int MR>
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) void kernel_bf16(int KP, const uint32_t * A, long lda,
+                                                                          const uint32_t * B, float * C, long ldc,
+                                                                          int cols, bool add, const float * bias) {
+    __m512 c0[MR];
+    __m512 c1[MR];
 #pragma GCC unroll 16
     for (int i = 0; i < MR; i++) {
-        float * c = C + i * ldc;
-        __m512 r0 = c0[i];
-        __m512 r1 = c1[i];
-        if (add) {
-            r0 = _mm512_add_ps(r0, _mm512_maskz_loadu_ps(m0, c));
-            r1 = _mm512_add_ps(r1, _mm512_maskz_loadu_ps(m1, c + 16));
+        c0[i] = _mm512_setzero_ps();
+        c1[i] = _mm512_setzero_ps();
+    }
+    for (int k = 0; k < KP; k++) {
+        const __m512bh b0 = (__m512bh) _mm512_load_si512(B + (long) k * 32);
+        const __m512bh b1 = (__m512bh) _mm512_load_si512(B + (long) k * 32 + 16);
+#pragma GCC unroll 16
+        for (int i = 0; i < MR; i++) {
+            const __m512bh a = (__m512bh) _mm512_set1_epi32((int) A[i * lda + k]);
+            c0[i] = _mm512_dpbf16_ps(c0[i], a, b0);
+            c1[i] = _mm512_dpbf16_ps(c1[i], a, b1);
         }
-        if (bias != nullptr) {
-            r0 = _mm512_add_ps(r0, bias0);
-            r1 = _mm512_add_ps(r1, bias1);
+    }
+    store_avx512<MR>(c0, c1, C, ldc, cols, add, bias);
+}
+
+// Rounds `rows` rows of `kl` floats (row r at A + r * lda) to bf16, to
+// nearest even, into rows of `kp` pairs (dst + r * kp), an odd tail's pair
+// completed with 0.
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) void to_bf16_pairs(int rows, int kl, const float * A, long lda,
+                                                                            uint32_t * dst, int kp) {
+    for (int r = 0; r < rows; r++) {
+        const float * a = A + (long) r * lda;
+        uint16_t * d = reinterpret_cast<uint16_t *>(dst + (long) r * kp);
+        int k = 0;
+        for (; k + 32 <= kl; k += 32) {
+            const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(a + k + 16), _mm512_loadu_ps(a + k));
+            _mm512_storeu_si512(d + k, (__m512i) v);
         }
-        _mm512_mask_storeu_ps(c, m0, r0);
-        _mm512_mask_storeu_ps(c + 16, m1, r1);
+        if (k < kl) {
+            const int n = kl - k;  // 1..31 floats, 2 * kp - k >= n bf16 to write
+            const __mmask16 lo = n >= 16 ? (__mmask16) 0xFFFF : (__mmask16) ((1u << n) - 1);
+            const __mmask16 hi = n <= 16 ? (__mmask16) 0 : (__mmask16) ((1u << (n - 16)) - 1);
+            const __m512bh v =
+                _mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(hi, a + k + 16), _mm512_maskz_loadu_ps(lo, a + k));
+            const int w = 2 * kp - k;  // n rounded up to even
+            _mm512_mask_storeu_epi16(d + k, (__mmask32) ((w >= 32) ? 0xFFFFFFFFu : ((1u << w) - 1)), (__m512i) v);
+        }
     }
 }
 
@@ -150,8 +223,25 @@ Kernels make_avx2(std::integer_sequence<int, I...>) {
     return {"avx2", 16, 6, 255, {nullptr, kernel_avx2<I + 1>...}};
 }
 
+template <int... I>
+KernelsBf16 make_bf16(std::integer_sequence<int, I...>) {
+    return {"avx512bf16", 32, 12, {nullptr, kernel_bf16<I + 1>...}};
+}
+
 const Kernels kAvx512 = make_avx512(std::make_integer_sequence<int, 12>{});
 const Kernels kAvx2 = make_avx2(std::make_integer_sequence<int, 6>{});
+const KernelsBf16 kBf16 = make_bf16(std::make_integer_sequence<int, 12>{});
+
+// The BF16 kernels that go with the float kernels `ks`, if this CPU runs
+// them (nullptr: BF16 weights are widened to float panels like F16 ones).
+// They share the AVX-512 kernels' panel width and row blocking.
+const KernelsBf16 * bf16_for(const Kernels * ks) {
+    __builtin_cpu_init();
+    if (ks == &kAvx512 && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512bf16")) {
+        return &kBf16;
+    }
+    return nullptr;
+}
 
 const Kernels * best_kernels() {
     __builtin_cpu_init();
@@ -167,11 +257,14 @@ const Kernels * best_kernels() {
 #else
 
 const Kernels * best_kernels() { return nullptr; }
+const KernelsBf16 * bf16_for(const Kernels *) { return nullptr; }
+void to_bf16_pairs(int, int, const float *, long, uint32_t *, int) {}
 
 #endif  // LLAMAX_PACKED_X86
 
 std::atomic<const Kernels *> g_kernels{best_kernels()};
 std::atomic<bool> g_enabled{true};
+std::atomic<bool> g_bf16{true};  // BF16 weights on the BF16 kernels where the CPU has them
 std::atomic<size_t> g_budget{size_t(2) << 30};
 std::atomic<uint64_t> g_fused{0};  // products computed with their bias ADD
 
@@ -242,64 +335,144 @@ void multiply(const Kernels & ks, int M, int N, int K, const float * A, long lda
     }
 }
 
-// Thread ith of nth's share of C = A * W^T (+ bias): work items are
-// (panel, row part) pairs, rows split only when there are too few panels
-// to keep every thread busy (a 384-wide output is 12 panels of 32: more
-// than 6 threads would otherwise idle).  Rows split on whole kernel
-// heights, and a row's bits do not depend on where it falls.
-void multiply_share(const Kernels & ks, int M, int N, int K, const float * A, long lda, const float * P, float * C,
-                    long ldc, const float * bias, int ith, int nth) {
-    const int np = (N + ks.nr - 1) / ks.nr;
-    const int row_blocks = (M + ks.mr - 1) / ks.mr;
+// Rows [0, M) of A (M rows of K floats) rounded to bf16 against BF16
+// panels, as multiply() does for float panels: KP = ceil(K / 2) pairs, K cut
+// into blocks of kc (even), and for each strip of mr rows the strip is
+// rounded once into a small buffer that every panel of [p0, p1) reads.
+void multiply_bf16(const KernelsBf16 & ks, int M, int N, int K, const float * A, long lda, const uint32_t * P,
+                   float * C, long ldc, int p0, int p1, const float * bias) {
+    constexpr int kMaxPairs = 512;
+    const int nr = ks.nr;
+    const int KP = (K + 1) / 2;
+    const int kc = K <= 2 * kMaxPairs ? K : 768;
+    alignas(64) uint32_t strip[12 * kMaxPairs];
+    for (int kb = 0; kb < K; kb += kc) {
+        const int kl = std::min(kc, K - kb);
+        const int kp = (kl + 1) / 2;
+        for (int i = 0; i < M; i += ks.mr) {
+            const int rows = std::min(ks.mr, M - i);
+            to_bf16_pairs(rows, kl, A + (size_t) i * lda + kb, lda, strip, kp);
+            for (int p = p0; p < p1; p++) {
+                const uint32_t * B = P + (size_t) p * KP * nr + (size_t) (kb / 2) * nr;
+                const int cols = std::min(nr, N - p * nr);
+                const float * b = (bias != nullptr && kb + kl == K) ? bias + (size_t) p * nr : nullptr;
+                ks.k[rows](kp, strip, kp, B, C + (size_t) i * ldc + (size_t) p * nr, ldc, cols, kb > 0, b);
+            }
+        }
+    }
+}
+
+// Thread ith of nth's share of a product with np panels of output columns
+// and M rows: calls part(r0, r1, p0, p1) for rows [r0, r1) of panels
+// [p0, p1).  Work items are (panel, row part) pairs, rows split only when
+// there are too few panels to keep every thread busy (a 384-wide output is
+// 12 panels of 32: more than 6 threads would otherwise idle).  Rows split
+// on whole kernel heights, and a row's bits do not depend on where it falls.
+template <typename Part> void share(int M, int np, int mr, int ith, int nth, Part && part) {
+    const int row_blocks = (M + mr - 1) / mr;
     const int parts = np >= 2 * nth ? 1 : std::max(1, std::min(row_blocks, (2 * nth + np - 1) / np));
     const int64_t items = (int64_t) np * parts;
     const int64_t i0 = items * ith / nth;
     const int64_t i1 = items * (ith + 1) / nth;
     if (parts == 1) {
         if (i0 < i1) {
-            multiply(ks, M, N, K, A, lda, P, C, ldc, (int) i0, (int) i1, bias);
+            part(0, M, (int) i0, (int) i1);
         }
         return;
     }
     for (int64_t it = i0; it < i1; it++) {
         const int p = (int) (it / parts);
-        const int part = (int) (it % parts);
-        const int r0 = (int) ((int64_t) row_blocks * part / parts) * ks.mr;
-        const int r1 = std::min(M, (int) ((int64_t) row_blocks * (part + 1) / parts) * ks.mr);
+        const int r = (int) (it % parts);
+        const int r0 = (int) ((int64_t) row_blocks * r / parts) * mr;
+        const int r1 = std::min(M, (int) ((int64_t) row_blocks * (r + 1) / parts) * mr);
         if (r0 < r1) {
-            multiply(ks, r1 - r0, N, K, A + (size_t) r0 * lda, lda, P, C + (size_t) r0 * ldc, ldc, p, p + 1, bias);
+            part(r0, r1, p, p + 1);
         }
     }
 }
 
+// Thread ith of nth's share of C = A * W^T (+ bias) from float panels.
+void multiply_share(const Kernels & ks, int M, int N, int K, const float * A, long lda, const float * P, float * C,
+                    long ldc, const float * bias, int ith, int nth) {
+    share(M, (N + ks.nr - 1) / ks.nr, ks.mr, ith, nth, [&](int r0, int r1, int p0, int p1) {
+        multiply(ks, r1 - r0, N, K, A + (size_t) r0 * lda, lda, P, C + (size_t) r0 * ldc, ldc, p0, p1, bias);
+    });
+}
+
+// The same from BF16 panels.
+void multiply_share_bf16(const KernelsBf16 & ks, int M, int N, int K, const float * A, long lda, const uint32_t * P,
+                         float * C, long ldc, const float * bias, int ith, int nth) {
+    share(M, (N + ks.nr - 1) / ks.nr, ks.mr, ith, nth, [&](int r0, int r1, int p0, int p1) {
+        multiply_bf16(ks, r1 - r0, N, K, A + (size_t) r0 * lda, lda, P, C + (size_t) r0 * ldc, ldc, p0, p1, bias);
+    });
+}
+
+// Packs rows [0, N) of a K-wide BF16 weight matrix (row r's bits at
+// `row(r)`) into panels of nr columns by ceil(K / 2) pairs: panel p holds
+// W[p*nr + j][2q] (low half) and W[p*nr + j][2q + 1] at q*nr + j.
+template <typename RowFn>
+Panels pack_bf16(int N, int K, int nr, RowFn && row) {
+    const int np = (N + nr - 1) / nr;
+    const int KP = (K + 1) / 2;
+    Panels out(alloc_floats((size_t) np * KP * nr));  // 4 bytes a pair
+    if (!out) {
+        return out;
+    }
+    uint32_t * P = reinterpret_cast<uint32_t *>(out.get());
+    for (int p = 0; p < np; p++) {
+        uint32_t * panel = P + (size_t) p * KP * nr;
+        for (int j = 0; j < nr; j++) {
+            const int n = p * nr + j;
+            const uint16_t * w = n < N ? row(n) : nullptr;
+            for (int q = 0; q < KP; q++) {
+                const uint32_t lo = w != nullptr ? w[2 * q] : 0;
+                const uint32_t hi = (w != nullptr && 2 * q + 1 < K) ? w[2 * q + 1] : 0;
+                panel[(size_t) q * nr + j] = lo | (hi << 16);
+            }
+        }
+    }
+    return out;
+}
+
 }  // namespace
+
+// The packed copy of one weight: float panels for the float kernels, or
+// BF16 panels for the BF16 ones.
+struct Packed {
+    const float * f32 = nullptr;
+    const uint32_t * bf16 = nullptr;
+    explicit operator bool() const { return f32 != nullptr || bf16 != nullptr; }
+};
 
 class Store {
   public:
     // The kernels this store packs for, fixed when it is made: every thread
-    // of every product splits the columns by the same panel width.
-    explicit Store(const Kernels * ks) : ks_(ks) {}
+    // of every product splits the columns by the same panel width.  `bf16`
+    // (nullptr: none) multiplies BF16 weights; without it they are widened
+    // to float panels.
+    Store(const Kernels * ks, const KernelsBf16 * bf16) : ks_(ks), bf16_(bf16) {}
     const Kernels * kernels() const { return ks_; }
+    const KernelsBf16 * bf16_kernels() const { return bf16_; }
 
     // The panels of weight `w` for this store's kernels, packing them on
-    // first use (nullptr: not packed, the store is at its budget or out of
+    // first use (none: not packed, the store is at its budget or out of
     // memory).  Every caller asking for the same weight gets the same answer.
-    const float * get(const ggml_tensor * w) {
+    Packed get(const ggml_tensor * w) {
         const Key key{w->data, w->ne[0], w->ne[1], w->nb[1], (int) w->type};
         {
             std::shared_lock<std::shared_mutex> lock(mu_);
             auto it = map_.find(key);
             if (it != map_.end()) {
-                return it->second.get();
+                return as_packed(key, it->second);
             }
         }
         std::unique_lock<std::shared_mutex> lock(mu_);
         auto it = map_.find(key);
         if (it != map_.end()) {
-            return it->second.get();
+            return as_packed(key, it->second);
         }
         if (broken_) {
-            return nullptr;
+            return {};
         }
         // This runs on ggml's compute threads, under C frames: nothing may
         // leave it as an exception.  An allocation that fails here (the
@@ -309,7 +482,7 @@ class Store {
             return pack_locked(key, w);
         } catch (...) {
             broken_ = true;
-            return nullptr;
+            return {};
         }
     }
 
@@ -320,16 +493,32 @@ class Store {
 
   private:
     struct Key;
-    const float * pack_locked(const Key & key, const ggml_tensor * w) {
+    bool as_bf16(int type) const { return type == GGML_TYPE_BF16 && bf16_ != nullptr; }
+    Packed as_packed(const Key & key, const Panels & p) const {
+        Packed out;
+        if (as_bf16(key.type)) {
+            out.bf16 = reinterpret_cast<const uint32_t *>(p.get());
+        } else {
+            out.f32 = p.get();
+        }
+        return out;
+    }
+
+    Packed pack_locked(const Key & key, const ggml_tensor * w) {
         const Kernels & ks = *ks_;
         const int N = (int) w->ne[1];
         const int K = (int) w->ne[0];
-        const size_t bytes = (size_t) ((N + ks.nr - 1) / ks.nr) * K * ks.nr * sizeof(float);
+        const bool bf16 = as_bf16(w->type);
+        const int nr = bf16 ? bf16_->nr : ks.nr;
+        const size_t depth = bf16 ? (size_t) (K + 1) / 2 : (size_t) K;  // 4-byte entries per panel column
+        const size_t bytes = (size_t) ((N + nr - 1) / nr) * depth * nr * 4;
         Panels panels;
         if (bytes_ + bytes <= budget()) {
             const char * base = static_cast<const char *>(w->data);
             const size_t nb1 = w->nb[1];
-            if (w->type == GGML_TYPE_F32) {
+            if (bf16) {
+                panels = pack_bf16(N, K, nr, [&](int n) { return (const uint16_t *) (base + (size_t) n * nb1); });
+            } else if (w->type == GGML_TYPE_F32) {
                 panels = pack(N, K, ks.nr, [&](int n, float *) { return (const float *) (base + (size_t) n * nb1); });
             } else {
                 const ggml_to_float_t to_float = ggml_get_type_traits(w->type)->to_float;
@@ -340,12 +529,12 @@ class Store {
             }
         }
         // a refusal is remembered too, so that every thread gets it
-        const float * out = panels.get();
-        map_.emplace(key, std::move(panels));
-        if (out != nullptr) {
+        const bool packed = panels != nullptr;
+        auto it = map_.emplace(key, std::move(panels)).first;
+        if (packed) {
             bytes_ += bytes;
         }
-        return out;
+        return as_packed(key, it->second);
     }
 
     struct Key {
@@ -366,6 +555,7 @@ class Store {
         }
     };
     const Kernels * const ks_;
+    const KernelsBf16 * const bf16_;
     bool broken_ = false;  // an allocation failed: no more packing
     std::shared_mutex mu_;
     std::unordered_map<Key, Panels, KeyHash> map_;
@@ -474,6 +664,11 @@ bool set_isa(const char * name) {
 }
 
 void set_enabled(bool on) { g_enabled.store(on); }
+
+void set_bf16(bool on) { g_bf16.store(on); }
+bool bf16() {
+    return g_bf16.load() && bf16_for(g_kernels.load()) != nullptr;
+}
 bool enabled() { return g_enabled.load() && g_kernels.load() != nullptr; }
 
 uint64_t fused_products() { return g_fused.load(std::memory_order_relaxed); }
@@ -485,7 +680,8 @@ StorePtr store_for(const llama_model * model) {
     std::lock_guard<std::mutex> lock(g_stores_mu);
     StorePtr & s = g_stores[model];
     if (!s) {
-        s = std::make_shared<Store>(g_kernels.load());
+        const Kernels * ks = g_kernels.load();
+        s = std::make_shared<Store>(ks, g_bf16.load() ? bf16_for(ks) : nullptr);
     }
     return s;
 }
@@ -523,8 +719,8 @@ bool mul_mat_hook(void * data, const ggml_tensor * mm, const ggml_tensor * bias,
     const ggml_tensor * x = mm->src[1];
     const ggml_tensor * dst = out;
     const float * b = bias != nullptr ? static_cast<const float *>(bias->data) : nullptr;
-    const float * P = store->get(w);
-    if (P == nullptr) {
+    const Packed P = store->get(w);
+    if (!P) {
         return false;
     }
     const int N = (int) w->ne[1];
@@ -539,7 +735,11 @@ bool mul_mat_hook(void * data, const ggml_tensor * mm, const ggml_tensor * bias,
         for (int64_t i2 = 0; i2 < x->ne[2]; i2++) {
             const float * A = (const float *) ((const char *) x->data + i2 * x->nb[2] + i3 * x->nb[3]);
             float * C = (float *) ((char *) dst->data + i2 * dst->nb[2] + i3 * dst->nb[3]);
-            multiply_share(*ks, M, N, K, A, lda, P, C, ldc, b, ith, nth);
+            if (P.bf16 != nullptr) {
+                multiply_share_bf16(*store->bf16_kernels(), M, N, K, A, lda, P.bf16, C, ldc, b, ith, nth);
+            } else {
+                multiply_share(*ks, M, N, K, A, lda, P.f32, C, ldc, b, ith, nth);
+            }
         }
     }
     return true;
@@ -547,12 +747,29 @@ bool mul_mat_hook(void * data, const ggml_tensor * mm, const ggml_tensor * bias,
 
 namespace {
 
+// Rounds x to the nearest bf16 (ties to even; no NaNs here).
+uint16_t bf16_bits(float x) {
+    uint32_t u;
+    std::memcpy(&u, &x, sizeof u);
+    u += 0x7FFFu + ((u >> 16) & 1u);
+    return (uint16_t) (u >> 16);
+}
+
+float bf16_value(uint16_t bits) {
+    const uint32_t u = (uint32_t) bits << 16;
+    float x;
+    std::memcpy(&x, &u, sizeof x);
+    return x;
+}
+
 // A random product for the self-check and the benchmark: activations A
-// (M rows of lda floats), weights W (N x K), a bias row, W packed for ks.
+// (M rows of lda floats), weights W (N x K), a bias row, W packed for ks,
+// or, given `bf16` kernels, W rounded to bf16 (W holds the rounded values)
+// and packed for them.
 struct Problem {
     std::vector<float> A, W, bias;
     Panels P;
-    Problem(const Kernels & ks, int M, int N, int K, long lda, uint32_t seed) :
+    Problem(const Kernels & ks, const KernelsBf16 * bf16, int M, int N, int K, long lda, uint32_t seed) :
         A((size_t) M * lda), W((size_t) N * K), bias((size_t) N) {
         std::mt19937 rng(seed);
         std::uniform_real_distribution<float> u(-1.0f, 1.0f);
@@ -561,50 +778,91 @@ struct Problem {
                 x = u(rng);
             }
         }
-        P = pack(N, K, ks.nr, [&](int n, float *) { return (const float *) (W.data() + (size_t) n * K); });
+        if (bf16 != nullptr) {
+            std::vector<uint16_t> bits(W.size());
+            for (size_t i = 0; i < W.size(); i++) {
+                bits[i] = bf16_bits(W[i]);
+                W[i] = bf16_value(bits[i]);
+            }
+            P = pack_bf16(N, K, bf16->nr, [&](int n) { return (const uint16_t *) (bits.data() + (size_t) n * K); });
+        } else {
+            P = pack(N, K, ks.nr, [&](int n, float *) { return (const float *) (W.data() + (size_t) n * K); });
+        }
+    }
+
+    // C = A * W^T (+ bias) for rows [0, M) of A, thread ith of nth's share
+    // (nth = 0: all of it, unshared) with the kernels the problem was packed for.
+    void multiply_into(const Kernels & ks, const KernelsBf16 * bf16, int M, int N, int K, const float * a, long lda,
+                       float * C, long ldc, const float * b, int ith, int nth) const {
+        if (bf16 != nullptr) {
+            const uint32_t * Pb = reinterpret_cast<const uint32_t *>(P.get());
+            if (nth == 0) {
+                multiply_bf16(*bf16, M, N, K, a, lda, Pb, C, ldc, 0, (N + bf16->nr - 1) / bf16->nr, b);
+            } else {
+                multiply_share_bf16(*bf16, M, N, K, a, lda, Pb, C, ldc, b, ith, nth);
+            }
+        } else if (nth == 0) {
+            multiply(ks, M, N, K, a, lda, P.get(), C, ldc, 0, (N + ks.nr - 1) / ks.nr, b);
+        } else {
+            multiply_share(ks, M, N, K, a, lda, P.get(), C, ldc, b, ith, nth);
+        }
     }
 };
 
+// The kernels a self-check or benchmark runs: false if `bf16` is asked for
+// and this CPU (or the process's kernel choice) has no BF16 kernels.
+bool test_kernels(bool bf16, const Kernels ** ks, const KernelsBf16 ** kb) {
+    *ks = g_kernels.load();
+    *kb = bf16 ? bf16_for(*ks) : nullptr;
+    return *ks != nullptr && (!bf16 || *kb != nullptr);
+}
+
 }  // namespace
 
-double self_check(int M, int N, int K, int threads, uint32_t seed, bool with_bias) {
-    const Kernels * ks = g_kernels.load();
-    if (ks == nullptr || M < 1 || N < 1 || K < 1 || threads < 1) {
+double self_check(int M, int N, int K, int threads, uint32_t seed, bool with_bias, bool bf16) {
+    const Kernels * ks;
+    const KernelsBf16 * kb;
+    if (!test_kernels(bf16, &ks, &kb) || M < 1 || N < 1 || K < 1 || threads < 1) {
         return -1.0;
     }
     const long lda = K + 3;  // strided rows, as ggml's views can be
     const long ldc = N + 5;
-    Problem pr(*ks, M, N, K, lda, seed);
+    const Problem pr(*ks, kb, M, N, K, lda, seed);
     if (!pr.P) {
         return -1.0;
     }
     const std::vector<float> & A = pr.A;
     const std::vector<float> & W = pr.W;
     const std::vector<float> & bias = pr.bias;
-    const Panels & P = pr.P;
     std::vector<float> C((size_t) M * ldc, 7.0f);
     const float * b = with_bias ? bias.data() : nullptr;
-    const int np = (N + ks->nr - 1) / ks->nr;
     for (int t = 0; t < threads; t++) {  // every thread's share, as the hook splits them
-        multiply_share(*ks, M, N, K, A.data(), lda, P.get(), C.data(), ldc, b, t, threads);
+        pr.multiply_into(*ks, kb, M, N, K, A.data(), lda, C.data(), ldc, b, t, threads);
     }
     // a row's result does not depend on the rows multiplied with it: the
     // last rows alone (another kernel height, another start) give the same bits
     const int tail = std::min(M, 3);
     std::vector<float> T((size_t) tail * ldc, 7.0f);
-    multiply(*ks, tail, N, K, A.data() + (size_t) (M - tail) * lda, lda, P.get(), T.data(), ldc, 0, np, b);
+    pr.multiply_into(*ks, kb, tail, N, K, A.data() + (size_t) (M - tail) * lda, lda, T.data(), ldc, b, 0, 0);
     for (int i = 0; i < tail; i++) {
         if (std::memcmp(T.data() + (size_t) i * ldc, C.data() + (size_t) (M - tail + i) * ldc, N * sizeof(float)) != 0) {
             return std::numeric_limits<double>::infinity();
         }
     }
+    // the reference: in double, from the activations as the kernels see them
+    // (rounded to bf16 for the BF16 kernels; W already is)
+    std::vector<double> a((size_t) K);
     double worst = 0.0;
     double scale = 0.0;
     for (int i = 0; i < M; i++) {
+        for (int k = 0; k < K; k++) {
+            const float x = A[(size_t) i * lda + k];
+            a[k] = kb != nullptr ? (double) bf16_value(bf16_bits(x)) : (double) x;
+        }
         for (int n = 0; n < N; n++) {
             double ref = 0.0;
             for (int k = 0; k < K; k++) {
-                ref += (double) A[(size_t) i * lda + k] * (double) W[(size_t) n * K + k];
+                ref += a[k] * (double) W[(size_t) n * K + k];
             }
             ref += with_bias ? (double) bias[n] : 0.0;
             worst = std::max(worst, std::fabs(ref - (double) C[(size_t) i * ldc + n]));
@@ -619,21 +877,20 @@ double self_check(int M, int N, int K, int threads, uint32_t seed, bool with_bia
     return scale > 0.0 ? worst / scale : worst;
 }
 
-bool bench(int M, int N, int K, double seconds, SgemmFnRef sgemm, double out[2]) {
-    const Kernels * ks = g_kernels.load();
+bool bench(int M, int N, int K, double seconds, SgemmFnRef sgemm, bool bf16, double out[2]) {
+    const Kernels * ks;
+    const KernelsBf16 * kb;
     out[0] = out[1] = 0.0;
-    if (ks == nullptr || M < 1 || N < 1 || K < 1) {
+    if (!test_kernels(bf16, &ks, &kb) || M < 1 || N < 1 || K < 1) {
         return false;
     }
-    Problem pr(*ks, M, N, K, K, 1);
+    const Problem pr(*ks, kb, M, N, K, K, 1);
     if (!pr.P) {
         return false;
     }
     const std::vector<float> & A = pr.A;
     const std::vector<float> & W = pr.W;
-    const Panels & P = pr.P;
     std::vector<float> C((size_t) M * N);
-    const int np = (N + ks->nr - 1) / ks->nr;
     using clock = std::chrono::steady_clock;
     auto rate = [&](auto && once) {
         once();  // warm
@@ -658,7 +915,7 @@ bool bench(int M, int N, int K, double seconds, SgemmFnRef sgemm, double out[2])
         }
         return 2.0 * M * N * K / best / 1e9;
     };
-    out[0] = rate([&] { multiply(*ks, M, N, K, A.data(), K, P.get(), C.data(), N, 0, np, nullptr); });
+    out[0] = rate([&] { pr.multiply_into(*ks, kb, M, N, K, A.data(), K, C.data(), N, nullptr, 0, 0); });
     if (sgemm != nullptr) {
         // row-major C = A * W^T: CblasRowMajor (101), NoTrans (111), Trans (112)
         out[1] = rate([&] { sgemm(101, 111, 112, M, N, K, 1.0f, A.data(), K, W.data(), K, 0.0f, C.data(), N); });

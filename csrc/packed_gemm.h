@@ -12,8 +12,12 @@
 // does not depend on what it was batched with.
 //
 // The packed copies are float32, one store per model, shared by its
-// contexts and freed with the model; a store stops packing past its budget
-// (set_budget), and a weight it did not pack goes on to patch 0005 / ggml.
+// contexts and freed with the model.  BF16 weights, on CPUs with
+// AVX512_BF16, are packed as bf16 instead and multiplied by the CPU's bf16
+// dot-product instruction, the activations rounded to bf16 (as ggml's own
+// BF16 products do), sums in float32: twice the products per instruction.
+// A store stops packing past its budget (set_budget), and a weight it did
+// not pack goes on to patch 0005 / ggml.
 #pragma once
 
 #include <cstddef>
@@ -42,6 +46,12 @@ bool set_isa(const char * name);
 void set_enabled(bool on);
 bool enabled();
 
+// Whether models whose first embedding context is made from now on multiply
+// BF16 weights with the BF16 kernels (set_bf16; default on), and whether
+// they will: on, and the CPU and kernel choice have them (bf16).
+void set_bf16(bool on);
+bool bf16();
+
 // Products computed together with the ADD of their bias (patch 0010's
 // fusion), since the process started.
 uint64_t fused_products();
@@ -68,16 +78,19 @@ bool mul_mat_hook(void * data, const ggml_tensor * mm, const ggml_tensor * bias,
 // simulated shares (adding a random bias row if asked) and returns
 // max |C - C_ref| / max |C_ref| against a double-precision reference, or
 // infinity if a row's bits depend on the rows multiplied with it or a
-// column past N was written (tests).  -1 when no kernels can run.
-double self_check(int M, int N, int K, int threads, uint32_t seed, bool with_bias);
+// column past N was written (tests).  With `bf16`, the weights are rounded
+// to bf16 and the BF16 kernels run, against a reference from the rounded
+// values.  -1 when no such kernels can run.
+double self_check(int M, int N, int K, int threads, uint32_t seed, bool with_bias, bool bf16);
 
 // Times C = A * W^T (M x K by N x K, one thread) with the packed kernels
 // and, when `sgemm` is given (cblas_sgemm's signature), with it too, each
 // for at least `seconds`; writes GFLOP/s (best of 5 rounds) to out[0] and
-// out[1] (0: not run).  False when no kernels can run (benchmarks).
+// out[1] (0: not run); `bf16`: the BF16 kernels, on weights rounded to
+// bf16.  False when no such kernels can run (benchmarks).
 using SgemmFnRef = void (*)(int, int, int, int, int, int, float, const float *, int, const float *, int, float, float *,
                             int);
-bool bench(int M, int N, int K, double seconds, SgemmFnRef sgemm, double out[2]);
+bool bench(int M, int N, int K, double seconds, SgemmFnRef sgemm, bool bf16, double out[2]);
 
 }  // namespace packed
 }  // namespace llamax

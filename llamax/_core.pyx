@@ -117,34 +117,41 @@ def _set_embedding_sgemm(address):
     set_embedding_sgemm(<SgemmFn> <size_t> address)
 
 
-def _packed_config(enabled=None, isa=None, budget=None):
+def _packed_config(enabled=None, isa=None, budget=None, bf16=None):
     """Set whether embedding contexts made from now on multiply float
     weights from packed copies (``enabled``), with which kernels the models
     whose first embedding context is made from now on pack them (``isa``:
-    "avx512", "avx2", "" for the best the CPU has) and how many bytes of
-    packed weights one model may hold (``budget``); None leaves a setting as
-    it is.  Returns the settings, {"enabled", "isa", "budget"},
-    and how many products were computed with their bias added in the same
-    pass since the process started ("fused_products").
-    llamax._sgemm and the tests call it."""
-    if enabled is not None:
-        if not isinstance(enabled, bool):
-            raise ArgumentTypeError("enabled must be a bool or None")
-        packed_set_enabled(enabled)
-    if isa is not None:
-        if not isinstance(isa, str):
-            raise ArgumentTypeError("isa must be a str or None")
-        if not packed_set_isa(isa.encode()):
-            raise InvalidArgumentError(f"isa={isa!r}: this CPU (or build) can't run it; "
-                                       f"expected one of {_packed_isas()}")
+    "avx512", "avx2", "" for the best the CPU has), whether those models
+    multiply BF16 weights with the BF16 kernels where the CPU has them
+    (``bf16``) and how many bytes of packed weights one model may hold
+    (``budget``); None leaves a setting as it is.  Returns the settings,
+    {"enabled", "isa", "bf16", "budget"} ("bf16": whether BF16 weights will
+    take the BF16 kernels), and how many products were computed with their
+    bias added in the same pass since the process started
+    ("fused_products").  llamax._sgemm and the tests call it."""
+    for name, v in (("enabled", enabled), ("bf16", bf16)):
+        if v is not None and not isinstance(v, bool):
+            raise ArgumentTypeError(f"{name} must be a bool or None")
+    if isa is not None and not isinstance(isa, str):
+        raise ArgumentTypeError("isa must be a str or None")
     if budget is not None:
         if isinstance(budget, bool) or not isinstance(budget, int):
             raise ArgumentTypeError("budget must be an int (bytes) or None")
         if budget < 0:
             raise InvalidArgumentError(f"budget={budget}: must be >= 0 bytes")
+    if isa is not None and isa != "" and isa not in _packed_isas():
+        raise InvalidArgumentError(f"isa={isa!r}: this CPU (or build) can't run it; "
+                                   f"expected one of {_packed_isas()}")
+    if enabled is not None:
+        packed_set_enabled(enabled)
+    if isa is not None:
+        packed_set_isa(isa.encode())
+    if bf16 is not None:
+        packed_set_bf16(bf16)
+    if budget is not None:
         packed_set_budget(<size_t> min(budget, (1 << 63) - 1))
-    return {"enabled": packed_enabled(), "isa": packed_isa().decode(), "budget": packed_budget(),
-            "fused_products": packed_fused_products()}
+    return {"enabled": packed_enabled(), "isa": packed_isa().decode(), "bf16": packed_bf16(),
+            "budget": packed_budget(), "fused_products": packed_fused_products()}
 
 
 def _packed_isas():
@@ -152,18 +159,19 @@ def _packed_isas():
     return [name.decode() for name in packed_runnable_isas()]
 
 
-def _packed_self_check(int M, int N, int K, int threads=1, unsigned int seed=0, bint bias=False):
+def _packed_self_check(int M, int N, int K, int threads=1, unsigned int seed=0, bint bias=False, bint bf16=False):
     """max |C - C_ref| / max |C_ref| of the packed kernels on a random
     M x K by N x K product (plus a random bias row if asked) against a
     double-precision reference; infinity if a row's bits depend on the rows
     multiplied with it or a column past N was written (tests); -1 when no
-    kernels can run."""
+    kernels can run.  ``bf16``: the BF16 kernels, with the weights rounded
+    to bf16 and a reference from the rounded weights and activations."""
     _check_packed_shape(M, N, K)
     if not 1 <= threads <= 64:
         raise InvalidArgumentError(f"threads={threads}: must be in [1, 64]")
     cdef double r
     with nogil:
-        r = packed_self_check(M, N, K, threads, seed, bias)
+        r = packed_self_check(M, N, K, threads, seed, bias, bf16)
     return r
 
 
@@ -173,10 +181,10 @@ cdef _check_packed_shape(int M, int N, int K):
             raise InvalidArgumentError(f"{name}={v}: must be in [1, 16384]")
 
 
-def _packed_bench(int M, int N, int K, double seconds=0.5, sgemm_address=0):
+def _packed_bench(int M, int N, int K, double seconds=0.5, sgemm_address=0, bint bf16=False):
     """GFLOP/s of one thread's C = A * W^T (M x K by N x K) with the packed
-    kernels and, given a cblas_sgemm address (int), with that SGEMM:
-    {"packed", "sgemm"} (benchmarks/bench_packed_gemm.py)."""
+    kernels (``bf16``: the BF16 kernels) and, given a cblas_sgemm address
+    (int), with that SGEMM: {"packed", "sgemm"} (benchmarks/bench_packed_gemm.py)."""
     if isinstance(sgemm_address, bool) or not isinstance(sgemm_address, int) or not 0 <= sgemm_address < (1 << 64):
         raise ArgumentTypeError("sgemm_address must be a function address (int) or 0")
     _check_packed_shape(M, N, K)
@@ -186,9 +194,10 @@ def _packed_bench(int M, int N, int K, double seconds=0.5, sgemm_address=0):
     cdef SgemmFnRef fn = <SgemmFnRef> <size_t> sgemm_address
     cdef cbool ok
     with nogil:
-        ok = packed_bench(M, N, K, seconds, fn, out)
+        ok = packed_bench(M, N, K, seconds, fn, bf16, out)
     if not ok:
-        raise InvalidArgumentError("no packed kernels on this CPU or build")
+        raise InvalidArgumentError("no BF16 kernels on this CPU or build" if bf16 else
+                                   "no packed kernels on this CPU or build")
     return {"packed": out[0], "sgemm": out[1] if sgemm_address else None}
 
 

@@ -27,16 +27,18 @@ cdef extern from "packed_gemm.h" namespace "llamax::packed" nogil:
     vector[string] packed_runnable_isas "llamax::packed::runnable_isas"() except +translate_exception
     void packed_set_enabled "llamax::packed::set_enabled"(cbool on)
     cbool packed_enabled "llamax::packed::enabled"()
+    void packed_set_bf16 "llamax::packed::set_bf16"(cbool on)
+    cbool packed_bf16 "llamax::packed::bf16"()
     void packed_set_budget "llamax::packed::set_budget"(size_t nbytes)
     size_t packed_budget "llamax::packed::budget"()
     uint64_t packed_fused_products "llamax::packed::fused_products"()
     ctypedef void (*SgemmFnRef "llamax::packed::SgemmFnRef")(int, int, int, int, int, int, float, const float *, int,
                                                           const float *, int, float, float *, int) noexcept
     cbool packed_bench "llamax::packed::bench"(int M, int N, int K, double seconds, SgemmFnRef sgemm,
-                                               double * out) except +translate_exception
+                                               cbool bf16, double * out) except +translate_exception
     size_t packed_bytes "llamax::packed::packed_bytes"(const llama_model * model)
     double packed_self_check "llamax::packed::self_check"(int M, int N, int K, int threads, unsigned int seed,
-                                                            cbool with_bias) except +translate_exception
+                                                            cbool with_bias, cbool bf16) except +translate_exception
 
 
 cdef extern from "llamax.h" namespace "llamax" nogil:

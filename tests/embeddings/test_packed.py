@@ -26,6 +26,11 @@ def cosines(a, b):
 
 ISAS = _core._packed_isas()
 X86 = platform.machine().lower() in ("x86_64", "amd64")
+# BF16 weights on the BF16 kernels: CPUs with AVX512_BF16 (checked against
+# /proc/cpuinfo by test_bf16_kernels_follow_the_cpu_flags)
+BF16 = _core._packed_config()["bf16"]
+# the kernel sets to check: (isa, BF16 kernels)
+KERNELS = [(isa, False) for isa in ISAS] + ([("avx512", True)] if BF16 else [])
 # The kernels are x86-64 (AVX2 / AVX-512); elsewhere (Apple silicon's Metal
 # build) embedding contexts keep OpenBLAS / ggml, which the embedding suite
 # covers, and test_this_cpu_has_packed_kernels checks that nothing claims
@@ -37,7 +42,7 @@ needs_kernels = pytest.mark.skipif(not X86, reason="llamax's packed kernels are 
 def restore_packed():
     before = _core._packed_config()
     yield
-    _core._packed_config(enabled=before["enabled"], isa=before["isa"], budget=before["budget"])
+    _core._packed_config(enabled=before["enabled"], isa=before["isa"], budget=before["budget"], bf16=True)
 
 
 def test_this_cpu_has_packed_kernels():
@@ -51,21 +56,24 @@ def test_this_cpu_has_packed_kernels():
     assert info["packed"]["budget"] == 2048 << 20
 
 
-@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("isa,bf16", KERNELS)
 @pytest.mark.parametrize("M,N,K,threads", [
     (1, 1, 1, 1), (1, 33, 7, 2), (12, 32, 384, 1), (13, 100, 385, 3), (6, 16, 16, 4),
     (37, 384, 1536, 2), (300, 65, 600, 2), (5, 17, 513, 5), (200, 48, 20, 2),
     # more threads than twice the panels: rows are split too
     (300, 65, 600, 16), (37, 384, 384, 32), (5, 17, 13, 8), (130, 1536, 64, 64),
+    (14, 40, 2049, 2), (3, 33, 1, 1),
 ])
 @pytest.mark.parametrize("bias", [False, True])
-def test_packed_kernels_match_a_double_reference(isa, M, N, K, threads, bias, restore_packed):
+def test_packed_kernels_match_a_double_reference(isa, bf16, M, N, K, threads, bias, restore_packed):
     """Every row count up to a kernel's height, last panels of 1-31 real
-    columns, K blocked (> 512), more threads than panels (rows split),
-    strided rows, a fused bias row; the columns past N are never written, and the last rows
-    alone give the same bits as in the whole product."""
+    columns, K blocked (> 512; > 1024 for BF16), odd K (a BF16 pair half
+    padding), more threads than panels (rows split), strided rows, a fused
+    bias row; the columns past N are never written, and the last rows alone
+    give the same bits as in the whole product.  BF16: against a reference
+    from the bf16-rounded weights and activations."""
     _core._packed_config(isa=isa)
-    err = _core._packed_self_check(M, N, K, threads, seed=M * 7 + N, bias=bias)
+    err = _core._packed_self_check(M, N, K, threads, seed=M * 7 + N, bias=bias, bf16=bf16)
     assert 0 <= err < 1e-5, err
 
 
@@ -94,6 +102,34 @@ def test_kernel_bench_runs_and_bad_shapes_are_refused():
         _core._packed_bench(4, 4, 4, sgemm_address=-1)
 
 
+def test_bf16_kernels_follow_the_cpu_flags(restore_packed):
+    """BF16 kernels exactly where Linux reports avx512f, avx512bw and
+    avx512_bf16 (AVX2-only EPYCs: none; BF16 weights are widened to float
+    panels there), and only with the AVX-512 kernels."""
+    flags = set()
+    if X86 and platform.system() == "Linux":
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    break
+        assert BF16 == ({"avx512f", "avx512bw", "avx512_bf16"} <= flags), sorted(f for f in flags if "512" in f)
+    if not BF16:
+        assert _core._packed_self_check(4, 4, 4, bf16=True) == -1
+        with pytest.raises(llamax.InvalidArgumentError, match="no BF16 kernels"):
+            _core._packed_bench(4, 4, 4, seconds=0.01, bf16=True)
+    if "avx2" in ISAS:
+        _core._packed_config(isa="avx2")
+        assert _core._packed_config()["bf16"] is False  # the AVX2 kernels have no BF16 set
+        assert _core._packed_self_check(4, 4, 4, bf16=True) == -1
+    _core._packed_config(isa="", bf16=False)
+    assert _core._packed_config()["bf16"] is False
+    _core._packed_config(bf16=True)
+    assert _core._packed_config()["bf16"] == BF16
+    with pytest.raises(llamax.ArgumentTypeError, match="bf16 must be a bool"):
+        _core._packed_config(bf16="yes")
+
+
 def test_unknown_isa_is_refused(restore_packed):
     with pytest.raises(llamax.InvalidArgumentError, match="can't run it"):
         _core._packed_config(isa="neon")
@@ -103,15 +139,16 @@ def test_unknown_isa_is_refused(restore_packed):
         _core._packed_config(enabled=1)
 
 
-def _matmul_weight_bytes(path, nr):
+def _matmul_weight_bytes(path, nr, bf16=False):
     """float32 bytes of the model's matrix-product weights packed in panels
-    of nr columns (the token embeddings are looked up, not multiplied)."""
+    of nr columns (the token embeddings are looked up, not multiplied);
+    bf16: pairs of bf16, half as many bytes (K rounded up to even)."""
     import gguf
     total = 0
     for t in gguf.GGUFReader(str(path)).tensors:
         if t.name.startswith("blk.") and len(t.shape) == 2 and t.shape[1] > 1:
             k, n = (int(x) for x in t.shape)  # gguf lists ne0 (K) first
-            total += -(-n // nr) * nr * k * 4
+            total += -(-n // nr) * nr * (-(-k // 2) if bf16 else k) * 4
     return total
 
 
@@ -288,3 +325,52 @@ def test_bad_budget_setting_is_refused_at_the_first_embedding_context():
     """, timeout=120, env={"LLAMAX_PACKED_BUDGET_MB": "lots"})
     assert r.returncode == 0, r.stderr
     assert "refused: LLAMAX_PACKED_BUDGET_MB='lots': expected a whole number of MiB >= 0" in r.stdout
+
+
+@needs_kernels
+def test_bf16_weights_pack_as_bf16_where_the_cpu_multiplies_them(sentences, st_reference, restore_packed):
+    """A BF16 GGUF: half the packed bytes and bf16 activations on CPUs with
+    AVX512_BF16, float panels elsewhere and with the BF16 kernels turned
+    off; either way within 0.9999 of sentence-transformers and of each
+    other, and a batch gives each input what it gives alone."""
+    path = data.minilm("bf16")
+    nr = 32 if _core._packed_config()["isa"] == "avx512" else 16
+    out = {}
+    for use in (True, False):
+        _core._packed_config(bf16=use)
+        with llamax.Embedder(path, max_seq_length=256, n_threads=2) as e:
+            assert e.llama._model.packed_weight_bytes == _matmul_weight_bytes(path, nr, bf16=use and BF16)
+            out[use] = e.encode(sentences, batch_size=32)
+            alone = np.concatenate([e.encode([t], batch_size=1) for t in sentences[:8]])
+        assert cosines(out[use][:8], alone).min() > 0.99999
+        ref = st_reference / np.linalg.norm(st_reference, axis=1, keepdims=True)
+        cos = cosines(out[use], ref)
+        assert cos.min() >= 0.9999, (use, int(np.argmin(cos)), cos.min())
+    cos = cosines(out[True], out[False])
+    assert cos.min() > 0.9999, cos.min()
+    if not BF16:
+        assert np.array_equal(out[True], out[False])
+
+
+def test_packed_bf16_setting(tmp_path):
+    """LLAMAX_PACKED_BF16=0 widens BF16 weights to float panels; a bad value
+    is refused at the first embedding context with what to set."""
+    r = run_py("""
+        import llamax, data
+        try:
+            llamax.Embedder(data.minilm("f32"))
+        except llamax.InvalidArgumentError as e:
+            print("refused:", e)
+    """, timeout=120, env={"LLAMAX_PACKED_BF16": "maybe"})
+    assert r.returncode == 0, r.stderr
+    assert "refused: LLAMAX_PACKED_BF16='maybe': expected 1" in r.stdout
+    if not X86:
+        return
+    r = run_py("""
+        import llamax, data
+        with llamax.Embedder(data.minilm("bf16"), n_threads=2) as e:
+            print("bf16:", llamax.sgemm_info()["packed"]["bf16"], e.llama._model.packed_weight_bytes)
+    """, timeout=120, env={"LLAMAX_PACKED_BF16": "0"})
+    assert r.returncode == 0, r.stderr
+    nr = 32 if _core._packed_config()["isa"] == "avx512" else 16
+    assert f"bf16: False {_matmul_weight_bytes(data.minilm('bf16'), nr)}" in r.stdout
