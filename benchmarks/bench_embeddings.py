@@ -8,7 +8,8 @@ interleaved.
 
 Model: all-MiniLM-L6-v2.  llamax runs GGUF files converted from the PyPI
 package's safetensors by llama.cpp's own converter (tests/data.py): f32,
-f16, and Q8_0 with the attention value projection in f16.  The peers run in
+f16, bf16 (on CPUs with AVX512_BF16: llamax's BF16 kernels, activations
+rounded to bf16) and Q8_0 with the attention value projection in f16.  The peers run in
 cached venvs of their own (tests/data.py: tool_venv, ort_venv):
 
 - ONNX Runtime: the model exported to ONNX fp32 by this benchmark
@@ -123,7 +124,7 @@ def contestants(threads: int, with_peers: bool, log, with_openblas: bool = False
     float product, as before patch 0010): the A/B of that change."""
     runs, workers, info = {}, [], {}
     llamax.sgemm_info()
-    kinds = ("f32", "f16", "q8_0") + (("f32 OpenBLAS",) if with_openblas else ())
+    kinds = ("f32", "f16", "bf16", "q8_0") + (("f32 OpenBLAS",) if with_openblas else ())
     for kind in kinds:
         if kind == "f32 OpenBLAS":
             before = llamax._core._packed_config()["enabled"]
@@ -252,7 +253,9 @@ def table(res: dict) -> str:
     packed = sg.get("packed")
     rest = f"{sg.get('library') or 'ggml'} {sg.get('version', '')} {sg.get('core', '')}".rstrip()
     if packed:
-        out += ["", f"llamax's float matmuls: weights packed once for llamax's {packed['isa']} kernels; "
+        bf16 = ("; BF16 weights as bf16 for its BF16 kernels (vdpbf16ps, activations rounded to bf16)"
+                if packed.get("bf16") else "; BF16 weights widened to float32 (no AVX512_BF16)")
+        out += ["", f"llamax's float matmuls: weights packed once for llamax's {packed['isa']} kernels{bf16}; "
                     f"what those leave: {rest}."]
     else:
         out += ["", f"llamax's float matmuls: {rest}."]

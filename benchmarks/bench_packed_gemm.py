@@ -7,7 +7,9 @@ C = A * W^T with A the activations (M rows: one short input, one medium,
 a batch of 32 short, 32 medium) and W a weight matrix (N x K).  The packed
 kernels read W from panels packed once; OpenBLAS (``scipy-openblas32``, set
 to one thread, what patch 0005 calls) packs W on every call.  Both run
-warm, best of 5 rounds; the numbers are GFLOP/s.
+warm, best of 5 rounds; the numbers are GFLOP/s.  On CPUs with AVX512_BF16
+the BF16 kernels (what BF16 weights run: W rounded to bf16 and packed as
+such, A rounded to bf16 as it is read, float32 sums) get columns too.
 """
 from __future__ import annotations
 
@@ -29,14 +31,20 @@ def main(argv=None) -> None:
     sgemm = _sgemm.openblas_address()  # the OpenBLAS embedding contexts use, set to one thread
     if not sgemm:
         ap.error(f"no OpenBLAS to compare with: {llamax.sgemm_info().get('reason')}")
-    print(f"kernels: {cfg['isa']}; OpenBLAS {llamax.sgemm_info().get('core', '')}; one thread, GFLOP/s\n")
-    print("| rows | N x K | packed | OpenBLAS | packed / OpenBLAS |")
-    print("|---|---|---|---|---|")
+    bf16 = cfg["bf16"]
+    print(f"kernels: {cfg['isa']}{' (+ BF16)' if bf16 else ''}; OpenBLAS {llamax.sgemm_info().get('core', '')}; "
+          "one thread, GFLOP/s\n")
+    extra = " BF16 packed | BF16 / OpenBLAS |" if bf16 else ""
+    print("| rows | N x K | packed | OpenBLAS | packed / OpenBLAS |" + extra)
+    print("|---|---|---|---|---|" + ("---|---|" if bf16 else ""))
     for n, k in SHAPES:
         for m in ROWS:
             r = _core._packed_bench(m, n, k, a.seconds, sgemm)
-            print(f"| {m} | {n} x {k} | {r['packed']:.1f} | {r['sgemm']:.1f} | {r['packed'] / r['sgemm']:.2f}x |",
-                  flush=True)
+            line = f"| {m} | {n} x {k} | {r['packed']:.1f} | {r['sgemm']:.1f} | {r['packed'] / r['sgemm']:.2f}x |"
+            if bf16:
+                b = _core._packed_bench(m, n, k, a.seconds, bf16=True)["packed"]
+                line += f" {b:.1f} | {b / r['sgemm']:.2f}x |"
+            print(line, flush=True)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,12 @@ without the GIL, packed whole into decodes (one sequence id each), pooled by
 the model's own pooling type inside llama.cpp and written straight into one
 float32 array.  LoRA adapters work as everywhere else: ``load_lora`` once,
 ``active_loras=`` per call.
+
+Which weights: F32 or F16 GGUFs run llamax's packed float kernels (the
+closest to sentence-transformers); a BF16 GGUF (``convert_hf_to_gguf.py
+--outtype bf16``), on CPUs with AVX512_BF16, runs its BF16 kernels at about
+1.6x the speed, cosine >= 0.9999 against sentence-transformers (README,
+"Embeddings").
 """
 from __future__ import annotations
 
