@@ -50,11 +50,13 @@ struct Kernels {
 using KernelBf16 = void (*)(int KP, const uint32_t * A, long lda, const uint32_t * B, float * C, long ldc, int cols,
                             bool add, const float * bias);
 
+constexpr int kBf16Rows = 12;  // rows per BF16 kernel call (multiply_bf16's strip holds this many)
+
 struct KernelsBf16 {
     const char * name;
     int nr;
-    int mr;
-    KernelBf16 k[13];
+    int mr;  // kBf16Rows
+    KernelBf16 k[kBf16Rows + 1];
 };
 
 #ifdef LLAMAX_PACKED_X86
@@ -225,12 +227,12 @@ Kernels make_avx2(std::integer_sequence<int, I...>) {
 
 template <int... I>
 KernelsBf16 make_bf16(std::integer_sequence<int, I...>) {
-    return {"avx512bf16", 32, 12, {nullptr, kernel_bf16<I + 1>...}};
+    return {"avx512bf16", 32, kBf16Rows, {nullptr, kernel_bf16<I + 1>...}};
 }
 
 const Kernels kAvx512 = make_avx512(std::make_integer_sequence<int, 12>{});
 const Kernels kAvx2 = make_avx2(std::make_integer_sequence<int, 6>{});
-const KernelsBf16 kBf16 = make_bf16(std::make_integer_sequence<int, 12>{});
+const KernelsBf16 kBf16 = make_bf16(std::make_integer_sequence<int, kBf16Rows>{});
 
 // The BF16 kernels that go with the float kernels `ks`, if this CPU runs
 // them (nullptr: BF16 weights are widened to float panels like F16 ones).
@@ -338,25 +340,31 @@ void multiply(const Kernels & ks, int M, int N, int K, const float * A, long lda
 // Rows [0, M) of A (M rows of K floats) rounded to bf16 against BF16
 // panels, as multiply() does for float panels: KP = ceil(K / 2) pairs, K cut
 // into blocks of kc (even), and for each strip of mr rows the strip is
-// rounded once into a small buffer that every panel of [p0, p1) reads.
+// rounded into a small buffer that every panel of a group of [p0, p1) reads.
 void multiply_bf16(const KernelsBf16 & ks, int M, int N, int K, const float * A, long lda, const uint32_t * P,
                    float * C, long ldc, int p0, int p1, const float * bias) {
     constexpr int kMaxPairs = 512;
     const int nr = ks.nr;
     const int KP = (K + 1) / 2;
     const int kc = K <= 2 * kMaxPairs ? K : 768;
-    alignas(64) uint32_t strip[12 * kMaxPairs];
+    alignas(64) uint32_t strip[kBf16Rows * kMaxPairs];  // 24 KiB
     for (int kb = 0; kb < K; kb += kc) {
         const int kl = std::min(kc, K - kb);
         const int kp = (kl + 1) / 2;
-        for (int i = 0; i < M; i += ks.mr) {
-            const int rows = std::min(ks.mr, M - i);
-            to_bf16_pairs(rows, kl, A + (size_t) i * lda + kb, lda, strip, kp);
-            for (int p = p0; p < p1; p++) {
-                const uint32_t * B = P + (size_t) p * KP * nr + (size_t) (kb / 2) * nr;
-                const int cols = std::min(nr, N - p * nr);
-                const float * b = (bias != nullptr && kb + kl == K) ? bias + (size_t) p * nr : nullptr;
-                ks.k[rows](kp, strip, kp, B, C + (size_t) i * ldc + (size_t) p * nr, ldc, cols, kb > 0, b);
+        // panels in groups of at most 512 KiB (of this K block), which stay
+        // in L2 while every strip of rows goes by
+        const int group = std::max(1, (int) ((size_t(512) << 10) / ((size_t) kp * nr * sizeof(uint32_t))));
+        for (int g0 = p0; g0 < p1; g0 += group) {
+            const int g1 = std::min(p1, g0 + group);
+            for (int i = 0; i < M; i += ks.mr) {
+                const int rows = std::min(ks.mr, M - i);
+                to_bf16_pairs(rows, kl, A + (size_t) i * lda + kb, lda, strip, kp);
+                for (int p = g0; p < g1; p++) {
+                    const uint32_t * B = P + (size_t) p * KP * nr + (size_t) (kb / 2) * nr;
+                    const int cols = std::min(nr, N - p * nr);
+                    const float * b = (bias != nullptr && kb + kl == K) ? bias + (size_t) p * nr : nullptr;
+                    ks.k[rows](kp, strip, kp, B, C + (size_t) i * ldc + (size_t) p * nr, ldc, cols, kb > 0, b);
+                }
             }
         }
     }

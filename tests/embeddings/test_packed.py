@@ -63,12 +63,15 @@ def test_this_cpu_has_packed_kernels():
     # more threads than twice the panels: rows are split too
     (300, 65, 600, 16), (37, 384, 384, 32), (5, 17, 13, 8), (130, 1536, 64, 64),
     (14, 40, 2049, 2), (3, 33, 1, 1),
+    # BF16 panels in L2-sized groups (8-10 panels at these K): several groups
+    (13, 700, 1000, 1), (30, 1000, 2049, 2),
 ])
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_kernels_match_a_double_reference(isa, bf16, M, N, K, threads, bias, restore_packed):
     """Every row count up to a kernel's height, last panels of 1-31 real
     columns, K blocked (> 512; > 1024 for BF16), odd K (a BF16 pair half
-    padding), more threads than panels (rows split), strided rows, a fused
+    padding), BF16 panels in several cache groups, more threads than panels
+    (rows split), strided rows, a fused
     bias row; the columns past N are never written, and the last rows alone
     give the same bits as in the whole product.  BF16: against a reference
     from the bf16-rounded weights and activations."""
