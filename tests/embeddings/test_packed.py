@@ -318,16 +318,20 @@ def test_contexts_of_one_model_pack_it_together(sentences):
     assert np.array_equal(out[0], want) and np.array_equal(out[1], want)
 
 
-def test_bad_budget_setting_is_refused_at_the_first_embedding_context():
+@pytest.mark.parametrize("name,value,says", [
+    ("LLAMAX_PACKED_BUDGET_MB", "lots", "expected a whole number of MiB >= 0"),
+    ("LLAMAX_PACKED_BF16", "maybe", "expected 1 (BF16 weights on the BF16 kernels"),
+])
+def test_bad_setting_is_refused_at_the_first_embedding_context(name, value, says):
     r = run_py("""
         import llamax, data
         try:
             llamax.Embedder(data.minilm("f32"))
         except llamax.InvalidArgumentError as e:
             print("refused:", e)
-    """, timeout=120, env={"LLAMAX_PACKED_BUDGET_MB": "lots"})
+    """, timeout=120, env={name: value})
     assert r.returncode == 0, r.stderr
-    assert "refused: LLAMAX_PACKED_BUDGET_MB='lots': expected a whole number of MiB >= 0" in r.stdout
+    assert f"refused: {name}={value!r}: {says}" in r.stdout
 
 
 @needs_kernels
@@ -355,20 +359,9 @@ def test_bf16_weights_pack_as_bf16_where_the_cpu_multiplies_them(sentences, st_r
         assert np.array_equal(out[True], out[False])
 
 
-def test_packed_bf16_setting(tmp_path):
-    """LLAMAX_PACKED_BF16=0 widens BF16 weights to float panels; a bad value
-    is refused at the first embedding context with what to set."""
-    r = run_py("""
-        import llamax, data
-        try:
-            llamax.Embedder(data.minilm("f32"))
-        except llamax.InvalidArgumentError as e:
-            print("refused:", e)
-    """, timeout=120, env={"LLAMAX_PACKED_BF16": "maybe"})
-    assert r.returncode == 0, r.stderr
-    assert "refused: LLAMAX_PACKED_BF16='maybe': expected 1" in r.stdout
-    if not X86:
-        return
+@needs_kernels
+def test_packed_bf16_setting_widens_bf16_weights():
+    """LLAMAX_PACKED_BF16=0: BF16 weights go to float panels on every CPU."""
     r = run_py("""
         import llamax, data
         with llamax.Embedder(data.minilm("bf16"), n_threads=2) as e:
