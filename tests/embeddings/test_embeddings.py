@@ -314,10 +314,14 @@ def test_create_embedding_openai_shape_and_usage(minilm_f16):
         llamax.Llama(minilm_f16, n_contexts=0)
 
 
-def test_embedder_with_active_loras(minilm_f16, tmp_path, sentences):
-    lora = gt.make_lora(minilm_f16, tmp_path / "minilm_lora.gguf", rank=4, seed=3,
+@pytest.mark.parametrize("kind", ["f16", "bf16"])
+def test_embedder_with_active_loras(kind, tmp_path, sentences):
+    """bf16: the base products on the BF16 kernels where the CPU has them,
+    the adapter's products beside them (adapters are never packed)."""
+    path = data.minilm(kind)
+    lora = gt.make_lora(path, tmp_path / "minilm_lora.gguf", rank=4, seed=3,
                         targets=("attn_q", "attn_v", "ffn_up"), std=0.05)
-    with llamax.Embedder(minilm_f16, max_seq_length=256, n_threads=2) as e:
+    with llamax.Embedder(path, max_seq_length=256, n_threads=2) as e:
         base = e.encode(sentences[:10])
         e.load_lora("tuned", lora)
         tuned = e.encode(sentences[:10], active_loras=[{"name": "tuned", "scale": 1.0}])
@@ -326,7 +330,7 @@ def test_embedder_with_active_loras(minilm_f16, tmp_path, sentences):
     assert cosines(base, tuned).max() < 0.9999  # the adapter changes every vector
     assert not np.allclose(tuned, half, atol=1e-4)
     np.testing.assert_array_equal(again, base)  # naming none gives the pure base model, bit-exact
-    with llamax.Embedder(minilm_f16, max_seq_length=256, n_threads=2) as fresh:
+    with llamax.Embedder(path, max_seq_length=256, n_threads=2) as fresh:
         np.testing.assert_array_equal(fresh.encode(sentences[:10]), base)
 
 
