@@ -245,9 +245,17 @@ const KernelsBf16 * bf16_for(const Kernels * ks) {
     return nullptr;
 }
 
+// LLAMAX_PACKED_ISA=avx2 caps the kernels at the AVX2 set, as an AVX2-only
+// CPU has them (CI runs its baseline build that way on AVX-512 machines);
+// llamax._sgemm refuses other values with a typed error.
+bool capped_at_avx2() {
+    const char * cap = std::getenv("LLAMAX_PACKED_ISA");
+    return cap != nullptr && std::strcmp(cap, "avx2") == 0;
+}
+
 const Kernels * best_kernels() {
     __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("fma")) {
+    if (!capped_at_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("fma")) {
         return &kAvx512;
     }
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {

@@ -35,7 +35,8 @@ namespace packed {
 // The kernels this process runs: "avx512", "avx2", or "" when the CPU (or
 // the build: not x86-64 with GCC/Clang) has neither.
 const char * isa();
-// The kernel sets this CPU can run, best first ("avx512", "avx2").
+// The kernel sets this CPU can run, best first ("avx512", "avx2"); with
+// LLAMAX_PACKED_ISA=avx2 in the environment, only "avx2" (an AVX2-only CPU's).
 std::vector<std::string> runnable_isas();
 // Tests: run the named kernels ("avx512", "avx2"; "" = the best the CPU
 // has) for models whose first embedding context is made from now on.

@@ -26,6 +26,12 @@ instruction, the activations rounded to bf16 and the sums float32: twice
 the float kernels' rate, cosine >= 0.99997 against sentence-transformers on
 the test sentences.  ``LLAMAX_PACKED_BF16=0`` widens them to float32 panels
 instead (float activations; what CPUs without AVX512_BF16 do).
+
+``LLAMAX_PACKED_ISA=avx2`` (read when llamax is imported) keeps the packed
+products on the AVX2 kernels, as on an AVX2-only CPU, whatever this CPU
+has (no AVX-512, no BF16 kernels); empty or ``avx512`` (the default) takes
+the best the CPU has.  CI's baseline run sets it, with ``OPENBLAS_CORETYPE``
+and an ``LLAMAX_CPU=baseline`` build, to test AVX2 machines' code paths.
 """
 from __future__ import annotations
 
@@ -76,6 +82,10 @@ def _load() -> dict:
     except ValueError:
         raise InvalidArgumentError(f"LLAMAX_PACKED_BUDGET_MB={budget_mb!r}: expected a whole number "
                                    "of MiB >= 0") from None
+    cap = os.environ.get("LLAMAX_PACKED_ISA", "")
+    if cap not in ("", "avx512", "avx2"):
+        raise InvalidArgumentError(f"LLAMAX_PACKED_ISA={cap!r}: expected avx2 (the AVX2 kernels, as on an "
+                                   "AVX2-only CPU) or avx512/empty (the best this CPU has)")
     bf16 = os.environ.get("LLAMAX_PACKED_BF16", "1").strip().lower()
     if bf16 not in ("1", "0", "on", "off", "true", "false", ""):
         raise InvalidArgumentError(f"LLAMAX_PACKED_BF16={bf16!r}: expected 1 (BF16 weights on the BF16 "

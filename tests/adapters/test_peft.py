@@ -20,6 +20,9 @@ import llamax
 from llamax import gguf_tools as gt
 from llamax import peft
 
+# Slow tier (`pytest tests -m slow`; .ci/run runs it): PEFT in PyTorch, in the cached tool venv (~1.5 min).
+pytestmark = pytest.mark.slow
+
 HERE = Path(__file__).resolve().parent
 TOKENS = [1, 504, 3000, 77, 12, 9000, 42]
 # llama.cpp and PyTorch sum in other orders: the base models' logits differ

@@ -315,6 +315,7 @@ def _copy_prompt():
     return f"<|im_start|>user\nRepeat this code exactly:\n{CODE}<|im_end|>\n<|im_start|>assistant\n"
 
 
+@pytest.mark.slow  # slow tier: ~7 s of CPU speculative decoding
 def test_prompt_lookup_decoding_is_greedy_decoding(smollm2_path):
     """The draft changes how many decodes run, not what greedy decoding picks
     (up to near-ties: a batch's arithmetic differs slightly from one token's)."""

@@ -30,6 +30,7 @@ def test_phrase_mapping(phrase, cls):
     assert dict(_core._log_phrases())[phrase] == cls
 
 
+@pytest.mark.slow  # slow tier: tests/core/test_lora.py checks the same refusal
 def test_adapter_for_another_model_is_a_mismatch(gen_dir, smollm2_path, model):
     from llamax import gguf_tools as gt
     tiny = gt.make_tiny_llama(gen_dir / "errors_tiny.gguf", smollm2_path, seed=3)

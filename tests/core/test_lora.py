@@ -163,6 +163,7 @@ def test_set_validation(model, ctx, adapters, lora_paths):
     assert ctx.adapters == ()
 
 
+@pytest.mark.slow  # slow tier: a merged model is exported and loaded (~13 s)
 def test_runtime_lora_equals_merged(gen_dir, smollm2_path):
     tiny = gt.make_tiny_llama(gen_dir / "tiny.gguf", smollm2_path, seed=0)
     lora = gt.make_lora(tiny, gen_dir / "tiny_lora.gguf", rank=4, seed=3, std=0.2)

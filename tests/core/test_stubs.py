@@ -28,6 +28,9 @@ import pytest
 
 import llamax
 
+# Slow tier (`pytest tests -m slow`; .ci/run runs it): mypy over the stubs (~20 s).
+pytestmark = pytest.mark.slow
+
 if importlib.util.find_spec("mypy") is None:
     pytest.skip("mypy is not installed (it is in the 'test' extra)", allow_module_level=True)
 

@@ -26,6 +26,9 @@ import pytest
 
 import data
 
+# Slow tier (`pytest tests -m slow`; .ci/run runs it): megabyte-long texts (~12 s).
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[2]
 
 # (vocabulary, run of characters): each crashed or stalled before the fixes.

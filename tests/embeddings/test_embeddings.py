@@ -34,7 +34,9 @@ def test_reference_set_covers_the_hard_cases(sentences, st_reference):
     assert any(len(w) > 100 for s in sentences for w in s.split())  # a word WordPiece calls [UNK]
 
 
-@pytest.mark.parametrize("kind,floor", [("f32", 0.99999), ("f16", 0.9999), ("bf16", 0.9999), ("q8_0", 0.999)])
+@pytest.mark.parametrize("kind,floor", [("f32", 0.99999), ("f16", 0.9999), ("bf16", 0.9999),
+                                        # slow tier: the first run builds llama-quantize (~2 min)
+                                        pytest.param("q8_0", 0.999, marks=pytest.mark.slow)])
 def test_parity(kind, floor, sentences, st_reference):
     """f32: the closest to sentence-transformers; bf16: on CPUs with
     AVX512_BF16 the activations are rounded to bf16 too (packed BF16
@@ -166,7 +168,7 @@ def test_embedding_contexts_use_openblas_sgemm(minilm_f32, gen_dir, smollm2_path
                 assert not gen.external_sgemm  # generation keeps ggml's batch-invariant kernels
 
 
-@pytest.mark.parametrize("kind,threads", [("f32", 2), ("f16", 3)])
+@pytest.mark.parametrize("kind,threads", [("f32", 2), pytest.param("f16", 3, marks=pytest.mark.slow)])
 def test_openblas_path_matches_ggml_kernels(kind, threads, sentences, tmp_path):
     """The same inputs through ggml's own kernels (LLAMAX_SGEMM=ggml, another
     process) agree: packed batches (>= 256 rows: F16 converts too) and single

@@ -4,6 +4,7 @@ reference, which weights get packed, agreement with the OpenBLAS and ggml
 paths, the budget, threads, and the LLAMAX_SGEMM / LLAMAX_PACKED_BUDGET_MB
 settings."""
 import json
+import os
 import platform
 import threading
 
@@ -25,6 +26,7 @@ def cosines(a, b):
 
 
 ISAS = _core._packed_isas()
+CAPPED_AT = os.environ.get("LLAMAX_PACKED_ISA", "")
 X86 = platform.machine().lower() in ("x86_64", "amd64")
 # BF16 weights on the BF16 kernels: CPUs with AVX512_BF16 (checked against
 # /proc/cpuinfo by test_bf16_kernels_follow_the_cpu_flags)
@@ -116,7 +118,9 @@ def test_bf16_kernels_follow_the_cpu_flags(restore_packed):
                 if line.startswith("flags"):
                     flags = set(line.split(":", 1)[1].split())
                     break
-        assert BF16 == ({"avx512f", "avx512bw", "avx512_bf16"} <= flags), sorted(f for f in flags if "512" in f)
+        # (LLAMAX_PACKED_ISA=avx2, CI's baseline run: the AVX2 kernels only, as on an AVX2-only CPU)
+        want = {"avx512f", "avx512bw", "avx512_bf16"} <= flags and CAPPED_AT != "avx2"
+        assert BF16 == want, sorted(f for f in flags if "512" in f)
     if not BF16:
         assert _core._packed_self_check(4, 4, 4, bf16=True) == -1
         with pytest.raises(llamax.InvalidArgumentError, match="no BF16 kernels"):
@@ -321,6 +325,7 @@ def test_contexts_of_one_model_pack_it_together(sentences):
 @pytest.mark.parametrize("name,value,says", [
     ("LLAMAX_PACKED_BUDGET_MB", "lots", "expected a whole number of MiB >= 0"),
     ("LLAMAX_PACKED_BF16", "maybe", "expected 1 (BF16 weights on the BF16 kernels"),
+    ("LLAMAX_PACKED_ISA", "sse2", "expected avx2 (the AVX2 kernels, as on an AVX2-only CPU)"),
 ])
 def test_bad_setting_is_refused_at_the_first_embedding_context(name, value, says):
     r = run_py("""
@@ -370,3 +375,22 @@ def test_packed_bf16_setting_widens_bf16_weights():
     assert r.returncode == 0, r.stderr
     nr = 32 if _core._packed_config()["isa"] == "avx512" else 16
     assert f"bf16: False {_matmul_weight_bytes(data.minilm('bf16'), nr)}" in r.stdout
+
+
+@needs_kernels
+def test_packed_isa_avx2_runs_an_avx2_cpus_kernels():
+    """LLAMAX_PACKED_ISA=avx2 (set before the process starts): the AVX2
+    kernels only, no BF16 kernels (a BF16 file is widened to float panels),
+    whatever this CPU has."""
+    r = run_py("""
+        import json, llamax, data
+        from llamax import _core
+        e = llamax.Embedder(data.minilm("bf16"))
+        v = e.encode(["a cat sat on the mat"])
+        print(json.dumps({"isas": _core._packed_isas(), "info": llamax.sgemm_info()["packed"],
+                          "shape": list(v.shape)}))
+    """, timeout=120, env={"LLAMAX_PACKED_ISA": "avx2"})
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["isas"] == ["avx2"] and out["info"]["isa"] == "avx2" and out["info"]["bf16"] is False, out
+    assert out["shape"] == [1, N_EMBD]

@@ -18,6 +18,10 @@ from conftest import HERE, run_py
 
 from .test_corpus import PRE
 
+# Slow tier (`pytest tests -m slow`; .ci/run runs it):
+# parameter combinations, each in its own interpreter (~2.5 min).
+pytestmark = pytest.mark.slow
+
 PRE_MINI = PRE + textwrap.dedent(r'''
     import threading, time
     MINI = str(data.minilm())

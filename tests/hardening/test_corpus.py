@@ -13,6 +13,10 @@ import pytest
 
 from conftest import HERE, run_py
 
+# Slow tier (`pytest tests -m slow`; .ci/run runs it):
+# the bad-input corpus, each case in its own interpreter (~1 min).
+pytestmark = pytest.mark.slow
+
 PRE = textwrap.dedent(r'''
     import copy, os, re, struct, sys
     import numpy as np

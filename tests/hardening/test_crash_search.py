@@ -7,9 +7,13 @@ LLAMAX_CRASH_EXAMPLES sets the count (default 100, fixed seed in CI)."""
 import json
 import os
 
+import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 
 from . import crash_search
+
+# Slow tier (`pytest tests -m slow`; .ci/run runs it): a property-based crash search (~50 s).
+pytestmark = pytest.mark.slow
 
 N = int(os.environ.get("LLAMAX_CRASH_EXAMPLES", "100"))
 

@@ -15,6 +15,9 @@ import pytest
 
 from conftest import run_py
 
+# Slow tier (`pytest tests -m slow`; .ci/run runs it): leak cycles (~1.5 min).
+pytestmark = pytest.mark.slow
+
 SCALE = float(os.environ.get("LLAMAX_LEAK_SCALE", "0.05"))
 
 PRE = textwrap.dedent(r'''

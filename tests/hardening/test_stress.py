@@ -22,6 +22,9 @@ import llamax
 from conftest import LOGPROBS_COMPLETION, assert_distinct
 from llamax import gguf_tools as gt
 
+# Slow tier (`pytest tests -m slow`; .ci/run runs it): thread stress (~30 s).
+pytestmark = pytest.mark.slow
+
 N_THREADS = 8
 N_REQUESTS = int(os.environ.get("LLAMAX_STRESS_REQUESTS", "6"))  # per thread
 G = dict(temperature=0.0, top_k=1)

@@ -12,6 +12,9 @@ import pytest
 
 from server.conftest import ADMIN, KEYS, Server
 
+# Slow tier (`pytest tests -m slow`; .ci/run runs it): a Ray cluster behind the CLI (~40 s).
+pytestmark = pytest.mark.slow
+
 HEADER = "x-llamax-replica"
 
 

@@ -22,6 +22,9 @@ from server.test_openai_client import (  # noqa: F401
 
 from .conftest import MAX_SETS, REPLICAS, TENANTS
 
+# Slow tier (`pytest tests -m slow`; .ci/run runs it): local Ray clusters (~1.5 min).
+pytestmark = pytest.mark.slow
+
 HEADER = "x-llamax-replica"
 PROMPT = "Write a short note about"
 

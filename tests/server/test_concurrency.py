@@ -41,6 +41,7 @@ def dist(a, b):
     return max(abs(a[k] - b[k]) for k in common) if common else float("inf")
 
 
+@pytest.mark.slow  # slow tier: 16 clients on 2 cores (~30 s)
 def test_sixteen_clients_four_adapter_sets(server, http):
     """16 concurrent requests (4 prompts x base + 3 adapter sets) on one
     context of 4 sequences with adapter sets mixed per decode: each answer

@@ -206,9 +206,9 @@ def test_errors_are_the_clients_exceptions(oai):
 
 def test_auth_errors(locked):
     from .conftest import KEYS
-    bad = openai.OpenAI(base_url=locked.v1, api_key="wrong", max_retries=0)
-    with pytest.raises(openai.AuthenticationError):
-        bad.models.list()
+    with openai.OpenAI(base_url=locked.v1, api_key="wrong", max_retries=0) as bad:
+        with pytest.raises(openai.AuthenticationError):
+            bad.models.list()
     for k in KEYS:
-        ok = openai.OpenAI(base_url=locked.v1, api_key=k, max_retries=0)
-        assert [m.id for m in ok.models.list()] == ["smol"]
+        with openai.OpenAI(base_url=locked.v1, api_key=k, max_retries=0) as ok:
+            assert [m.id for m in ok.models.list()] == ["smol"]
