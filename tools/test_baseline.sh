@@ -3,7 +3,7 @@
 # x86-64 machine (CI runs it after the README's commands; it needs them first:
 # the test extra installed, the model and test data cached).
 #
-#   tools/test_baseline.sh [pytest arguments]      default: the suites below
+#   tools/test_baseline.sh [pytest options] [tests/...]   default: the suites below
 #
 # What makes it an AVX2 machine's run:
 # - llama.cpp built with LLAMAX_CPU=baseline (AVX2+FMA+F16C: ggml's AVX2
@@ -52,8 +52,11 @@ assert _core._packed_isas() in ([], ["avx2"]), _core._packed_isas()
 print("test_baseline:", info)
 EOF
 
-if [ $# -eq 0 ]; then
-    set -- tests/api tests/core tests/server/test_concurrency.py tests/embeddings tests/compat
+# Options alone (-q, -k ...) go with the default suites; name paths to run others.
+paths=0
+for a in "$@"; do case "$a" in tests*) paths=1 ;; esac; done
+if [ $paths -eq 0 ]; then
+    set -- tests/api tests/core tests/server/test_concurrency.py tests/embeddings tests/compat "$@"
 fi
 # -m "slow or not slow": these suites whole, their slow tests too
 python3 -m pytest -p no:cacheprovider -m "slow or not slow" "$@"
