@@ -140,8 +140,8 @@ def assert_same_embeddings(got, want, min_cosine=0.9999, max_share=0.01):
     """Each row of ``got`` is the embedding of the same input as that row of
     ``want``, computed in another batch (or alone): llama.cpp's attention
     sums an input's keys in an order that depends on where the input sits
-    in its batch, so on some kernel sets (AVX2: up to 0.022 on a SmolLM2
-    vector of norm ~50) the bits differ.  The tolerance comes from the same
+    in its batch, so on some kernel sets the bits differ (AVX2: by up to
+    0.022 on a SmolLM2 vector, as issue #29 reported).  The tolerance comes from the same
     run, not from one CPU: cosine >= ``min_cosine``, and each row's distance
     to its own reference at most ``max_share`` of the distance between the
     two closest different references."""
