@@ -7,7 +7,8 @@ import pytest
 
 import llamax
 from llamax import gguf_tools as gt
-from conftest import LOGPROBS_CHAT, LOGPROBS_COMPLETION, assert_changed, assert_distinct, assert_same_embeddings, run_py
+from conftest import (LOGPROBS_CHAT, LOGPROBS_COMPLETION, assert_changed, assert_distinct, assert_same_embeddings,
+                      run_py)
 
 from .conftest import N_THREADS, forget_cache, make_llama
 
@@ -605,6 +606,8 @@ def test_embeddings(llm, smollm2_path):
     unit = np.array(llm.embed(TEXTS, normalize=True))
     np.testing.assert_allclose(np.linalg.norm(unit, axis=1), 1.0, atol=1e-5)
     np.testing.assert_allclose(unit, np.array(many) / np.linalg.norm(many, axis=1, keepdims=True), atol=1e-6)
+    # different texts, different vectors
+    assert np.abs(singles[0] - singles[1]).max() > 0.1
 
     r = llm.create_embedding(TEXTS)
     assert r["object"] == "list" and r["model"] == str(smollm2_path)
