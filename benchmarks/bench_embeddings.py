@@ -4,7 +4,7 @@ interleaved.
 
   python3 benchmarks/bench_embeddings.py [--threads 2] [--runs 3] [--scale 1.0]
                                          [--lengths short,medium,long] [--batches 1,32,256]
-                                         [--no-peers] [--quick]
+                                         [--no-peers | --peers onnxruntime,...] [--quick]
 
 Model: all-MiniLM-L6-v2.  llamax runs GGUF files converted from the PyPI
 package's safetensors by llama.cpp's own converter (tests/data.py): f32,
@@ -56,6 +56,8 @@ import data  # noqa: E402
 import peers  # noqa: E402
 
 import llamax  # noqa: E402
+
+PEERS = ("onnxruntime", "sentence_transformers", "llama_cpp_python")  # --peers
 
 SUBJECTS = ["The old fisherman", "A young engineer", "My neighbour's cat", "The city council", "A tired nurse",
             "The new intern", "Our football team", "A street musician", "The museum guide", "Her grandfather"]
@@ -117,7 +119,7 @@ def _peer(worker, **fixed):
     return go
 
 
-def contestants(threads: int, with_peers: bool, log, with_openblas: bool = False) -> tuple[dict, list, dict]:
+def contestants(threads: int, with_peers: set, log, with_openblas: bool = False) -> tuple[dict, list, dict]:
     """name -> run(texts, batch_size, want_vectors) -> (seconds, vectors or None).
     (run() warms every contestant up on every shape before timing.)
     with_openblas adds llamax f32 without packed weights (OpenBLAS for every
@@ -145,15 +147,18 @@ def contestants(threads: int, with_peers: bool, log, with_openblas: bool = False
     env = _offline()
     tok_dir = str(data.minilm_dir())
     onnx = str(onnx_model(log))
-    peer_list = [
-        (REF, "onnxruntime", data.ort_venv(), "ort_worker.py", env,
+    peer_list = [  # (the venv is made only for the peers asked for)
+        (REF, "onnxruntime", data.ort_venv, "ort_worker.py", env,
          dict(onnx=onnx, tokenizer=tok_dir, threads=threads, max_seq_length=256)),
-        (ST, "sentence_transformers", data.tool_venv(reference=True), "st_worker.py", env,
+        (ST, "sentence_transformers", lambda: data.tool_venv(reference=True), "st_worker.py", env,
          dict(model=tok_dir, threads=threads)),
-        ("llama-cpp-python f16", "llama_cpp_python", peers.ensure(log=log), "peer_worker.py", None,
+        ("llama-cpp-python f16", "llama_cpp_python", lambda: peers.ensure(log=log), "peer_worker.py", None,
          dict(model=str(data.minilm("f16")), threads=threads)),
     ]
-    for name, key, py, script, wenv, fixed in peer_list:
+    for name, key, make_venv, script, wenv, fixed in peer_list:
+        if key not in with_peers:
+            continue
+        py = make_venv()
         log(f"starting {name} ({Path(py).parent.parent.name})")
         w = peers.Worker(py, HERE / script, env=wenv)
         workers.append(w)
@@ -162,7 +167,7 @@ def contestants(threads: int, with_peers: bool, log, with_openblas: bool = False
     return runs, workers, info
 
 
-def run(threads: int, runs: int, scale: float, lengths: list[str], batches: list[int], with_peers: bool,
+def run(threads: int, runs: int, scale: float, lengths: list[str], batches: list[int], with_peers: set,
         log, with_openblas: bool = False) -> dict:
     inputs = {ln: texts(ln, scale) for ln in lengths}
     with llamax.Model(data.minilm("f16"), vocab_only=True) as m:
@@ -292,6 +297,8 @@ def main(argv=None):
     ap.add_argument("--lengths", default="short,medium,long")
     ap.add_argument("--batches", default=",".join(map(str, BATCHES)))
     ap.add_argument("--no-peers", action="store_true", help="llamax only (no tool venv or llama-cpp-python venv)")
+    ap.add_argument("--peers", default=",".join(PEERS),
+                    help="which peers to run (default all): " + ", ".join(PEERS))
     ap.add_argument("--quick", action="store_true", help="one round on a quarter of the inputs")
     ap.add_argument("--with-openblas", action="store_true",
                     help="also llamax f32 without packed weights (OpenBLAS for every float product)")
@@ -303,8 +310,11 @@ def main(argv=None):
         if ln not in LENGTHS:
             ap.error(f"--lengths: {ln!r} is not one of {', '.join(LENGTHS)}")
     batches = [int(x) for x in a.batches.split(",") if x]
+    peer_keys = {x for x in a.peers.split(",") if x}
+    if peer_keys - set(PEERS):
+        ap.error(f"--peers: {', '.join(sorted(peer_keys - set(PEERS)))} is not one of {', '.join(PEERS)}")
     res = run(a.threads, 1 if a.quick else a.runs, 0.25 if a.quick else a.scale, lengths, batches,
-              not a.no_peers, log, a.with_openblas)
+              set() if a.no_peers else peer_keys, log, a.with_openblas)
     res["date"] = time.strftime("%Y-%m-%dT%H:%M:%S")
     res["argv"] = sys.argv
     res["machine"] = {"cpu": bench_engine.cpu_model(), "loadavg_end": os.getloadavg(),
