@@ -12,17 +12,21 @@ saved from another model is never loaded.  ``cache[tokens]`` (the mapping
 interface) reads and writes base-model entries.
 
 :class:`LlamaDiskCache` keeps one file per entry in a folder, in llamax's
-own format (a JSON header and raw arrays: nothing is unpickled), written
-atomically; the least recently used entries go when it is over capacity.
+own format (a JSON header and raw arrays: nothing is unpickled, every size
+checked against the file's length), written atomically; the least recently
+used entries go when it is over capacity.
 """
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
+import stat
 import struct
 import tempfile
 import threading
+import warnings
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from pathlib import Path
@@ -96,12 +100,31 @@ class LlamaState:
 
     @classmethod
     def _read_head(cls, f):
+        """The header and token ids of a state file, every field checked:
+        its types, and its sizes against the file's length (seekable files
+        only), before anything is allocated from them."""
         if f.read(len(cls._MAGIC)) != cls._MAGIC:
             raise InvalidArgumentError("not a llamax state file")
-        (n,) = struct.unpack("<Q", f.read(8))
-        if n > 1 << 20:
-            raise InvalidArgumentError("corrupt llamax state file (header size)")
-        head = json.loads(f.read(n))
+        pos = f.tell()
+        length = f.seek(0, os.SEEK_END)
+        f.seek(pos)
+        raw = f.read(8)
+        if len(raw) != 8:
+            raise InvalidArgumentError("corrupt llamax state file: truncated header")
+        (n,) = struct.unpack("<Q", raw)
+        if n > min(1 << 20, length - pos - 8):
+            raise InvalidArgumentError(f"corrupt llamax state file: a header of {n} bytes")
+        try:
+            head = json.loads(f.read(n))
+        except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
+            raise InvalidArgumentError(f"corrupt llamax state file: the header is not JSON ({type(e).__name__})") \
+                from None
+        _check_head(head)
+        count = math.prod(head["scores_shape"])
+        need = pos + 8 + n + 4 * head["n_tokens"] + 4 * count + head["state_size"]
+        if need != length:
+            raise InvalidArgumentError(f"corrupt llamax state file: the header describes {need} bytes, the file "
+                                       f"has {length}")
         ids = np.frombuffer(f.read(4 * head["n_tokens"]), dtype="<i4")
         if len(ids) != head["n_tokens"]:
             raise InvalidArgumentError("truncated llamax state file")
@@ -111,7 +134,7 @@ class LlamaState:
     def from_file(cls, f) -> "LlamaState":
         head, ids = cls._read_head(f)
         shape = tuple(head["scores_shape"])
-        count = int(np.prod(shape))
+        count = math.prod(shape)
         scores = np.frombuffer(f.read(4 * count), dtype="<f4")
         state = f.read(head["state_size"])
         if len(scores) != count or len(state) != head["state_size"]:
@@ -125,6 +148,44 @@ class LlamaState:
         return cls(input_ids, scores.reshape(shape).astype(np.float32), head["n_tokens"], state,
                    head["state_size"], seed, state_key=head["state_key"], model_key=head["model_key"],
                    exact_n=head["exact_n"])
+
+
+# The largest context a state file may say it came from: n_ctx is the one
+# size in the header that no bytes of the file back (input_ids is allocated
+# that long), so it gets a bound of its own, far above any model's context.
+_MAX_N_CTX = 1 << 24
+
+
+def _is_count(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _check_head(head) -> None:
+    """Raise InvalidArgumentError naming the first field of a state file's
+    header that is missing or of the wrong type or range."""
+    def bad(what):
+        raise InvalidArgumentError(f"corrupt llamax state file: {what}")
+    if not isinstance(head, dict):
+        bad(f"the header is a JSON {type(head).__name__}, not an object")
+    for k in ("n_tokens", "n_ctx", "state_size", "exact_n"):
+        if not _is_count(head.get(k)):
+            bad(f"{k} is {str(head.get(k))[:40]!r}, not a non-negative int")
+    if head["n_ctx"] > _MAX_N_CTX:
+        bad(f"n_ctx {head['n_ctx']} is more than {_MAX_N_CTX}")
+    shape = head.get("scores_shape")
+    if not (isinstance(shape, list) and len(shape) <= 2 and all(_is_count(d) for d in shape)):
+        bad(f"scores_shape is {str(shape)[:40]!r}, not a list of at most 2 non-negative ints")
+    for k in ("state_key", "model_key"):
+        if not isinstance(head.get(k), str):
+            bad(f"{k} is not a string")
+    seed = head.get("seed")
+    if isinstance(seed, dict):
+        rs = seed.get("random_state")
+        if not (isinstance(rs, list) and len(rs) == 3 and isinstance(rs[0], int) and isinstance(rs[1], list)
+                and all(isinstance(x, int) for x in rs[1]) and (rs[2] is None or isinstance(rs[2], float))):
+            bad("seed.random_state is not a random.Random state")
+    elif seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+        bad(f"seed is {str(seed)[:40]!r}, not an int")
 
 
 class BaseLlamaCache(ABC):
@@ -215,7 +276,16 @@ LlamaCache = LlamaRAMCache  # llama-cpp-python's alias
 
 class LlamaDiskCache(BaseLlamaCache):
     """States in files under ``cache_dir`` (one per entry), least recently
-    used removed past ``capacity_bytes``."""
+    used removed past ``capacity_bytes``.
+
+    Other processes may share the folder: a file that another one removes
+    while this one reads or evicts is a miss, not an error.  A file in the
+    format whose header is malformed or whose length disagrees with it (a
+    crash mid-write on a file system without ordered writes, a hand edit) is
+    a miss too, and is removed with a :class:`RuntimeWarning`; files of
+    another format are left alone.  Entries are written to a temporary file,
+    flushed to disk, then renamed into place.
+    """
 
     def __init__(self, cache_dir: str = ".cache/llama_cache", capacity_bytes: int = (2 << 30)):
         super().__init__(capacity_bytes)
@@ -227,40 +297,86 @@ class LlamaDiskCache(BaseLlamaCache):
     def _files(self):
         return sorted(self.cache_dir.glob("*.llamaxstate"))
 
-    @property
-    def cache_size(self) -> int:
-        total = 0
+    def _stats(self) -> list[tuple[Path, os.stat_result]]:
+        """The entries (regular files) and their stat, without those gone
+        since the listing."""
+        out = []
         for p in self._files():
             try:
-                total += p.stat().st_size
-            except FileNotFoundError:
-                pass
-        return total
+                st = p.stat()
+            except OSError:
+                continue
+            if stat.S_ISREG(st.st_mode):
+                out.append((p, st))
+        return out
+
+    @property
+    def cache_size(self) -> int:
+        return sum(st.st_size for _, st in self._stats())
+
+    @staticmethod
+    def _open(p: Path):
+        """``p`` opened for reading if it is a regular file, else None: a
+        FIFO named like an entry must not block a lookup, nor a device feed it."""
+        try:
+            fd = os.open(p, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
+        except OSError:
+            return None  # gone, or unreadable
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                os.close(fd)
+                return None
+            return os.fdopen(fd, "rb")
+        except BaseException:
+            os.close(fd)
+            raise
+
+    def _discard(self, p: Path, why: Exception) -> None:
+        warnings.warn(f"{p}: {why}; removed from the cache", RuntimeWarning, stacklevel=4)
+        try:
+            p.unlink()
+        except OSError:
+            pass  # already gone, or not ours to remove: either way it stays a miss
+
+    def _read(self, p: Path, whole: bool):
+        """(head, ids) or the LlamaState of entry ``p``; None if it is gone,
+        unreadable or of another format; a corrupt entry is discarded."""
+        f = self._open(p)
+        if f is None:
+            return None
+        try:
+            with f:
+                if f.read(len(LlamaState._MAGIC)) != LlamaState._MAGIC:
+                    return None  # another format (or a newer llamax): not ours to judge
+                f.seek(0)
+                return LlamaState.from_file(f) if whole else LlamaState._read_head(f)
+        except InvalidArgumentError as e:
+            self._discard(p, e)
+        except OSError:
+            pass
+        return None
 
     def lookup(self, tokens, state_key=BASE_STATE):
         tokens = _check_tokens(tokens)
         with self._lock:
             best, best_n = None, 0
             for p in self._files():
-                try:
-                    with open(p, "rb") as f:
-                        head, ids = LlamaState._read_head(f)
-                except (OSError, ValueError, KeyError, struct.error):
-                    continue  # unreadable or foreign: not an entry
-                if head.get("state_key") != state_key:
+                got = self._read(p, whole=False)
+                if got is None or got[0]["state_key"] != state_key:
                     continue
-                n = _lcp(ids, tokens)
+                n = _lcp(got[1], tokens)
                 if n > best_n:
                     best, best_n = p, n
             if best is None:
                 return None
-            try:
-                with open(best, "rb") as f:
-                    state = LlamaState.from_file(f)
-                os.utime(best)  # recently used
-            except (OSError, ValueError, KeyError, struct.error):
-                return None
-            return state
+            state = self._read(best, whole=True)
+            if state is not None and state.state_key == state_key:
+                try:
+                    os.utime(best)  # recently used
+                except OSError:
+                    pass  # evicted meanwhile by another process: the state read is still good
+                return state
+            return None
 
     def store(self, tokens, state):
         key = (state.state_key, _check_tokens(tokens))
@@ -271,6 +387,10 @@ class LlamaDiskCache(BaseLlamaCache):
             try:
                 with os.fdopen(fd, "wb") as f:
                     f.write(data)
+                    f.flush()
+                    # on disk before the rename makes it visible: after a
+                    # crash the name holds the whole entry or the old one
+                    os.fsync(f.fileno())
                 os.replace(tmp, self.cache_dir / name)
             except BaseException:
                 try:
@@ -278,9 +398,31 @@ class LlamaDiskCache(BaseLlamaCache):
                 except OSError:
                     pass
                 raise
-            files = sorted(self._files(), key=lambda p: p.stat().st_mtime)
-            size = sum(p.stat().st_size for p in files)
-            while size > self.capacity_bytes and files:
-                old = files.pop(0)
-                size -= old.stat().st_size
-                old.unlink()
+            _fsync_dir(self.cache_dir)
+            # other processes may evict from the same folder at the same
+            # time: what they removed first is simply not counted
+            files = sorted(self._stats(), key=lambda e: e[1].st_mtime)
+            size = sum(st.st_size for _, st in files)
+            for old, st in files:
+                if size <= self.capacity_bytes:
+                    break
+                size -= st.st_size
+                try:
+                    old.unlink()
+                except OSError:
+                    pass  # removed by another writer first, or not ours to remove
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make a rename in ``path`` durable, where the platform allows it
+    (opening a directory fails on Windows; some file systems refuse fsync)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

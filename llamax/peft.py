@@ -27,6 +27,7 @@ whose tensor layout this module does not know.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import math
 import os
@@ -214,85 +215,274 @@ def _weights(peft_dir: Path) -> dict[str, np.ndarray]:
     raise PeftError(f"{peft_dir}: no adapter_model.safetensors or adapter_model.bin")
 
 
-_ST_DTYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "BF16": "bf16"}
+# Files from elsewhere: every size, offset and stride in them is checked
+# against the bytes actually there before a view is made, and what is
+# materialised is bounded by what the file holds (no view repeats data).
+_MAX_DIMS = 16
+_ST_DTYPES = {"F32": "f4", "F16": "f2", "F64": "f8", "BF16": "bf16"}
+
+
+def _is_count(v) -> bool:
+    """A non-negative int (not a bool): a size, an offset, a stride."""
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _shape(v, what: str, path) -> tuple:
+    if not isinstance(v, (list, tuple)) or len(v) > _MAX_DIMS or not all(_is_count(d) for d in v):
+        raise PeftError(f"{path}: {what}: {_short(v)} is not a shape (at most {_MAX_DIMS} non-negative ints)")
+    return tuple(v)
+
+
+def _short(v) -> str:
+    r = repr(v)
+    return r if len(r) <= 80 else r[:77] + "..."
+
+
+def _bf16(raw, order: str = "<") -> np.ndarray:
+    return (np.frombuffer(raw, dtype=order + "u2").astype(np.uint32) << 16).view(np.float32)
 
 
 def _read_safetensors(path: Path) -> dict[str, np.ndarray]:
     data = path.read_bytes()
     try:
         (n,) = struct.unpack("<Q", data[:8])
+        if n > len(data) - 8:
+            raise ValueError("header past the end")
         header = json.loads(data[8:8 + n])
-    except (struct.error, ValueError, UnicodeDecodeError):
+    except (struct.error, ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
         raise PeftError(f"{path}: not a safetensors file") from None
-    base = 8 + n
-    out = {}
+    if not isinstance(header, dict):
+        raise PeftError(f"{path}: not a safetensors file (the header is not a JSON object)")
+    body = memoryview(data)[8 + n:]
+    out, used = {}, 0
     for k, v in header.items():
         if k == "__metadata__":
             continue
-        try:
-            dt = _ST_DTYPES[v["dtype"]]
-            start, end = v["data_offsets"]
-            shape = tuple(v["shape"])
-        except (KeyError, TypeError, ValueError):
-            raise PeftError(f"{path}: tensor {k!r}: unsupported entry {v!r}") from None
-        raw = data[base + start: base + end]
-        if dt == "bf16":
-            u = np.frombuffer(raw, dtype="<u2").astype(np.uint32) << 16
-            arr = u.view(np.float32)
-        else:
-            arr = np.frombuffer(raw, dtype=np.dtype(dt).newbyteorder("<"))
-        if arr.size != math.prod(shape):
-            raise PeftError(f"{path}: tensor {k!r}: {arr.size} values for shape {shape}")
+        if not isinstance(v, dict) or not isinstance(v.get("dtype"), str) or v["dtype"] not in _ST_DTYPES:
+            raise PeftError(f"{path}: tensor {k!r}: unsupported entry {_short(v)}")
+        dt = _ST_DTYPES[v["dtype"]]
+        shape = _shape(v.get("shape"), f"tensor {k!r}", path)
+        offsets = v.get("data_offsets")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_count(o) for o in offsets)
+                and offsets[0] <= offsets[1] <= len(body)):
+            raise PeftError(f"{path}: tensor {k!r}: data_offsets {_short(offsets)} are not a range within "
+                            f"the file's {len(body)} data bytes")
+        start, end = offsets
+        itemsize = 2 if dt == "bf16" else np.dtype(dt).itemsize
+        if end - start != math.prod(shape) * itemsize:
+            raise PeftError(f"{path}: tensor {k!r}: {end - start} bytes for shape {shape} of {v['dtype']}")
+        # ranges that repeat the same bytes would multiply memory: together
+        # they may not hold more than the file does
+        used += end - start
+        if used > len(body):
+            raise PeftError(f"{path}: the tensors' data ranges overlap (they add up to more than the file's "
+                            f"{len(body)} data bytes)")
+        raw = body[start:end]
+        arr = _bf16(raw) if dt == "bf16" else np.frombuffer(raw, dtype="<" + dt)
         out[k] = arr.reshape(shape).astype(np.float32)
     return out
+
+
+# -- torch's zip checkpoints (adapter_model.bin) --
+#
+# A torch zip holds ``<prefix>/data.pkl`` (the state dict, pickled; each
+# tensor is ``_rebuild_tensor_v2(storage, offset, size, stride, ...)``) and
+# one member ``<prefix>/data/<key>`` per storage, stored uncompressed.  The
+# pickle is read by an unpickler that knows four globals and no code; the
+# rest is numbers, and each is checked before anything is allocated from it:
+# a member's declared size against the storage's element count and against
+# what the archive can hold (at most _MAX_INFLATE times its size on disk:
+# torch stores members, so an honest file inflates 1x), a tensor's offset,
+# sizes and strides against its storage's length.  Each storage is read once
+# and shared by the tensors that refer to it, and the tensors together may
+# not hold more bytes than the storages do.
+
+_MAX_INFLATE = 8
+_CHUNK = 1 << 20  # zipfile decompresses at most this much per read
+
+
+class _Sealed:
+    """Objects the unpickler hands out; a pickle can't rewrite them (BUILD
+    would set their slots) or index into them (SETITEM)."""
+    __slots__ = ()
+
+    def __setstate__(self, state):
+        raise PeftError(f"adapter_model.bin: the pickle modifies a {type(self).__name__.lstrip('_')}")
+
+
+class _StorageType(_Sealed):
+    """What ``torch.FloatStorage`` & co. unpickle to: only find_class hands these out."""
+    __slots__ = ("name", "dtype", "itemsize")
+
+    def __init__(self, name, dtype, itemsize):
+        self.name, self.dtype, self.itemsize = name, dtype, itemsize
+
+
+_STORAGE_TYPES = {name: _StorageType(name, dt, 2 if dt == "bf16" else np.dtype(dt).itemsize)
+                  for name, dt in (("FloatStorage", "f4"), ("HalfStorage", "f2"), ("DoubleStorage", "f8"),
+                                   ("BFloat16Storage", "bf16"))}
+
+
+class _Storage(_Sealed):
+    __slots__ = ("key", "type", "numel", "array")
+
+    def __init__(self, key, stype, numel, array):
+        self.key, self.type, self.numel, self.array = key, stype, numel, array
+
+
+class _Tensor(_Sealed):
+    __slots__ = ("array",)
+
+    def __init__(self, array):
+        self.array = array
 
 
 class _TorchUnpickler(pickle.Unpickler):
     """Rebuilds the tensors of a torch zip checkpoint as numpy arrays and
     refuses every other global (no code runs)."""
 
-    _STORAGES = {"FloatStorage": np.float32, "HalfStorage": np.float16, "DoubleStorage": np.float64,
-                 "BFloat16Storage": "bf16"}
-
-    def __init__(self, f, zf: zipfile.ZipFile, prefix: str):
+    def __init__(self, f, zf: zipfile.ZipFile, prefix: str, path: Path, budget: "_Budget"):
         super().__init__(f)
-        self.zf, self.prefix = zf, prefix
+        self.zf, self.prefix, self.path, self.budget = zf, prefix, path, budget
+        self.order = _byteorder(zf, prefix, path, budget)
+        self.storages: dict[str, _Storage] = {}
+        self.tensor_bytes = 0
+        self.storage_bytes = 0
 
     def find_class(self, module, name):
         if module == "collections" and name == "OrderedDict":
             import collections
             return collections.OrderedDict
         if module == "torch._utils" and name == "_rebuild_tensor_v2":
-            return _rebuild_tensor
-        if module == "torch" and name in self._STORAGES:
-            return ("storage", self._STORAGES[name])
+            return self._rebuild_tensor
+        if module == "torch" and name in _STORAGE_TYPES:
+            return _STORAGE_TYPES[name]
         raise PeftError(f"adapter_model.bin refers to {module}.{name}: only tensors are read from it")
 
     def persistent_load(self, pid):
-        kind, storage, key, _location, numel = pid[:5]
-        if kind != "storage":
-            raise PeftError("adapter_model.bin: an unknown persistent object")
-        dt = storage[1] if isinstance(storage, tuple) else None
-        if dt is None:
-            raise PeftError("adapter_model.bin: an unsupported storage type")
-        raw = self.zf.read(f"{self.prefix}/data/{key}")
-        if dt == "bf16":
-            return (np.frombuffer(raw, dtype="<u2").astype(np.uint32) << 16).view(np.float32)
-        return np.frombuffer(raw, dtype=np.dtype(dt).newbyteorder("<"))
+        if not (isinstance(pid, tuple) and len(pid) >= 5 and pid[0] == "storage"):
+            raise PeftError(f"{self.path}: an unknown persistent object {_short(pid)}")
+        _, stype, key, _location, numel = pid[:5]
+        if not isinstance(stype, _StorageType):
+            raise PeftError(f"{self.path}: an unsupported storage type {_short(stype)}")
+        if not isinstance(key, str) or not _is_count(numel):
+            raise PeftError(f"{self.path}: a storage named {_short(key)} with {_short(numel)} elements")
+        s = self.storages.get(key)
+        if s is None:  # read once; every later reference shares it
+            s = self.storages[key] = self._read_storage(key, stype, numel)
+        elif s.type is not stype or s.numel != numel:
+            raise PeftError(f"{self.path}: storage {key!r} is referred to as {s.numel} {s.type.name} "
+                            f"elements and as {numel} {stype.name}")
+        return s
+
+    def _read_storage(self, key: str, stype: _StorageType, numel: int) -> _Storage:
+        name = f"{self.prefix}/data/{key}"
+        nbytes = numel * stype.itemsize
+        raw = _read_member(self.zf, name, self.path, self.budget, expect=nbytes,
+                           what=f"storage {key!r} ({numel} {stype.name} elements)")
+        if stype.dtype == "bf16":
+            arr = _bf16(raw, self.order)
+        else:
+            arr = np.frombuffer(raw, dtype=self.order + stype.dtype)
+        arr.flags.writeable = False
+        self.storage_bytes += nbytes
+        return _Storage(key, stype, numel, arr)
+
+    def _rebuild_tensor(self, storage, offset, size, stride, *_rest):
+        if not isinstance(storage, _Storage):
+            raise PeftError(f"{self.path}: a tensor whose storage is {type(storage).__name__}, not a storage")
+        where = f"{self.path}: a tensor on storage {storage.key!r}"
+        size = _shape(size, f"tensor on storage {storage.key!r}: size", self.path)
+        stride = _shape(stride, f"tensor on storage {storage.key!r}: stride", self.path)
+        if len(stride) != len(size):
+            raise PeftError(f"{where}: {len(size)} sizes but {len(stride)} strides")
+        if not _is_count(offset):
+            raise PeftError(f"{where}: storage offset {_short(offset)} is not a non-negative int")
+        numel = math.prod(size)
+        if offset > storage.numel:
+            raise PeftError(f"{where}: storage offset {offset} is past its {storage.numel} elements")
+        if numel:
+            # the last element the view reaches, in Python ints (no overflow)
+            last = offset + sum((n - 1) * s for n, s in zip(size, stride))
+            if last >= storage.numel:
+                raise PeftError(f"{where}: size {size}, stride {stride} and offset {offset} reach element "
+                                f"{last}, past the storage's {storage.numel}")
+        # views that repeat elements (stride 0, overlapping, several tensors
+        # on the same data) would materialise more than the file holds
+        self.tensor_bytes += numel * storage.type.itemsize
+        if self.tensor_bytes > self.storage_bytes:
+            raise PeftError(f"{self.path}: the tensors hold more bytes than their storages (views "
+                            f"that repeat or overlap data); the one on storage {storage.key!r} has size {size}")
+        itemsize = storage.array.dtype.itemsize
+        if not numel:
+            try:
+                return _Tensor(np.zeros(size, storage.array.dtype))
+            except ValueError:  # numpy's own limit on the product of the other dimensions
+                raise PeftError(f"{where}: an empty tensor of size {size} is too big for numpy") from None
+        # size-1 dimensions never step: their stride can be anything, make it 0
+        strides = tuple(0 if n == 1 else s * itemsize for n, s in zip(size, stride))
+        # numpy checks the view against the buffer again (it refuses anything past the end)
+        view = np.ndarray(size, storage.array.dtype, buffer=storage.array, offset=offset * itemsize,
+                          strides=strides)
+        return _Tensor(view.copy())
 
 
-def _rebuild_tensor(storage, offset, size, stride, *_):
-    itemsize = storage.dtype.itemsize
-    if not size:
-        return storage[offset:offset + 1].reshape(())
-    return np.lib.stride_tricks.as_strided(storage[offset:], shape=tuple(size),
-                                           strides=tuple(s * itemsize for s in stride)).copy()
+class _Budget:
+    """Bytes the zip's members may inflate to, in all."""
+
+    def __init__(self, limit: int):
+        self.left = limit
+
+
+def _read_member(zf: zipfile.ZipFile, name: str, path: Path, budget: _Budget, *, expect=None,
+                 what: str = "") -> bytearray:
+    """A member's bytes, its declared size checked before anything is read
+    (against ``expect`` and the budget), read in bounded chunks."""
+    what = what or name
+    try:
+        info = zf.getinfo(name)
+    except KeyError:
+        raise PeftError(f"{path}: {what}: the zip has no member {name}") from None
+    if info.compress_type not in (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED):
+        # zipfile's bzip2 and lzma readers inflate a whole read at once, unbounded
+        raise PeftError(f"{path}: {name} is compressed with method {info.compress_type} (torch stores "
+                        "members uncompressed; deflate is accepted)")
+    size = info.file_size
+    if expect is not None and size != expect:
+        raise PeftError(f"{path}: {what}: needs {expect} bytes but {name} holds {size}")
+    if size > budget.left:
+        raise PeftError(f"{path}: {name} declares {size} bytes uncompressed: the members would inflate to more "
+                        f"than {_MAX_INFLATE}x the file's size")
+    budget.left -= size
+    buf = bytearray(size)
+    pos = 0
+    with zf.open(info) as f:
+        while pos < size:
+            # read() of a deflated member decompresses at most what is asked
+            chunk = f.read(min(_CHUNK, size - pos))
+            if not chunk:
+                raise PeftError(f"{path}: {name} is truncated ({pos} of {size} bytes)")
+            buf[pos:pos + len(chunk)] = chunk
+            pos += len(chunk)
+    return buf  # zipfile checked the CRC on reaching the declared size
+
+
+def _byteorder(zf: zipfile.ZipFile, prefix: str, path: Path, budget: _Budget) -> str:
+    name = f"{prefix}/byteorder"
+    try:
+        info = zf.getinfo(name)
+    except KeyError:
+        return "<"  # torch before 1.13 wrote no byteorder record: little-endian
+    order = bytes(_read_member(zf, name, path, budget)) if info.file_size <= 16 else b"?"
+    if order not in (b"little", b"big"):
+        raise PeftError(f"{path}: {name} is {_short(order)}, not 'little' or 'big'")
+    return "<" if order == b"little" else ">"
 
 
 def _read_torch_zip(path: Path) -> dict[str, np.ndarray]:
     try:
         zf = zipfile.ZipFile(path)
-    except zipfile.BadZipFile:
+    except (zipfile.BadZipFile, ValueError, EOFError):
         raise PeftError(f"{path}: not a torch zip checkpoint (a legacy pickle? re-save it with "
                         "safe_serialization=True)") from None
     with zf:
@@ -300,16 +490,27 @@ def _read_torch_zip(path: Path) -> dict[str, np.ndarray]:
         if len(pkl) != 1:
             raise PeftError(f"{path}: not a torch zip checkpoint")
         prefix = pkl[0][:-len("/data.pkl")]
-        with zf.open(pkl[0]) as f:
-            try:
-                obj = _TorchUnpickler(f, zf, prefix).load()
-            except PeftError:
-                raise
-            except Exception as e:
-                raise PeftError(f"{path}: unreadable ({type(e).__name__}: {e})") from None
+        budget = _Budget(_MAX_INFLATE * os.path.getsize(path))
+        try:
+            # the pickle is read whole first (bounded like any member): the
+            # unpickler then reads from memory, never asking zipfile for a
+            # length a pickle opcode declares
+            data = _read_member(zf, pkl[0], path, budget)
+            obj = _TorchUnpickler(io.BytesIO(data), zf, prefix, path, budget).load()
+        except PeftError:
+            raise
+        except Exception as e:
+            raise PeftError(f"{path}: unreadable ({type(e).__name__}: {e})") from None
     if not isinstance(obj, dict):
         raise PeftError(f"{path}: not a state dict")
-    return {k: np.asarray(v, dtype=np.float32) for k, v in obj.items()}
+    out = {}
+    for k, v in obj.items():
+        # only tensors: a list of a thousand references to one tensor would
+        # otherwise become a thousand copies
+        if not isinstance(k, str) or not isinstance(v, _Tensor):
+            raise PeftError(f"{path}: the state dict maps {_short(k)} to {type(v).__name__}, not a tensor")
+        out[k] = v.array.astype(np.float32)
+    return out
 
 
 # -- the GGUF side ----------------------------------------------------------------------------
