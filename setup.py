@@ -47,6 +47,9 @@ class LlamaxBuildExt(build_ext):
             # Static archives, dependants first; the whole of llama.cpp ends
             # up inside the extension (no libllama.so to find at run time).
             ext.extra_objects = info["libraries"] + ext.extra_objects
+            # A rebuilt llama.cpp (a changed patch) or a changed shim header
+            # must relink the extension, not leave the old archives inside it.
+            ext.depends = list(ext.depends) + info["libraries"] + [str(p) for p in sorted((HERE / "csrc").glob("*.h"))]
             ext.extra_link_args = ext.extra_link_args + info["extra_link_args"]
             ext.extra_compile_args = ext.extra_compile_args + info["extra_compile_args"]
             ext.runtime_library_dirs = list(ext.runtime_library_dirs or []) + info["runtime_library_dirs"]

@@ -1955,7 +1955,11 @@ void accept_checked(llama_sampler * chain, llama_sampler * grammar, llama_token 
     if (grammar != nullptr) {
         llama_token_data one = {token, 0.0f, 0.0f};
         llama_token_data_array arr = {&one, 1, -1, false};
-        llama_sampler_apply(grammar, &arr);  // const for grammars: no state change
+        try {
+            llama_sampler_apply(grammar, &arr);  // const for grammars: no state change
+        } catch (const std::exception & e) {  // patch 0011's bounds on parse stacks
+            throw Error(ErrorKind::Grammar, e.what());
+        }
         if (std::isinf(one.logit) && one.logit < 0) {
             throw Error(ErrorKind::Grammar, "token " + std::to_string(token) +
                                                 " is not allowed by the grammar at this point");
@@ -1993,7 +1997,11 @@ llama_token Context::sample_chain(llama_sampler * chain, llama_sampler * grammar
             constexpr size_t kSlice = 2048;
             for (size_t off = 0; off < arr.size; off += kSlice) {
                 llama_token_data_array part = {arr.data + off, std::min(kSlice, arr.size - off), -1, false};
-                llama_sampler_apply(grammar, &part);
+                try {
+                    llama_sampler_apply(grammar, &part);
+                } catch (const std::exception & e) {  // patch 0011's bounds on parse stacks
+                    throw Error(ErrorKind::Grammar, e.what());
+                }
                 if (abort_.load(std::memory_order_relaxed) || interrupted()) {
                     throw_cancelled("sampling under the grammar");
                 }

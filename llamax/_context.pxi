@@ -58,9 +58,8 @@ cdef class Context:
         cdef llama_model * m = _mo_t._ptr()
         if model.vocab_only:
             raise InvalidArgumentError("the model was loaded with vocab_only=True: it has no weights to run")
-        ncpu = os.cpu_count() or 1
         if n_threads is None:
-            n_threads = ncpu
+            n_threads = _usable_cores()
         if n_threads_batch is None:
             n_threads_batch = n_threads
         _check_int(n_ctx, "n_ctx", 0, 1 << 24)
@@ -69,6 +68,9 @@ cdef class Context:
         _check_int(n_seq_max, "n_seq_max", 1, 256)
         _check_int(n_threads, "n_threads", 1, MAX_THREADS)
         _check_int(n_threads_batch, "n_threads_batch", 1, MAX_THREADS)
+        _warn_threads(n_threads, "n_threads")
+        if n_threads_batch != n_threads:
+            _warn_threads(n_threads_batch, "n_threads_batch")
         if pooling is not None and not isinstance(pooling, str):
             raise ArgumentTypeError(f"pooling must be a str or None, not {type(pooling).__name__}")
         if pooling not in _POOLING:
@@ -247,6 +249,9 @@ cdef class Context:
             n_threads_batch = n_threads
         _check_int(n_threads, "n_threads", 1, MAX_THREADS)
         _check_int(n_threads_batch, "n_threads_batch", 1, MAX_THREADS)
+        _warn_threads(n_threads, "n_threads")
+        if n_threads_batch != n_threads:
+            _warn_threads(n_threads_batch, "n_threads_batch")
         cdef CContext * c = self._enter()
         try:
             c.set_threads(n_threads, n_threads_batch)
@@ -567,8 +572,8 @@ cdef class Context:
             raise InvalidArgumentError("history is only for draft= (speculative decoding)")
         cdef vector[llama_token] sv
         cdef const int32_t[::1] s
-        for seq in stop_sequences:
-            s = _as_tokens(seq)
+        for seq in _as_token_seqs(stop_sequences, "stop_sequences"):
+            s = seq
             sv.clear()
             for i in range(s.shape[0]):
                 sv.push_back(s[i])

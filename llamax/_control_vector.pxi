@@ -77,30 +77,51 @@ cdef class ControlVector:
                 raise ArgumentTypeError(f"combine() takes ControlVector objects, not {type(vec).__name__}")
             _check_float(scale, "scale")
             cv = vec
+            cv._get()
             if model is None:
                 model = cv.model
             elif cv.model is not model:
                 raise ControlVectorError("control vectors to combine belong to different models")
             parts.push_back(cv._cv)
             scales.push_back(scale)
+        if model is None:
+            raise ControlVectorError("combine() needs at least one (ControlVector, scale) pair")
         return _wrap_cv(model, cvec_sum(parts, scales))
+
+    cdef const CControlVector * _get(self) except NULL:
+        # ControlVector.__new__(ControlVector) skips every factory: no data
+        cdef const CControlVector * c = self._cv.get()
+        if c == NULL or self.model is None:
+            raise InvalidArgumentError("this ControlVector was never made: use ControlVector.from_rows / "
+                                       "from_padded / load / combine")
+        return c
+
+    def __copy__(self):
+        return self  # immutable: a copy would be the same vector
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __reduce__(self):
+        raise ArgumentTypeError("a ControlVector can't be pickled (it belongs to a loaded model): save() it to a "
+                                "GGUF file and ControlVector.load() it, or pass its .data")
 
     @property
     def n_embd(self):
-        return self._cv.get().n_embd
+        return self._get().n_embd
 
     @property
     def layer_start(self):
-        return self._cv.get().layer_start
+        return self._get().layer_start
 
     @property
     def layer_end(self):
-        return self._cv.get().layer_end
+        return self._get().layer_end
 
     @property
     def data(self):
         """Read-only view of the padded data (``n_embd * layer_end`` floats from layer 1)."""
-        cdef const CControlVector * c = self._cv.get()
+        cdef const CControlVector * c = self._get()
         return _make_view(self, <float *> c.data.data(), 1, c.data.size(), 1, 0)
 
     @staticmethod

@@ -4,7 +4,8 @@ from libc.stdint cimport int32_t
 from libcpp.memory cimport shared_ptr
 
 from llamax.includes.llama cimport llama_model, llama_sampler, llama_vocab
-from llamax.includes.shim cimport CAdapter, CAdapterPtr, CContext, CControlVectorPtr, CModelPtr, CStatePtr
+from llamax.includes.shim cimport (CAdapter, CAdapterPtr, CContext, CControlVector, CControlVectorPtr, CModelPtr,
+                                   CStatePtr)
 
 
 cdef class Model:
@@ -33,6 +34,7 @@ cdef class LoraAdapter:
 cdef class ControlVector:
     cdef CControlVectorPtr _cv
     cdef readonly Model model
+    cdef const CControlVector * _get(self) except NULL
 
 
 cdef class State:

@@ -14,6 +14,7 @@ import logging
 import os
 import signal
 import threading
+import warnings
 import weakref
 
 import numpy as np
@@ -37,7 +38,7 @@ from llamax.includes.shim cimport *
 from llamax._errors import (
     AdapterInUseError, ArgumentTypeError, ClosedError, ContextBusyError, ContextOverflowError, ControlVectorError,
     GrammarError, InvalidArgumentError, InvalidGGUFError, InvalidUtf8Error, LlamaxError, LoadError, OutOfMemoryError, TokenError,
-    ViewsExportedError,
+    OversubscriptionWarning, ViewsExportedError,
 )
 
 logger = logging.getLogger("llamax")
@@ -330,6 +331,26 @@ cdef int _check_token_range(const int32_t[::1] view, int32_t n_vocab) except -1:
     return 0
 
 
+cdef list _as_token_seqs(object seqs, str name):
+    """``seqs``, an iterable of token sequences (stop sequences), as int32
+    memoryviews; a wrong type raises ArgumentTypeError saying what to pass
+    (not Python's bare 'int' object is not iterable)."""
+    if isinstance(seqs, (str, bytes, bytearray)):
+        raise ArgumentTypeError(f"{name} must be a list of token sequences (lists of ints), not {type(seqs).__name__}")
+    try:
+        items = list(seqs)
+    except TypeError:
+        raise ArgumentTypeError(
+            f"{name} must be a list of token sequences (lists of ints), not {type(seqs).__name__}") from None
+    out = []
+    for i, seq in enumerate(items):
+        try:
+            out.append(_as_tokens(seq))
+        except ArgumentTypeError as e:
+            raise ArgumentTypeError(f"{name}[{i}] must be a sequence of token ids: {e}") from None
+    return out
+
+
 cdef object _as_floats(object data, str what):
     if isinstance(data, (str, bytes)):
         raise ArgumentTypeError(f"{what} must be float data, not {type(data).__name__}")
@@ -339,12 +360,33 @@ cdef object _as_floats(object data, str what):
         return view
     except (TypeError, ValueError, BufferError):
         pass
-    arr = np.asarray(data)
+    try:
+        arr = np.asarray(data)
+    except ValueError as e:  # ragged nested lists
+        raise ArgumentTypeError(f"{what} must be a rectangular array of numbers ({e})") from None
     if arr.dtype.kind not in "fiu":
         raise ArgumentTypeError(f"{what} must be numbers, got dtype {arr.dtype}")
     arr = np.ascontiguousarray(arr, dtype=np.float32).reshape(-1)
     view = arr
     return view
+
+
+def _usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))  # what a container or taskset leaves us
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+cdef _warn_threads(object n, str name):
+    """Say so when ``n`` threads are more than the cores we may run on
+    (the answers stay right; each step gets slower, by a lot: 64 threads on
+    2 cores made a short generate take over a minute)."""
+    cdef int cores = _usable_cores()
+    if n > cores:
+        warnings.warn(f"{name}={n} is more than the {cores} cores this process may run on: ggml's threads "
+                      f"wait for each other at spinning barriers, so each thread past {cores} slows every "
+                      f"step; use at most {cores}", OversubscriptionWarning, stacklevel=3)
 
 
 cdef inline int _check_int(object v, str name, long lo, long hi) except -1:

@@ -12,6 +12,7 @@ __all__ = [
     "AdapterInUseError", "DecodeError", "KVCacheFullError", "CancelledError",
     "OutOfMemoryError", "GrammarError", "ContextBusyError", "ClosedError",
     "InvalidUtf8Error", "ViewsExportedError", "UnknownAdapterError", "PeftError",
+    "OversubscriptionWarning",
 ]
 
 
@@ -98,3 +99,9 @@ class UnknownAdapterError(LlamaxError, KeyError):
 
 class PeftError(LlamaxError, ValueError):
     """A PEFT adapter directory that can't become a llama.cpp LoRA (see llamax.peft)."""
+
+
+class OversubscriptionWarning(RuntimeWarning):
+    """More compute threads than cores this process may run on: ggml's
+    threads wait for each other at spinning barriers, so each thread past
+    the core count slows every step (not an error: the answers are right)."""

@@ -72,6 +72,9 @@ cdef class Sampler:
         cdef llama_sampler * chain = llama_sampler_chain_init(cp)
         cdef llama_sampler * g
         cdef bytes bg, broot
+        cdef const char * c_grammar
+        cdef const char * c_root
+        cdef const llama_vocab * vocab = _mo_t._vocab
         self._smpl = chain
         self._grammar = NULL
         if repeat_penalty != 1.0 or frequency_penalty != 0.0 or presence_penalty != 0.0:
@@ -82,8 +85,14 @@ cdef class Sampler:
         if grammar is not None:
             bg = grammar.encode("utf-8")
             broot = grammar_root.encode("utf-8")
+            c_grammar = bg
+            c_root = broot
             take_last_log_error()
-            g = llama_sampler_init_grammar(_mo_t._vocab, bg, broot)
+            # Parsing and the first parse stacks are bounded (patch 0011) but
+            # can still take a while on a large grammar: other threads and the
+            # event loop go on meanwhile (the model is kept by self.model).
+            with nogil:
+                g = llama_sampler_init_grammar(vocab, c_grammar, c_root)
             if g == NULL:
                 why = take_last_log_error().decode("utf-8", "replace").strip()
                 raise GrammarError("invalid GBNF grammar" + (f": {why}" if why else ""))
@@ -136,7 +145,9 @@ cdef class Sampler:
 
     def reset(self):
         """Forget penalty history and grammar progress; the RNG is not reseeded."""
-        llama_sampler_reset(self._ptr())
+        cdef llama_sampler * smpl = self._ptr()
+        with nogil:  # a grammar is parsed again (bounded by patch 0011, not instant)
+            llama_sampler_reset(smpl)
 
     def accept(self, token):
         """Record ``token`` as sampled (penalty history, grammar progress).

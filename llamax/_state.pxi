@@ -32,6 +32,7 @@ cdef State _make_state(Model model, adapters, control_vector, str what, State o=
         keep.append((a, float(scale)))
     if control_vector is not None:
         cv = _typed(control_vector, ControlVector, "control_vector")
+        cv._get()
         if cv.model is not model:
             raise InvalidArgumentError("this control vector was made for another model")
     cdef CControlVectorPtr cvp

@@ -491,6 +491,14 @@ class Llama(_SessionMixin):
                 if ls is not None or le is not None:
                     ls = cv.layer_start if ls is None else ls
                     le = cv.layer_end if le is None else le
+                    n_layer = self._model.n_layer
+                    for k, v in (("layer_start", ls), ("layer_end", le)):
+                        if isinstance(v, bool) or not isinstance(v, int):
+                            raise ArgumentTypeError(f"control_vectors[{i}]['{k}'] must be an int")
+                    if not 1 <= ls <= le <= n_layer - 1:  # checked before the padded copy is allocated
+                        raise ControlVectorError(
+                            f"control_vectors[{i}] layer range [{ls}, {le}] is invalid: need 1 <= layer_start "
+                            f"<= layer_end <= {n_layer - 1} (this model has {n_layer} layers)")
                     data = np.zeros(self._model.n_embd * max(le, cv.layer_end), np.float32)
                     data[: cv.data.size] = cv.data
                     cv = ControlVector.from_padded(self._model, data, ls, le)
@@ -834,7 +842,7 @@ class Llama(_SessionMixin):
                 "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens}}
 
     def _embed(self, input, normalize, truncate, active_loras, control_vector, control_vectors,
-               max_tokens=None):
+               max_tokens=None, cancel=None):
         self._check_open()
         # a str, a list of str, one token list, or a list of token lists
         texts = [input] if _single(input) else input
@@ -861,7 +869,13 @@ class Llama(_SessionMixin):
             with self._embed_lock:
                 ctx = self._embedding_context()
                 ctx.set_state(state)  # a pointer compare when it is applied already
-                out = ctx.embed(tokens, offsets, normalize=bool(normalize))
+                if cancel is not None:  # a server's timeout or gone client aborts the decodes
+                    cancel._attach(ctx)
+                try:
+                    out = ctx.embed(tokens, offsets, normalize=bool(normalize))
+                finally:
+                    if cancel is not None:
+                        cancel._detach(ctx)
         finally:
             self._adapters.release(names)
         return out, int(len(tokens))

@@ -424,3 +424,106 @@ def test_generation_from_string(llm):
         r = llm.create_completion("Is the sky blue? Answer:", grammar=LlamaGrammar.from_string(BOOL_GBNF),
                                   max_tokens=10, temperature=0.8, seed=seed)
         assert r["choices"][0]["text"] in ("true", "false") and r["choices"][0]["finish_reason"] == "stop"
+
+
+# -- bounds: a grammar can't take the process's time or memory (patch 0011) ---------------------
+
+def _doubling(levels: int, root_copies: int = 1, leaf: str = '"a"') -> str:
+    """rK ::= | rK+1 rK+1: each level doubles the derivations (and, before
+    patch 0011, the left-recursion check's work)."""
+    return ("root ::= " + " ".join(["r0"] * root_copies) + "\n"
+            + "".join(f"r{k} ::= | r{k + 1} r{k + 1}\n" for k in range(levels)) + f"r{levels} ::= {leaf}\n")
+
+
+_IN_CHILD = r'''
+import resource, sys, threading, time
+import llamax
+grammar = sys.stdin.read()
+m = llamax.Model(sys.argv[1], vocab_only=True)
+ticks = []
+def tick():
+    while True:
+        ticks.append(time.monotonic())
+        time.sleep(0.01)
+threading.Thread(target=tick, daemon=True).start()
+time.sleep(0.05)
+rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+try:
+    llamax.Sampler(m, grammar=grammar)
+    print("made")
+except llamax.GrammarError as e:
+    print("GrammarError:", e)
+time.sleep(0.05)
+t = list(ticks)
+print("longest stall", max(b - a for a, b in zip(t, t[1:])))
+print("rss growth MiB", (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) / 1024)
+'''
+
+
+def _make_in_child(path, grammar):
+    """Make a Sampler in a fresh interpreter (a regression hangs or grows
+    there, with a deadline, not in pytest): what it printed."""
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-c", _IN_CHILD, str(path)], input=grammar, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.splitlines()
+    return lines[0], float(lines[1].split()[-1]), float(lines[2].split()[-1])
+
+
+def test_deep_doubling_grammar_fails_fast_without_the_gil(smollm2_path):
+    """40 levels of rK ::= | rK+1 rK+1 (1 KB): the left-recursion check is
+    memoised and the parse stacks are bounded, so it fails at once with a
+    typed error; and the sampler is made without the GIL (another thread
+    keeps running; before, everything stopped: only SIGKILL ended it)."""
+    first, stall, _ = _make_in_child(smollm2_path, _doubling(40))
+    assert first.startswith("GrammarError:") and "too ambiguous" in first and "parse stacks" in first, first
+    assert stall < 5.0, stall
+
+
+def test_repetitions_are_bounded_per_grammar(smollm2_path):
+    """4,000 items of "a"{0,2000} (60 KB) were 8 million rules (1.7 GB per
+    sampler); the grammar's expansion is bounded as a whole, checked before
+    anything is allocated."""
+    g = "root ::= " + " ".join(f"r{i}" for i in range(4000)) + "\n" + "".join(
+        f'r{i} ::= "a"{{0,2000}}\n' for i in range(4000))
+    first, _, growth = _make_in_child(smollm2_path, g)
+    assert first.startswith("GrammarError:") and "expands to more than 524288 elements" in first, first
+    assert growth < 512, growth
+    # one item alone is fine: the bound is on the whole
+    s = llamax.Sampler(llamax.Model(smollm2_path, vocab_only=True), grammar='root ::= "a"{0,2000}')
+    s.close()
+
+
+def test_repetition_of_a_long_literal_is_refused_before_copying(smollm2_path):
+    """A 200,000-character literal repeated 2,000 times would be 400 million
+    elements (3 GB) inside one rule before any per-rule check."""
+    g = 'root ::= "' + "x" * 200_000 + '"{2000}\n'
+    first, _, growth = _make_in_child(smollm2_path, g)
+    assert first.startswith("GrammarError:") and "elements" in first, first
+    assert growth < 512, growth
+
+
+def test_ambiguous_grammar_fails_per_token_with_a_typed_error(llm):
+    """A grammar whose stacks stay under the bound but whose every token needs
+    millions of parser steps (4 x 5 doubling levels over [a-z]) fails during
+    generation with GrammarError, on every path that samples, instead of
+    holding the decode thread for minutes per token."""
+    g = _doubling(5, root_copies=4, leaf="[a-z]")
+    with pytest.raises(llamax.GrammarError, match="too ambiguous: one token needs more than"):
+        llm.create_completion("Write:", grammar=g, max_tokens=8, temperature=0.8, seed=1)
+    with pytest.raises(llamax.GrammarError, match="too ambiguous"):
+        for _ in llm.create_completion("Write:", grammar=g, max_tokens=8, temperature=0.8, seed=1, stream=True):
+            pass
+    # the context is fine afterwards
+    r = llm.create_completion("Is the sky blue? Answer:", grammar=LlamaGrammar.from_string(BOOL_GBNF),
+                              max_tokens=10, temperature=0.8, seed=1)
+    assert r["choices"][0]["text"] in ("true", "false")
+
+
+def test_parse_errors_say_why(model):
+    """llama.cpp printed parse errors (and the whole grammar) to stderr; they
+    now reach the GrammarError."""
+    with pytest.raises(llamax.GrammarError, match="Undefined rule identifier 'nope'"):
+        llamax.Sampler(model, grammar="root ::= nope")

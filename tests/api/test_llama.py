@@ -578,6 +578,16 @@ def test_named_control_vectors_sum(llm, gen_dir, base_chat):
             chat(control_vector={"data": 2 * a.data, "layer_start": 10, "layer_end": 19})
         # a request without a vector after ones with vectors is the base model
         assert chat() == base
+        # a layer range on a named vector is checked before its padded copy is made
+        # (layer_end=2**40 was a 2 PiB allocation: MemoryError)
+        for spec, err in (({"layer_end": 2 ** 40}, llamax.ControlVectorError),
+                          ({"layer_start": 0}, llamax.ControlVectorError),
+                          ({"layer_start": 20, "layer_end": 12}, llamax.ControlVectorError),
+                          ({"layer_end": "29"}, llamax.ArgumentTypeError),
+                          ({"layer_end": True}, llamax.ArgumentTypeError)):
+            with pytest.raises(err, match="layer"):
+                llm(FOX, control_vectors=[{"name": "a", **spec}], max_tokens=1)
+        assert all(e["in_use"] == 0 for e in llm.list_loras())
     finally:
         llm.unload_control_vector("a")
         llm.unload_control_vector("b")

@@ -130,3 +130,29 @@ def test_wrong_types(model):
         llamax.ControlVector()
     with pytest.raises(TypeError):
         llamax.ControlVector.combine([1, 2])
+
+
+def test_uninitialised_vector_is_refused_not_a_crash(model, ctx):
+    """ControlVector.__new__ skips every factory: each use says so (it read
+    a null pointer: SIGSEGV)."""
+    raw = llamax.ControlVector.__new__(llamax.ControlVector)
+    for use in (lambda: raw.n_embd, lambda: raw.layer_start, lambda: raw.layer_end, lambda: raw.data,
+                lambda: repr(raw), lambda: llamax.ControlVector.combine([(raw, 1.0)]),
+                lambda: ctx.set_state(llamax.State(model, control_vector=raw))):
+        with pytest.raises(llamax.InvalidArgumentError, match="never made"):
+            use()
+
+
+def test_copy_is_the_same_immutable_vector_and_pickle_is_refused(model):
+    import copy
+    import pickle
+    cv = llamax.ControlVector.from_rows(model, np.ones((2, 576), np.float32), 1, 2)
+    assert copy.copy(cv) is cv and copy.deepcopy(cv) is cv
+    assert copy.deepcopy({"v": cv})["v"] is cv
+    with pytest.raises(llamax.ArgumentTypeError, match="can't be pickled"):
+        pickle.dumps(cv)
+
+
+def test_ragged_rows_are_a_typed_error(model):
+    with pytest.raises(llamax.ArgumentTypeError, match="rectangular"):
+        llamax.ControlVector.from_rows(model, [[0.0] * 576, [0.0] * 3], 1, 2)

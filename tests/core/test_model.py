@@ -118,7 +118,11 @@ def test_error_hierarchy():
     assert issubclass(llamax.OutOfMemoryError, MemoryError)
     assert issubclass(llamax.KVCacheFullError, llamax.DecodeError)
     for name in llamax._errors.__all__:
-        assert issubclass(getattr(llamax, name), llamax.LlamaxError)
+        cls = getattr(llamax, name)
+        if name.endswith("Warning"):  # warnings are the builtin Warning's, not errors
+            assert issubclass(cls, RuntimeWarning) and not issubclass(cls, llamax.LlamaxError)
+        else:
+            assert issubclass(cls, llamax.LlamaxError)
 
 
 def test_path_types(smollm2_path):

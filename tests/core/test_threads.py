@@ -201,3 +201,23 @@ def test_adapters_loaded_and_freed_while_other_contexts_size_graphs(model, lora_
         t.join()
     assert errors == []
     b.close()
+
+
+def test_more_threads_than_cores_warns(model):
+    """Past the cores this process may use, ggml's spinning barriers make
+    every step slower (64 threads on 2 cores: a short generate took over a
+    minute): a warning says so, naming the count (the answers stay right)."""
+    import os
+    import warnings
+    cores = len(os.sched_getaffinity(0))
+    with pytest.warns(llamax.OversubscriptionWarning, match=f"n_threads={cores + 1} is more than the {cores} cores"):
+        c = llamax.Context(model, n_ctx=64, n_threads=cores + 1)
+    try:
+        with pytest.warns(llamax.OversubscriptionWarning, match=f"n_threads_batch={cores + 2}"):
+            c.set_threads(1, cores + 2)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            c.set_threads(cores)  # at the core count: no warning
+            llamax.Context(model, n_ctx=64).close()  # the default is the usable core count
+    finally:
+        c.close()
