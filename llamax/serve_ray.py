@@ -44,8 +44,8 @@ from ray.exceptions import RayError, RayTaskError
 import llamax
 from llamax.server import protocol as P
 from llamax.server.app import (Engine, ServerConfig, _BodyLimit, _dumps, add_model_routes, auth_dependencies,
-                               build_app, check_runtime_load, install_error_handlers, read_default_set,
-                               runtime_allowed)
+                               build_app, check_runtime_load, install_error_handlers, is_admin, read_default_set,
+                               runtime_allowed, without_paths)
 from llamax.server.errors import APIError, from_exception
 
 logger = logging.getLogger("llamax.serve_ray")
@@ -536,8 +536,9 @@ def _ingress_app(ing: Ingress) -> FastAPI:
         return engine.loras_listing()
 
     @app.get("/lora-adapters", dependencies=user)
-    async def lora_adapters(e: _IngressEngine = Depends(fresh)):
-        return await listing()
+    async def lora_adapters(request: Request, e: _IngressEngine = Depends(fresh)):
+        out = await listing()
+        return out if is_admin(cfg, request) else without_paths(out)   # paths: admin keys only
 
     @app.post("/lora-adapters", dependencies=admin)
     async def set_lora_adapters(request: Request, e: _IngressEngine = Depends(fresh)):

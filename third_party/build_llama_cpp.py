@@ -5,9 +5,11 @@ same tree and flags).  Nothing here is imported at run time.
 
 The source is the ``vendor/llama.cpp`` folder of the llama-cpp-python 0.3.36
 sdist on the package index (upstream commit 0c1e570).  The sdist is fetched
-once with ``pip download`` (llamax/_fetch.py: your pip configuration
-applies), its sha256 checked, and both the archive and the extracted tree are
-cached under ``~/.cache/llamax`` (``LLAMAX_CACHE_DIR`` moves it).  ``LLAMAX_LLAMA_CPP_DIR``
+once from where your pip configuration says (llamax/_fetch.py: by URL, not
+with ``pip download``, which would run the sdist's build backend), its
+sha256 checked before anything unpacks it, and both the archive and the
+extracted tree are cached under ``~/.cache/llamax`` (``LLAMAX_CACHE_DIR``
+moves it).  ``LLAMAX_LLAMA_CPP_DIR``
 points at a local llama.cpp tree instead and skips the download.
 
 The patches in ``third_party/patches/`` are applied to the extracted tree
@@ -80,7 +82,7 @@ def log(msg: str) -> None:
 
 
 def fetch_sdist() -> Path:
-    """Return the verified sdist archive, fetched with pip download if needed."""
+    """Return the verified sdist archive, fetched (by URL, hash-checked) if needed."""
     return _fetch.pip_download(
         SDIST_REQUIREMENT, SDIST_NAME, SDIST_SHA256, sdist=True,
         instead=f"set LLAMAX_LLAMA_CPP_DIR to a llama.cpp source tree (upstream {PIN_COMMIT})")
@@ -129,7 +131,7 @@ def source_dir() -> Path:
         shutil.rmtree(root)
     log(f"extracting {archive.name}")
     with tarfile.open(archive) as tf:
-        if sys.version_info >= (3, 12):
+        if hasattr(tarfile, "data_filter"):  # 3.12, and 3.8.17+/3.9.17+/3.10.12+/3.11.4+ (PEP 706)
             tf.extractall(root.parent, filter="data")
         else:
             tf.extractall(root.parent)

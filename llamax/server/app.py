@@ -35,6 +35,7 @@ import llamax
 from llamax.request import _plan, _run_plan
 from llamax.server import protocol as P
 from llamax.server.errors import APIError, from_exception
+from llamax.server.files import OpenedFile, open_inside
 
 logger = logging.getLogger("llamax.server")
 
@@ -121,6 +122,9 @@ class Engine:
         self.created = int(time.time())
         self.lora_ids: dict[str, int] = {}     # offered adapters: name -> id (never reused)
         self.lora_paths: dict[str, str] = {}
+        # runtime loads registered for on-demand loading: the descriptor
+        # each later load reads through (open_inside), closed on unload
+        self.lora_files: dict[str, OpenedFile] = {}
         self._next_id = 0
         self.default_set: list[dict] = []      # POST /lora-adapters: [{name, scale}]
         self.admin_lock: asyncio.Lock | None = None  # made on the loop: runtime loads one at a time
@@ -148,6 +152,9 @@ class Engine:
             self.llm = llm
         except BaseException as e:
             self.load_error = e
+            # the details go to the server's log (and to admin keys); the
+            # public /health says only that loading failed
+            logger.error("the model failed to load: %s: %s", type(e).__name__, e)
         finally:
             self.loaded.set()
 
@@ -186,6 +193,10 @@ class Engine:
             llm.close()
         except llamax.ContextBusyError:
             logger.warning("requests still running at shutdown: the model is left to the process exit")
+        else:
+            for f in self.lora_files.values():
+                f.close()
+            self.lora_files.clear()
 
     @property
     def capacity(self) -> int:
@@ -485,15 +496,32 @@ def auth_dependencies(cfg: ServerConfig) -> tuple[list, list]:
     return [Depends(need_key)], [Depends(need_admin)]
 
 
-def model_cards(engine: Engine) -> list[dict]:
-    """/v1/models: the base model, then one card per adapter (vLLM's shape)."""
+def is_admin(cfg: ServerConfig, request: Request) -> bool:
+    """Whether the request presents an admin key (what it may see beyond
+    a user: file paths, why the model failed to load)."""
+    if not cfg.admin_api_keys:
+        return False
+    given = _presented(request)
+    return given is not None and _matches(given, [k.encode() for k in cfg.admin_api_keys])
+
+
+def without_paths(listing: list[dict]) -> list[dict]:
+    """/lora-adapters entries as a user key sees them: no file paths (where
+    the operator keeps files is none of a tenant's business)."""
+    return [{k: v for k, v in e.items() if k != "path"} for e in listing]
+
+
+def model_cards(engine: Engine, admin: bool = False) -> list[dict]:
+    """/v1/models: the base model, then one card per adapter (vLLM's
+    shape).  ``root`` is the file's path for an admin key only; others see
+    the card's id there."""
     cfg = engine.cfg
     base = {"id": cfg.alias, "object": "model", "created": engine.created, "owned_by": "llamax",
-            "root": cfg.model, "parent": None, "max_model_len": cfg.n_ctx}
+            "root": cfg.model if admin else cfg.alias, "parent": None, "max_model_len": cfg.n_ctx}
     cards = [base]
     for e in engine.loras_listing():
         cards.append({"id": e["name"], "object": "model", "created": engine.created, "owned_by": "llamax",
-                      "root": e["path"], "parent": cfg.alias, "max_model_len": cfg.n_ctx,
+                      "root": e["path"] if admin else e["name"], "parent": cfg.alias, "max_model_len": cfg.n_ctx,
                       "loaded": e["loaded"]})
     return cards
 
@@ -504,12 +532,12 @@ def add_model_routes(app: FastAPI, engine: Engine, user: list, ready) -> None:
 
     @app.get("/v1/models", dependencies=user)
     @app.get("/models", dependencies=user, include_in_schema=False)
-    async def models(e=Depends(ready)):
-        return {"object": "list", "data": model_cards(engine)}
+    async def models(request: Request, e=Depends(ready)):
+        return {"object": "list", "data": model_cards(engine, is_admin(engine.cfg, request))}
 
     @app.get("/v1/models/{model_id:path}", dependencies=user)
-    async def model_card(model_id: str, e=Depends(ready)):
-        for c in model_cards(engine):
+    async def model_card(model_id: str, request: Request, e=Depends(ready)):
+        for c in model_cards(engine, is_admin(engine.cfg, request)):
             if c["id"] == model_id:
                 return c
         raise APIError(404, f"the model {model_id!r} does not exist", param="model", code="model_not_found")
@@ -543,30 +571,35 @@ async def read_default_set(request: Request, lora_ids: dict[str, int]) -> list[d
     return new
 
 
-def runtime_lora_path(cfg: ServerConfig, p: str) -> str:
-    """The real path of a runtime load's file: inside --lora-dir, or 400/404."""
-    base = os.path.realpath(cfg.lora_dir)
-    cand = os.path.realpath(p if os.path.isabs(p) else os.path.join(base, p))
-    if os.path.commonpath([cand, base]) != base:
-        raise APIError(400, f"lora_path must be inside --lora-dir ({cfg.lora_dir})", param="lora_path",
-                       code="path_not_allowed")
-    if not os.path.isfile(cand):
-        raise APIError(404, f"no adapter file {p!r} in --lora-dir", param="lora_path", code="file_not_found")
-    return cand
-
-
-def check_runtime_load(cfg: ServerConfig, body: P.LoadLoraRequest, known) -> str:
-    """Everything a runtime load is refused for before a file is read; the path."""
+def check_load_names(cfg: ServerConfig, body: P.LoadLoraRequest, known, *, taken: bool = True) -> None:
+    """What a runtime load is refused for by its name: loads are off, the
+    name is the alias, or (``taken``) it is in use without load_inplace."""
     runtime_allowed(cfg)
     name = body.lora_name
     if name == cfg.alias:
         raise APIError(400, f"an adapter may not be named like the model alias {cfg.alias!r}",
                        param="lora_name")
-    path = runtime_lora_path(cfg, body.lora_path)
-    if name in known and not body.load_inplace:
+    if taken and name in known and not body.load_inplace:
         raise APIError(409, f"an adapter named {name!r} is already loaded (unload it first, or "
                        "pass load_inplace=true)", param="lora_name", code="adapter_exists")
-    return path
+
+
+def open_runtime_file(cfg: ServerConfig, body: P.LoadLoraRequest) -> OpenedFile:
+    """The runtime load's file, opened once inside --lora-dir (400/404
+    otherwise: llamax.server.files).  (A worker thread.)"""
+    return open_inside(cfg.lora_dir, body.lora_path, param="lora_path")
+
+
+def check_runtime_load(cfg: ServerConfig, body: P.LoadLoraRequest, known) -> str:
+    """Everything a runtime load is refused for before the file is read,
+    for a server that can't hand its loader a descriptor (the Ray ingress:
+    replicas load by path); the file's real path.  The file is opened as a
+    local load opens it, so the same paths are refused."""
+    check_load_names(cfg, body, known, taken=False)
+    with open_runtime_file(cfg, body) as f:
+        real = f.real
+    check_load_names(cfg, body, known)
+    return real
 
 
 def runtime_allowed(cfg: ServerConfig) -> None:
@@ -645,22 +678,27 @@ def build_app(engine: Engine) -> FastAPI:
     install_error_handlers(app)
     user, admin = auth_dependencies(cfg)
 
+    def load_failed(request: Request) -> APIError:
+        # why: for an admin key only (it may name files); the server's log has it too
+        why = f": {type(engine.load_error).__name__}: {engine.load_error}" if is_admin(cfg, request) else \
+            " (the server's log says why)"
+        return APIError(503, "the model failed to load" + why, code="load_failed")
+
     def need_model(request: Request) -> Engine:
         if not engine.loaded.is_set():
             raise APIError(503, "the model is loading", code="loading", headers={"Retry-After": "1"})
         if engine.llm is None:
-            raise APIError(503, f"the model failed to load: {engine.load_error}", code="load_failed")
+            raise load_failed(request)
         return engine
 
     # -- public ----------------------------------------------------------------
 
     @app.get("/health")
-    async def health():
+    async def health(request: Request):
         if not engine.loaded.is_set():
             return _error_response(APIError(503, "Loading model", code="loading", headers={"Retry-After": "1"}))
         if engine.llm is None:
-            return _error_response(APIError(503, f"the model failed to load: {engine.load_error}",
-                                            code="load_failed"))
+            return _error_response(load_failed(request))
         return {"status": "ok"}
 
     # -- models -----------------------------------------------------------------
@@ -981,8 +1019,9 @@ def build_app(engine: Engine) -> FastAPI:
     # -- adapters (llama-server's and vLLM's routes) -----------------------------------
 
     @app.get("/lora-adapters", dependencies=user)
-    async def lora_adapters(e: Engine = Depends(need_model)):
-        return engine.loras_listing()
+    async def lora_adapters(request: Request, e: Engine = Depends(need_model)):
+        listing = engine.loras_listing()
+        return listing if is_admin(cfg, request) else without_paths(listing)
 
     @app.post("/lora-adapters", dependencies=admin)
     async def set_lora_adapters(request: Request, e: Engine = Depends(need_model)):
@@ -992,23 +1031,71 @@ def build_app(engine: Engine) -> FastAPI:
     @app.post("/v1/load_lora_adapter", dependencies=admin)
     async def load_lora(body: P.LoadLoraRequest, e: Engine = Depends(need_model)):
         name = body.lora_name
-        path = check_runtime_load(cfg, body, engine.lora_ids)
-        if engine.admin_lock is None:
-            engine.admin_lock = asyncio.Lock()
-        async with engine.admin_lock:
-            check_runtime_load(cfg, body, engine.lora_ids)  # again: another load may have run meanwhile
-            if name in engine.lora_ids:
-                # the new file is checked before the old adapter goes
-                await asyncio.to_thread(engine.check_lora_file, path)
-                _unload(name)
-            await asyncio.to_thread(engine._load_lora_file, engine.llm, name, path)
-            engine._record_lora(name, path)
+        check_load_names(cfg, body, engine.lora_ids)
+        # The file is opened once; every check and every read below is of
+        # that descriptor (llama.cpp reads it as /proc/self/fd/N).  Worker
+        # threads that read it finish even if this request is cancelled (a
+        # shutdown), and the descriptor is closed only after the last one:
+        # a number closed under a running load could name another file.
+        last: asyncio.Future | None = None
+
+        async def in_thread(fn, *args):
+            nonlocal last
+            last = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+            return await asyncio.shield(last)
+
+        f = None
+        try:
+            f = await in_thread(open_runtime_file, cfg, body)
+            if engine.admin_lock is None:
+                engine.admin_lock = asyncio.Lock()
+            async with engine.admin_lock:
+                check_load_names(cfg, body, engine.lora_ids)  # again: another load may have run meanwhile
+                try:
+                    if name in engine.lora_ids:
+                        # the new file is checked before the old adapter goes
+                        await in_thread(engine.check_lora_file, f.path)
+                        _unload(name)
+                    await in_thread(engine._load_lora_file, engine.llm, name, f.path)
+                except llamax.LlamaxError as exc:
+                    raise _as_load_error(exc, f, body.lora_path) from None
+                if not f.unchanged():  # read by name (no /proc): the file was replaced meanwhile
+                    engine.llm.unload_lora(name)
+                    raise APIError(409, f"{body.lora_path}: replaced while it was loaded; try again",
+                                   param="lora_path", code="file_changed")
+                engine._record_lora(name, f.real)
+                if cfg.max_loaded_adapters is not None:
+                    # loaded on demand: every later load reads the same descriptor
+                    engine.lora_files[name], f = f, None
+        finally:
+            if last is not None and not last.done():
+                last.add_done_callback(lambda t, f=f: _close_after(t, f))
+            elif f is not None:
+                f.close()
         return Response(f"Success: LoRA adapter '{name}' added successfully.", media_type="text/plain")
+
+    def _close_after(t: asyncio.Future, f: OpenedFile | None) -> None:
+        """A cancelled load's descriptor, once its thread is done (or the one
+        a cancelled open returns)."""
+        if t.exception() is None and isinstance(t.result(), OpenedFile):
+            f = t.result()
+        if f is not None:
+            f.close()
+
+    def _as_load_error(exc: BaseException, f: OpenedFile, given: str) -> APIError:
+        """A load's error, naming the file as the request did (not /proc/self/fd/N)."""
+        err = from_exception(exc) or APIError(400, f"{type(exc).__name__}: {exc}", code="load_failed")
+        err.message = err.message.replace(f.path, given)
+        err.param = "lora_path"
+        return err
 
     def _unload(name: str) -> None:
         engine.llm.unload_lora(name)
         del engine.lora_ids[name]
         del engine.lora_paths[name]
+        f = engine.lora_files.pop(name, None)
+        if f is not None:
+            f.close()  # unregistered: nothing reads it again
         engine.default_set = [s for s in engine.default_set if s["name"] != name]
 
     @app.post("/v1/unload_lora_adapter", dependencies=admin)

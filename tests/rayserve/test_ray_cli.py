@@ -3,6 +3,7 @@ its own local Ray cluster, with keys and runtime adapter loading, stopped
 by SIGTERM."""
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
@@ -50,6 +51,12 @@ def test_cli_auth_runtime_adapters_and_stop(smollm2_path, adapters):
             assert r.status_code == 200, r.text
             listing = {e["name"]: e for e in c.get("/lora-adapters", headers=user).json()}
             assert listing["runtime"]["id"] == 1 and listing["runtime"]["replicas"] == [r.headers[HEADER]]
+            # file paths: for admin keys only (issue #30, item 11)
+            models = json.dumps(c.get("/v1/models", headers=user).json())
+            assert "path" not in listing["runtime"] and str(adapters["lora_dir"]) not in models
+            assert str(adapters["coder"]) not in models and str(smollm2_path) not in models
+            admin_view = {e["name"]: e for e in c.get("/lora-adapters", headers=admin).json()}
+            assert admin_view["runtime"]["path"] == str(adapters["lora_dir"] / "runtime.gguf")
             # the default set, for requests that name no adapter
             r = c.post("/lora-adapters", json=[{"id": 1, "scale": 1.0}], headers=admin)
             assert r.status_code == 200
