@@ -20,6 +20,7 @@ import logging
 import os
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,7 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import llamax
+from llamax.cancel import CancelToken
 from llamax.request import _plan, _run_plan
 from llamax.server import protocol as P
 from llamax.server.errors import APIError, from_exception
@@ -366,8 +368,10 @@ class _ClientGone(Exception):
     pass
 
 
-async def _guarded(request: Request, aw, timeout: float):
-    """Await ``aw``, cancelling it when the client disconnects or the time is up."""
+async def _guarded(request: Request, aw, timeout: float, on_cancel=None):
+    """Await ``aw``, cancelling it when the client disconnects or the time is
+    up.  ``on_cancel`` stops work that cancelling the task can't (a worker
+    thread's native call)."""
     task = asyncio.ensure_future(aw)
     watch = asyncio.ensure_future(_wait_disconnect(request))
     try:
@@ -375,6 +379,8 @@ async def _guarded(request: Request, aw, timeout: float):
         if task in done:
             return task.result()
         task.cancel()
+        if on_cancel is not None:
+            on_cancel()
         with contextlib.suppress(BaseException):
             await task
         if watch in done:
@@ -663,6 +669,13 @@ def build_app(engine: Engine) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
+        # Worker threads for everything the loop hands off (planning, which
+        # may wait for an on-demand adapter; tokenization; embeddings; JSON
+        # encoding): one per admitted request and some to spare, so requests
+        # that wait can't leave a quick /tokenize without a thread (asyncio's
+        # default is min(32, cores + 4)).
+        asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(
+            max_workers=engine.capacity + cfg.max_queue + 16, thread_name_prefix="llamax-worker"))
         if engine.llm is None and not engine.loaded.is_set():
             threading.Thread(target=engine.load, name="llamax-load", daemon=True).start()
         try:
@@ -707,19 +720,30 @@ def build_app(engine: Engine) -> FastAPI:
 
     # -- generation ---------------------------------------------------------------
 
-    async def _plans(endpoint, n: int, kwargs_for) -> list:
+    async def _plans(request: Request, endpoint, n: int, kwargs_for) -> list:
         """Plan n requests (validated, adapters resolved and held) in worker
-        threads, counted in the admission bound."""
+        threads, counted in the admission bound.  The request's deadline
+        (--request-timeout) starts here: planning may wait for an on-demand
+        adapter, and echo scoring decodes the prompt."""
+        request.state.deadline = time.monotonic() + cfg.request_timeout
         engine.admit(n)
         try:
-            plans = []
-            for i in range(n):
-                plans.append(await asyncio.to_thread(_plan, endpoint, **kwargs_for(i)))
+            async with asyncio.timeout(cfg.request_timeout):
+                plans = []
+                for i in range(n):
+                    plans.append(await asyncio.to_thread(_plan, endpoint, **kwargs_for(i)))
             _check_fits(plans)
             return plans
+        except TimeoutError:
+            engine.done(n)
+            raise APIError(408, f"the request took longer than {cfg.request_timeout:g} s (--request-timeout) "
+                           "before it could start", code="request_timeout") from None
         except BaseException:
             engine.done(n)
             raise
+
+    def _time_left(request: Request) -> float:
+        return max(0.0, request.state.deadline - time.monotonic())
 
     def _check_fits(plans) -> None:
         n_ctx = engine.llm.n_ctx()
@@ -741,7 +765,7 @@ def build_app(engine: Engine) -> FastAPI:
         if not stream:
             try:
                 results = await _guarded(request, asyncio.gather(*(_run_plan(p) for p in plans)),
-                                         cfg.request_timeout)
+                                         _time_left(request), on_cancel=lambda: [_cancel(p.req) for p in plans])
             except _ClientGone:
                 engine.counters.request(name, 499)
                 return Response(status_code=499)
@@ -768,7 +792,7 @@ def build_app(engine: Engine) -> FastAPI:
                 for p in plans:
                     _cancel(p.req)
 
-            timer = asyncio.get_running_loop().call_later(cfg.request_timeout, time_up)
+            timer = asyncio.get_running_loop().call_later(_time_left(request), time_up)
 
             async def merged():
                 """(choice index, chunk) from every choice's stream."""
@@ -884,7 +908,7 @@ def build_app(engine: Engine) -> FastAPI:
                     active_loras=loras, control_vectors=cvecs, assistant_prefill=body.assistant_prefill)
         request.state.model_name = body.model or cfg.alias
         seed = body.seed
-        plans = await _plans(engine.llm.create_chat_completion, body.n,
+        plans = await _plans(request, engine.llm.create_chat_completion, body.n,
                              lambda i: dict(base, seed=None if seed is None else seed + i))
         return await _respond(request, "chat", plans, body.stream, body.stream_options,
                               lambda rs: _merge(rs, request.state.model_name))
@@ -903,17 +927,24 @@ def build_app(engine: Engine) -> FastAPI:
             prompts = list(pr)
         if not prompts:
             raise APIError(400, "prompt is empty", param="prompt")
-        token_prompts = []
-        for p in prompts:
-            if isinstance(p, str):
-                # special tokens in the text are parsed, as llama-server does
-                toks = await asyncio.to_thread(model.tokenize, p, add_special=True, parse_special=True)
-                token_prompts.append(toks)
-            else:
-                if any(t < 0 or t >= model.n_vocab for t in p):
-                    raise APIError(400, f"a prompt token id is outside [0, {model.n_vocab})", param="prompt",
-                                   code="invalid_token")
-                token_prompts.append(p)
+
+        def prepare() -> list:
+            # in a worker thread: tokenizing text and checking token lists are
+            # linear in the body (up to --max-body-bytes), not loop work
+            out = []
+            for p in prompts:
+                if isinstance(p, str):
+                    # special tokens in the text are parsed, as llama-server does
+                    out.append(model.tokenize(p, add_special=True, parse_special=True))
+                else:
+                    a = np.asarray(p, dtype=np.int64)
+                    if a.size and (a.min() < 0 or a.max() >= model.n_vocab):
+                        raise APIError(400, f"a prompt token id is outside [0, {model.n_vocab})", param="prompt",
+                                       code="invalid_token")
+                    out.append(p)
+            return out
+
+        token_prompts = await asyncio.to_thread(prepare)
         base = _sampling(body, engine, body.max_tokens if body.max_tokens is not None else 16)
         base.update(stream=body.stream, echo=body.echo, logprobs=body.logprobs, suffix=body.suffix,
                     active_loras=loras, control_vectors=cvecs)
@@ -921,7 +952,7 @@ def build_app(engine: Engine) -> FastAPI:
         n = body.n
         order = [(pi, j) for pi in range(len(token_prompts)) for j in range(n)]
         seed = body.seed
-        plans = await _plans(engine.llm.create_completion, len(order),
+        plans = await _plans(request, engine.llm.create_completion, len(order),
                              lambda i: dict(base, prompt=token_prompts[order[i][0]],
                                             seed=None if seed is None else seed + order[i][1]))
         return await _respond(request, "completions", plans, body.stream, body.stream_options,
@@ -940,7 +971,7 @@ def build_app(engine: Engine) -> FastAPI:
 
     @app.post("/v1/embeddings", dependencies=user)
     @app.post("/embeddings", dependencies=user, include_in_schema=False)
-    async def embeddings(body: P.EmbeddingRequest, e: Engine = Depends(need_model)):
+    async def embeddings(body: P.EmbeddingRequest, request: Request, e: Engine = Depends(need_model)):
         loras, cvecs = engine.resolve(body)
         llm = engine.llm
         if body.dimensions is not None and body.dimensions != llm.n_embd():
@@ -951,52 +982,76 @@ def build_app(engine: Engine) -> FastAPI:
             raise APIError(400, "input is empty", param="input")
         if isinstance(inp, list) and len(inp) > 2048:
             raise APIError(400, "at most 2048 inputs per request", param="input")
+        model_name = body.model or cfg.alias
+        b64 = body.encoding_format == "base64"
+        cancel = CancelToken()
+
+        def work() -> tuple[bytes, dict]:
+            # the decodes (GIL released), and the answer's JSON -- up to 2,048
+            # vectors of floats -- made here, not by FastAPI on the loop
+            vecs, n_tokens = llm._embed(inp, True, True, loras, None, cvecs, cancel=cancel)
+            if vecs.ndim == 1:
+                vecs = vecs[None, :]
+            data = []
+            for i, v in enumerate(vecs):
+                if b64:
+                    emb: Any = base64.b64encode(np.ascontiguousarray(v, dtype="<f4").tobytes()).decode()
+                else:
+                    emb = v.tolist()
+                data.append({"object": "embedding", "index": i, "embedding": emb})
+            usage = {"prompt_tokens": n_tokens, "total_tokens": n_tokens}
+            body = {"object": "list", "model": model_name, "data": data, "usage": usage}
+            return _dumps(body).encode(), usage
+
         engine.admit(1)
         try:
-            vecs, n_tokens = await asyncio.to_thread(llm._embed, inp, True, True, loras, None, cvecs)
+            content, usage = await _guarded(request, asyncio.to_thread(work), cfg.request_timeout,
+                                            on_cancel=cancel.cancel)
+        except _ClientGone:
+            engine.counters.request("embeddings", 499)
+            return Response(status_code=499)
         finally:
             engine.done(1)
-        if vecs.ndim == 1:
-            vecs = vecs[None, :]
-        data = []
-        for i, v in enumerate(vecs):
-            if body.encoding_format == "base64":
-                emb: Any = base64.b64encode(np.ascontiguousarray(v, dtype="<f4").tobytes()).decode()
-            else:
-                emb = v.tolist()
-            data.append({"object": "embedding", "index": i, "embedding": emb})
-        usage = {"prompt_tokens": n_tokens, "total_tokens": n_tokens}
         engine.counters.usage(usage)
         engine.counters.request("embeddings", 200)
-        return {"object": "list", "model": body.model or cfg.alias, "data": data, "usage": usage}
+        return Response(content, media_type="application/json")
 
     # -- llama-server's utility routes ------------------------------------------------
 
     @app.post("/tokenize", dependencies=user)
     async def tokenize(body: P.TokenizeRequest, e: Engine = Depends(need_model)):
         model = engine.llm.model
-        toks = await asyncio.to_thread(model.tokenize, body.content, add_special=body.add_special,
-                                       parse_special=body.parse_special)
-        toks = [int(t) for t in toks]
-        if body.with_pieces:
+
+        def work() -> bytes:
+            # in a worker thread: the body may be megabytes, the answer a dict per token
+            toks = model.tokenize(body.content, add_special=body.add_special, parse_special=body.parse_special)
+            if not body.with_pieces:
+                return _dumps({"tokens": toks.tolist()}).encode()
             # llama-server's shape: the piece as text when it is valid UTF-8 alone, else its bytes
             out = []
-            for t in toks:
+            for t in toks.tolist():
                 b = model.token_to_piece(t, special=True)
                 try:
                     piece: Any = b.decode("utf-8")
                 except UnicodeDecodeError:
                     piece = list(b)
                 out.append({"id": t, "piece": piece})
-            return {"tokens": out}
-        return {"tokens": toks}
+            return _dumps({"tokens": out}).encode()
+
+        return Response(await asyncio.to_thread(work), media_type="application/json")
 
     @app.post("/detokenize", dependencies=user)
     async def detokenize(body: P.DetokenizeRequest, e: Engine = Depends(need_model)):
         model = engine.llm.model
-        if any(t < 0 or t >= model.n_vocab for t in body.tokens):
-            raise APIError(400, f"a token id is outside [0, {model.n_vocab})", param="tokens", code="invalid_token")
-        return {"content": model.detokenize_text(np.asarray(body.tokens, np.int32), errors="replace")}
+
+        def work() -> bytes:
+            toks = np.asarray(body.tokens, dtype=np.int64)
+            if toks.size and (toks.min() < 0 or toks.max() >= model.n_vocab):
+                raise APIError(400, f"a token id is outside [0, {model.n_vocab})", param="tokens",
+                               code="invalid_token")
+            return _dumps({"content": model.detokenize_text(toks.astype(np.int32), errors="replace")}).encode()
+
+        return Response(await asyncio.to_thread(work), media_type="application/json")
 
     @app.post("/apply-template", dependencies=user)
     async def apply_template(body: P.ApplyTemplateRequest, e: Engine = Depends(need_model)):
