@@ -455,19 +455,44 @@ class _Request:
             finally:
                 await agen.aclose()
             return
-        # one request per context (n_parallel=1): the sync path in a worker
-        # thread, one piece at a time
+        # One request per context (n_parallel=1): the sync path runs in a
+        # thread of its own (the pool wait and the generation, GIL released in
+        # C++); the loop only receives its pieces.  No executor thread is held
+        # while the request waits or runs, so queued requests cannot starve
+        # the loop's to_thread work (tokenize, planning).
         import asyncio
-        it = self.stream() if streaming else iter([self.run()])
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
         done = object()
+
+        def put(item):
+            try:
+                loop.call_soon_threadsafe(q.put_nowait, item)
+            except RuntimeError:  # the loop is closed: nobody is listening
+                self.cancel.set()
+
+        def work():
+            try:
+                put(self._execute(put if streaming else None))
+            except BaseException as e:  # handed to the consumer, never lost
+                put(e)
+            finally:
+                put(done)
+
+        t = threading.Thread(target=work, daemon=True, name="llamax-request")
+        t.start()
         try:
             while True:
-                item = await asyncio.to_thread(next, it, done)
+                item = await q.get()
                 if item is done:
                     return
+                if isinstance(item, BaseException):
+                    raise item
                 yield item
         finally:
-            await asyncio.to_thread(it.close) if hasattr(it, "close") else None
+            if t.is_alive():
+                self.cancel.set()        # the token loop (and the pool wait) stop at their next step
+                self.own_token.cancel()  # a prompt decode in progress is aborted
 
     def _execute(self, emit) -> _Result:
         llm = self.llm
@@ -478,7 +503,8 @@ class _Request:
         tokens = [t for t in (self.own_token, self.user_token) if t is not None]
         attached = []
         try:
-            slot = llm._pool.acquire(self.key, self.tokens)
+            slot = llm._pool.acquire(self.key, self.tokens,
+                                     lambda: self.cancel.is_set() or self.own_token.cancelled)
             ctx = slot.ctx
             for t in tokens:
                 t._attach(ctx)
