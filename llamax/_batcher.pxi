@@ -317,10 +317,8 @@ cdef class Batcher:
             p.prompt.push_back(tv[i])
         cdef vector[llama_token] sv
         cdef const int32_t[::1] s
-        if isinstance(stop_sequences, (str, bytes)):
-            raise ArgumentTypeError("stop_sequences must be a sequence of token sequences")
-        for seq in stop_sequences:
-            s = _as_tokens(seq)
+        for seq in _as_token_seqs(stop_sequences, "stop_sequences"):
+            s = seq
             sv.clear()
             for i in range(s.shape[0]):
                 sv.push_back(s[i])

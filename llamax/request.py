@@ -659,65 +659,137 @@ def row_logprobs(row: np.ndarray, tok: int, n_top: int):
     return float(row[tok]) - lse, top
 
 
+class _StopMatcher:
+    """Where the stop strings occur in text that arrives piece by piece.
+
+    One KMP automaton per stop string: its state is the length of the longest
+    prefix of the stop string that the text so far ends with.  Each new
+    character moves every automaton once (amortised), so a token costs time
+    linear in its own text, whatever the stop strings' lengths; the old text
+    is never scanned again.  The failure tables (linear in each stop string)
+    are built the first time an automaton has to fall back."""
+
+    __slots__ = ("stops", "fail", "state")
+
+    def __init__(self, stops):
+        self.stops = stops
+        self.fail: list = [None] * len(stops)
+        self.state = [0] * len(stops)
+
+    def feed(self, piece: str) -> int | None:
+        """Consume ``piece``; return where (relative to its start, so possibly
+        negative: inside the held tail) the first stop string that now
+        occurs begins, or ``None``.  Among matches, the earliest start wins."""
+        cut = None
+        n = len(piece)
+        for i, s in enumerate(self.stops):
+            st = self.state[i]
+            if st == 0:
+                pos = piece.find(s[0])  # the common case: nothing to match, one C-level scan
+                if pos < 0:
+                    continue
+            else:
+                pos = 0
+            m = len(s)
+            f = self.fail[i]
+            while pos < n:
+                c = piece[pos]
+                if s[st] == c:
+                    st += 1
+                    pos += 1
+                    if st == m:
+                        start = pos - m
+                        if cut is None or start < cut:
+                            cut = start
+                        break
+                elif st:
+                    if f is None:
+                        f = self.fail[i] = _failure(s)
+                    st = f[st - 1]
+                else:
+                    pos = piece.find(s[0], pos + 1)  # no partial match: skip to the next candidate
+                    if pos < 0:
+                        break
+            self.state[i] = st
+        return cut
+
+    def held(self) -> int:
+        """The longest tail of the text that is a proper prefix of a stop
+        string (the text that must wait: it could still become one)."""
+        return max(self.state)
+
+
+def _failure(s: str) -> list:
+    """KMP's failure function: f[k] is the length of the longest proper
+    prefix of s[:k + 1] that is also its suffix."""
+    f = [0] * len(s)
+    k = 0
+    for q in range(1, len(s)):
+        c = s[q]
+        while k and s[k] != c:
+            k = f[k - 1]
+        if s[k] == c:
+            k += 1
+        f[q] = k
+    return f
+
+
 class _TextAssembler:
     """Token bytes → text.  Streams only what is final: an incomplete UTF-8
     sequence waits for its next bytes, and a tail that could be the start of
-    a stop string waits until it can't.  Cuts at the first stop string."""
+    a stop string waits until it can't.  Cuts at the first stop string.
+
+    Per token the Python work is linear (amortised) in the token's own text
+    (see _StopMatcher), plus one copy of the held tail, shorter than the
+    longest stop string; text already final is kept as a list of pieces and
+    never copied or scanned again until ``finish``."""
 
     def __init__(self, model: Model, stops, emit):
         self.model = model
-        self.stops = stops
         self.emit = emit
         self.decoder = codecs.getincrementaldecoder("utf-8")("replace")
-        self.text = ""
-        self.n_emitted = 0
+        self.final: list[str] = []  # text that no stop string can still change (emitted when streaming)
+        self.pending = ""           # the tail that could still begin a stop string
         self.stopped = False
         self.n_tokens_used = 0
-        self.hold = max((len(s) for s in stops), default=0)
+        stops = [s for s in stops if s]  # an empty stop string can't be matched (callers drop them)
+        self.matcher = _StopMatcher(stops) if stops else None
 
     def add(self, tok) -> bool:
         self.n_tokens_used += 1
-        self.text += self.decoder.decode(self.model.token_to_piece(int(tok)))
-        if not self.stops:
-            self._flush(len(self.text))
+        piece = self.decoder.decode(self.model.token_to_piece(int(tok)))
+        if not piece:
             return False
-        start = max(0, self.n_emitted - self.hold)
-        cut = -1
-        for s in self.stops:
-            i = self.text.find(s, start)
-            if i >= 0 and (cut < 0 or i < cut):
-                cut = i
-        if cut >= 0:
-            self.text = self.text[:cut]
+        if self.matcher is None:
+            self._final(piece)
+            return False
+        window = self.pending + piece  # bounded: the held tail is shorter than the longest stop string
+        cut = self.matcher.feed(piece)
+        if cut is not None:
+            self.pending = ""
             self.decoder.reset()
             self.stopped = True
-            self._flush(len(self.text))
+            self._final(window[: len(window) - len(piece) + cut])
             return True
-        self._flush(len(self.text) - self._partial_stop_len())
+        keep = self.matcher.held()
+        self.pending = window[len(window) - keep:] if keep else ""
+        self._final(window[: len(window) - keep])
         return False
 
-    def _partial_stop_len(self) -> int:
-        # the longest tail of the text that is a proper prefix of a stop string
-        best = 0
-        for s in self.stops:
-            for k in range(min(len(s) - 1, len(self.text)), best, -1):
-                if self.text.endswith(s[:k]):
-                    best = k
-                    break
-        return best
-
-    def _flush(self, upto):
-        if self.emit is not None and upto > self.n_emitted:
-            self.emit(self.text[self.n_emitted:upto])
-            self.n_emitted = upto
+    def _final(self, text):
+        if text:
+            self.final.append(text)
+            if self.emit is not None:
+                self.emit(text)
 
     def add_all(self, tokens):
         piece = self.model.token_to_piece
-        self.text += self.decoder.decode(b"".join(piece(int(t)) for t in tokens))
+        self.pending += self.decoder.decode(b"".join(piece(int(t)) for t in tokens))
         self.n_tokens_used = len(tokens)
 
     def finish(self) -> str:
         if not self.stopped:
-            self.text += self.decoder.decode(b"", final=True)
-        self._flush(len(self.text))
-        return self.text
+            self.pending += self.decoder.decode(b"", final=True)
+        self._final(self.pending)
+        self.pending = ""
+        return "".join(self.final)

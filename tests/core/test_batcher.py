@@ -246,6 +246,15 @@ def test_stop_sequences_and_logprobs(model):
             assert top[0][1] == pytest.approx(lp, abs=1e-5)
 
 
+def test_stop_sequences_wrong_type(model):
+    ctx, b = batcher(model, slots=1)
+    with ctx, b:
+        t = model.tokenize("1, 2,")
+        for bad, where in ((5, "token sequences .*not int"), (b"ab", "not bytes"), ([7], r"stop_sequences\[0\]")):
+            with pytest.raises(llamax.ArgumentTypeError, match=where):
+                b.submit(t, greedy(model), max_tokens=2, stop_sequences=bad)
+
+
 def test_context_is_locked_while_driven(model):
     ctx, b = batcher(model, slots=2)
     with pytest.raises(llamax.ContextBusyError):

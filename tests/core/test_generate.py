@@ -75,6 +75,15 @@ def test_stop_sequences_and_eog(model, ctx):
     assert not any(model.is_eog(int(t)) for t in out)
 
 
+@pytest.mark.parametrize("bad, where", [(5, "not int"), ("ab", "not str"), ([5], r"stop_sequences\[0\]"),
+                                        ([[1], "ab"], r"stop_sequences\[1\]"), ([[1.5]], r"stop_sequences\[0\]")])
+def test_stop_sequences_wrong_type(model, ctx, bad, where):
+    """A typed error saying what to pass, not Python's 'int' object is not iterable (issue #30)."""
+    toks = model.tokenize(PROMPT)
+    with pytest.raises(llamax.ArgumentTypeError, match=where):
+        ctx.generate(toks, greedy(model), max_tokens=2, stop_sequences=bad)
+
+
 def test_callback_streams_and_stops(model, ctx):
     toks = model.tokenize(PROMPT)
     seen = []
