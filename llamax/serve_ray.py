@@ -10,18 +10,26 @@ with adapter affinity across replicas.
   running in-process.  An adapter set is Ray Serve's "multiplexed model":
   ``@serve.multiplexed`` loads a set's adapters on a miss and evicts the
   least recently used set; an evicted set's adapters are unloaded once no
-  running request holds them.
+  running request holds them.  At most ``max_adapters`` adapters are loaded
+  at once: past that, the least recently used idle ones are unloaded first
+  (as the single-process server's ``--max-loaded-adapters``).
 - :class:`Ingress` (one replica): auth, request parsing and errors (the same
   code as the single-process server), the model and adapter routes, and the
   canonical key of each request's adapter set, which it sends as the
-  multiplexed model id.  Ray's router then sends the request to a replica
-  that holds the set; requests for the base model carry none and spread
-  over all replicas.  The answer carries ``x-llamax-replica``.
+  multiplexed model id (a set naming more than ``max_adapters`` adapters is
+  refused here, before any replica loads anything).  Ray's router then
+  sends the request to a replica that holds the set; requests for the base
+  model carry none and spread over all replicas.  The answer carries ``x-llamax-replica``.
 
 The key is the set's adapter *names* (``coder`` or ``coder+translator``),
 not their scales: a scale is a per-request number that costs nothing to
 change, while memory is per adapter, so ``coder@0.5`` and ``coder@1`` are
 one multiplexed model.
+
+Ray keeps some state per multiplexed model id (the router's fallback
+table, a gauge series per replica), for as long as it runs: only the first
+``max_affinity_sets`` distinct sets get an id; later ones are served
+without affinity, their adapters loaded for the request and let go after.
 
 Needs the ``ray`` extra: ``pip install "llamax[ray]"``.
 """
@@ -40,6 +48,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 from ray import serve
 from ray.exceptions import RayError, RayTaskError
+from ray.serve.exceptions import BackPressureError
 
 import llamax
 from llamax.server import protocol as P
@@ -52,6 +61,7 @@ logger = logging.getLogger("llamax.serve_ray")
 
 REPLICA_HEADER = "x-llamax-replica"
 REFRESH_S = 5.0
+MAKE_ROOM_S = 60.0   # a replica waits this long for running requests to let go of adapters (as AdapterRegistry)
 APP_NAME = "llamax"
 
 
@@ -170,7 +180,7 @@ class LlamaReplica:
     """One model and the single-process server's app, run in-process for
     each request the ingress forwards."""
 
-    async def __init__(self, cfg: dict, registry, max_sets: int):
+    async def __init__(self, cfg: dict, registry, max_sets: int, max_adapters: int):
         self.cfg = ServerConfig(**cfg)
         self.engine = Engine(self.cfg)
         await asyncio.to_thread(self.engine.load)
@@ -180,16 +190,19 @@ class LlamaReplica:
         self.registry = registry
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.snapshot_id = None
+        self.max_adapters = max_adapters
         self.loaded: dict[str, str] = {}      # adapter -> the path it was loaded from
+        self.used: dict[str, float] = {}      # loaded adapter -> when a request last held it (LRU)
         self.refs: dict[str, int] = {}        # adapter -> live sets that name it
+        self.holding: dict[str, int] = {}     # adapter -> running requests that hold it (never unloaded)
         self.sets: dict[str, _AdapterSet] = {}
         self._loop = asyncio.get_running_loop()
         self._load_lock = asyncio.Lock()
+        self._freed = asyncio.Event()         # a request let go of its adapters (room may be made now)
 
         async def load_set(key: str) -> _AdapterSet:
             s = _AdapterSet(self, key)
-            for n in s.names:
-                self.refs[n] = self.refs.get(n, 0) + 1
+            self._ref(s)
             self.sets[key] = s
             return s
 
@@ -227,25 +240,57 @@ class LlamaReplica:
 
     def _unload(self, name: str) -> None:
         del self.loaded[name]
+        self.used.pop(name, None)
         self.engine.llm.unload_lora(name)   # running requests keep it until they end
         self.registry.held.remote(self.replica_id, name, False)
 
     async def _ensure(self, s: _AdapterSet) -> None:
-        """The set's adapters loaded, from the registry's current paths."""
+        """The set's adapters loaded, from the registry's current paths,
+        with room made for them first (at most ``max_adapters`` loaded)."""
+        paths = self.engine.lora_paths
         for name in s.names:
-            path = self.engine.lora_paths.get(name)
-            if path is None:
+            if name not in paths:
                 raise APIError(404, f"no adapter named {name!r}", param="model", code="adapter_not_found")
-            if self.loaded.get(name) == path:
-                continue
+        if any(self.loaded.get(n) != paths[n] for n in s.names):
             async with self._load_lock:
-                if self.loaded.get(name) == path:
-                    continue
-                if name in self.loaded:
-                    self._unload(name)
-                await asyncio.to_thread(self.engine.llm.load_lora, name, path)
-                self.loaded[name] = path
-                self.registry.held.remote(self.replica_id, name, True)
+                for name in s.names:   # another file under this name now
+                    if name in self.loaded and self.loaded[name] != paths[name]:
+                        self._unload(name)
+                missing = [n for n in s.names if n not in self.loaded]
+                await self._make_room(len(missing))
+                for name in missing:
+                    path = paths[name]
+                    await asyncio.to_thread(self.engine.llm.load_lora, name, path)
+                    self.loaded[name] = path
+                    self.registry.held.remote(self.replica_id, name, True)
+        now = time.monotonic()
+        for name in s.names:
+            self.used[name] = now
+
+    async def _make_room(self, n_new: int) -> None:
+        """Unload least recently used adapters that no running request holds
+        until ``n_new`` more fit; wait (bounded) while running requests hold
+        them all.  (The set being loaded is held: its own adapters stay.)"""
+        deadline = time.monotonic() + MAKE_ROOM_S
+        while True:
+            excess = len(self.loaded) + n_new - self.max_adapters
+            if excess <= 0:
+                return
+            idle = sorted((n for n in self.loaded if n not in self.holding), key=lambda n: self.used.get(n, 0.0))
+            for name in idle[:excess]:
+                self._unload(name)
+            if len(idle) >= excess:
+                return
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise APIError(503, f"all {self.max_adapters} adapters this replica may load "
+                               "(--max-loaded-adapters) are held by running requests: retry later",
+                               code="adapters_busy", headers={"Retry-After": "1"})
+            self._freed.clear()
+            try:
+                await asyncio.wait_for(self._freed.wait(), left)
+            except asyncio.TimeoutError:
+                pass
 
     def _evicted(self, s: _AdapterSet) -> None:
         if self.sets.get(s.key) is s:
@@ -253,23 +298,42 @@ class LlamaReplica:
         if s.busy == 0:
             self._release(s)
 
+    def _ref(self, s: _AdapterSet) -> None:
+        for n in s.names:
+            self.refs[n] = self.refs.get(n, 0) + 1
+
     def _release(self, s: _AdapterSet) -> None:
         for name in s.names:
             self.refs[name] -= 1
             if self.refs[name] == 0:
                 del self.refs[name]
-                if name in self.loaded:
+                if name in self.loaded and name not in self.holding:
                     self._unload(name)
 
-    async def _hold(self, key: str) -> _AdapterSet:
-        if key not in self.sets:
-            # Ray evicts its least recently used set to make room: touch the
-            # sets that running requests hold first, so that an idle one goes
-            for k, s in list(self.sets.items()):
-                if s.busy and not s.evicted:
-                    await self._get_set(k)
-        s = await self._get_set(key)
+    async def _hold(self, key: str, cached: bool = True) -> _AdapterSet:
+        """The set ``key`` for one request, its adapters loaded.  ``cached``:
+        through Ray's multiplexed cache (the ingress sent ``key`` as the
+        multiplexed model id); else a set of its own, let go when the
+        request ends (Ray keeps nothing about it)."""
+        names = set_names(key)
+        if len(names) > self.max_adapters:   # the ingress refuses these first
+            raise APIError(400, f"the request names {len(names)} adapters but max_loaded_adapters="
+                           f"{self.max_adapters}", param="active_loras", code="invalid_value")
+        if cached or key in self.sets:
+            if key not in self.sets:
+                # Ray evicts its least recently used set to make room: touch the
+                # sets that running requests hold first, so that an idle one goes
+                for k, s in list(self.sets.items()):
+                    if s.busy and not s.evicted:
+                        await self._get_set(k)
+            s = await self._get_set(key)
+        else:
+            s = _AdapterSet(self, key)
+            s.evicted = True   # in no cache: released by _done
+            self._ref(s)
         s.busy += 1
+        for n in s.names:
+            self.holding[n] = self.holding.get(n, 0) + 1
         try:
             await self._ensure(s)
         except BaseException:
@@ -279,23 +343,29 @@ class LlamaReplica:
 
     def _done(self, s: _AdapterSet) -> None:
         s.busy -= 1
+        for n in s.names:
+            self.holding[n] -= 1
+            if self.holding[n] == 0:
+                del self.holding[n]
         if s.busy == 0 and s.evicted:
             self._release(s)
+        self._freed.set()
 
     # -- requests --------------------------------------------------------------
 
     async def forward(self, method: str, path: str, query: bytes, headers: list, body: bytes, snapshot_id,
-                      key: str):
+                      key: str, cached: bool = True):
         """One HTTP request through the server's app, with the adapter set
         ``key`` held; yields (status, headers, replica), then the body's
         chunks.  (``key`` is also the request's multiplexed model id, unless
-        the application was built without affinity, for comparison.)"""
+        the application was built without affinity, for comparison, or
+        ``cached`` is False: past the ingress' table of sets, see _hold.)"""
         self._loop = asyncio.get_running_loop()   # where requests run (evictions are sent here)
         s = None
         try:
             await self._sync(snapshot_id)
             if key:
-                s = await self._hold(key)
+                s = await self._hold(key, cached)
         except Exception as e:
             err = from_exception(e) or APIError(500, f"internal error: {type(e).__name__}")
             if err.status == 500:
@@ -406,7 +476,8 @@ _HOP = {"content-length", "transfer-encoding", "connection"}
 
 @serve.ingress()
 class Ingress:
-    def __init__(self, cfg: dict, registry, replica, affinity: bool = True):
+    def __init__(self, cfg: dict, registry, replica, affinity: bool = True, *, max_adapters: int = 8,
+                 max_affinity_sets: int = 1024):
         self.affinity = affinity
         self.cfg = ServerConfig(**cfg)
         self.engine = _IngressEngine(self.cfg)
@@ -414,6 +485,37 @@ class Ingress:
         self.replica = replica
         self.admin_lock = asyncio.Lock()
         self.refreshed = 0.0
+        self.max_adapters = max_adapters
+        self.max_affinity_sets = max_affinity_sets
+        # the set keys sent as multiplexed model ids: Ray's router and each
+        # replica keep state per id for as long as they run, so the ids are
+        # a bounded table, not whatever combinations requests name
+        self.affine: set[str] = set()
+
+    def set_key(self, loras: list[dict] | None, body: P._Adapters) -> str:
+        """The request's set key, once the set is known to fit a replica."""
+        key = set_key(loras)
+        n = len(set_names(key))
+        if n > self.max_adapters:
+            param = "active_loras" if body.active_loras is not None else "lora" if body.lora is not None else None
+            raise APIError(400, f"the request names {n} adapters but max_loaded_adapters={self.max_adapters} "
+                           "(adapters a replica may hold at once, and so per request)", param=param,
+                           code="invalid_value")
+        return key
+
+    def _cached(self, key: str) -> bool:
+        """Whether ``key`` goes through Ray's multiplexing (the first
+        ``max_affinity_sets`` distinct sets do; an unregistered adapter's
+        sets leave the table)."""
+        if key in self.affine:
+            return True
+        if len(self.affine) < self.max_affinity_sets:
+            self.affine.add(key)
+            return True
+        return False
+
+    def forget(self, name: str) -> None:
+        self.affine = {k for k in self.affine if name not in set_names(k)}
 
     async def _refresh(self, snap: dict | None = None) -> None:
         if snap is None:
@@ -433,14 +535,15 @@ class Ingress:
         await self._fresh()
         body = await request.body()
         headers = [(k, v) for k, v in request.headers.raw if k not in _DROP]
-        opts = {"multiplexed_model_id": key} if key and self.affinity else {}
+        cached = bool(key) and self._cached(key)
+        opts = {"multiplexed_model_id": key} if cached and self.affinity else {}
         args = (request.method, request.url.path, request.url.query.encode(), headers, body,
-                self.engine.snapshot_id, key)
+                self.engine.snapshot_id, key, cached)
         if not stream:
             try:
                 parts = await self.replica.options(**opts).forward_whole.remote(*args)
-            except RayError as e:
-                raise _ray_error(e) from None
+            except (RayError, BackPressureError) as e:
+                raise self._ray_error(e) from None
             status, raw, replica = parts[0]
             return Response(b"".join(parts[1:]), status_code=status, headers=_relayed(raw, replica))
         gen = self.replica.options(stream=True, **opts).forward.remote(*args)
@@ -448,9 +551,9 @@ class Ingress:
             status, raw, replica = await gen.__anext__()
         except StopAsyncIteration:
             raise APIError(500, "the replica answered nothing") from None
-        except RayError as e:
+        except (RayError, BackPressureError) as e:
             gen.cancel()
-            raise _ray_error(e) from None
+            raise self._ray_error(e) from None
 
         async def relay():
             try:
@@ -461,6 +564,14 @@ class Ingress:
             finally:
                 gen.cancel()
         return StreamingResponse(relay(), status_code=status, headers=_relayed(raw, replica))
+
+    def _ray_error(self, e: BaseException) -> APIError:
+        if isinstance(e, BackPressureError):
+            # --max-queue requests wait here beyond those the replicas run
+            return APIError(503, f"the server is at capacity (every replica busy and {self.cfg.max_queue} "
+                            f"requests queued, --max-queue {self.cfg.max_queue}): retry later", code="queue_full",
+                            headers={"Retry-After": "1"})
+        return _ray_error(e)
 
     def __serve_build_asgi_app__(self):
         return _ingress_app(self)
@@ -505,17 +616,17 @@ def _ingress_app(ing: Ingress) -> FastAPI:
     @app.post("/v1/chat/completions", dependencies=user)
     @app.post("/chat/completions", dependencies=user, include_in_schema=False)
     async def chat(body: P.ChatCompletionRequest, request: Request, e: _IngressEngine = Depends(fresh)):
-        return await ing._forward(request, set_key(engine.resolve(body)[0]), body.stream)
+        return await ing._forward(request, ing.set_key(engine.resolve(body)[0], body), body.stream)
 
     @app.post("/v1/completions", dependencies=user)
     @app.post("/completions", dependencies=user, include_in_schema=False)
     async def completions(body: P.CompletionRequest, request: Request, e: _IngressEngine = Depends(fresh)):
-        return await ing._forward(request, set_key(engine.resolve(body)[0]), body.stream)
+        return await ing._forward(request, ing.set_key(engine.resolve(body)[0], body), body.stream)
 
     @app.post("/v1/embeddings", dependencies=user)
     @app.post("/embeddings", dependencies=user, include_in_schema=False)
     async def embeddings(body: P.EmbeddingRequest, request: Request, e: _IngressEngine = Depends(fresh)):
-        return await ing._forward(request, set_key(engine.resolve(body)[0]))
+        return await ing._forward(request, ing.set_key(engine.resolve(body)[0], body))
 
     @app.post("/tokenize", dependencies=user)
     async def tokenize(body: P.TokenizeRequest, request: Request):
@@ -543,6 +654,9 @@ def _ingress_app(ing: Ingress) -> FastAPI:
     @app.post("/lora-adapters", dependencies=admin)
     async def set_lora_adapters(request: Request, e: _IngressEngine = Depends(fresh)):
         new = await read_default_set(request, engine.lora_ids)
+        if len(new) > ing.max_adapters:   # every request that names no adapter would be refused
+            raise APIError(400, f"the default set names {len(new)} adapters but max_loaded_adapters="
+                           f"{ing.max_adapters}", code="invalid_value")
         await ing._refresh(await ing.registry.set_default.remote(new))
         return await listing()
 
@@ -555,8 +669,8 @@ def _ingress_app(ing: Ingress) -> FastAPI:
             path = check_runtime_load(cfg, body, engine.lora_ids)
             try:
                 problem = await ing.replica.check_adapter.remote(path)  # any replica: one model
-            except RayError as err:
-                raise _ray_error(err) from None
+            except (RayError, BackPressureError) as err:
+                raise ing._ray_error(err) from None
             if problem is not None:
                 status, message, code = problem
                 raise APIError(status, message, param="lora_path", code=code)
@@ -572,6 +686,7 @@ def _ingress_app(ing: Ingress) -> FastAPI:
             if name not in engine.lora_ids:
                 raise APIError(404, f"no adapter named {name!r}", param="lora_name", code="adapter_not_found")
             await ing._refresh(await ing.registry.unregister.remote(name))
+            ing.forget(name)
         return Response(f"Success: LoRA adapter '{name}' removed successfully.", media_type="text/plain")
 
     return app
@@ -582,7 +697,9 @@ def _ingress_app(ing: Ingress) -> FastAPI:
 @dataclasses.dataclass
 class RayOptions:
     replicas: int = 2
-    max_sets: int = 4                  # adapter sets per replica (--max-loaded-adapters)
+    max_sets: int = 4                  # adapter sets per replica (--max-adapter-sets)
+    max_adapters: int = 8              # adapters loaded per replica, and per request (--max-loaded-adapters)
+    max_affinity_sets: int = 1024      # distinct sets sent as multiplexed ids (later ones: no affinity)
     replica_cpus: float = 1.0          # Ray's logical CPUs per replica
     max_ongoing_requests: int | None = None
     affinity: bool = True              # False: Ray's default routing (benchmarks compare)
@@ -593,7 +710,11 @@ def build(cfg: ServerConfig, opts: RayOptions):
     if opts.replicas < 1:
         raise ValueError("--replicas must be at least 1")
     if opts.max_sets < 1:
-        raise ValueError("--max-loaded-adapters must be at least 1 on Ray Serve (adapter sets per replica)")
+        raise ValueError("--max-adapter-sets must be at least 1")
+    if opts.max_adapters < 1:
+        raise ValueError("--max-loaded-adapters must be at least 1")
+    if opts.max_affinity_sets < 1:
+        raise ValueError("max_affinity_sets must be at least 1")
     public = dataclasses.asdict(cfg)
     # a replica serves what the ingress has checked: no keys, no body limit
     # of its own, its adapters from the registry, loaded by Ray's multiplexing
@@ -602,12 +723,16 @@ def build(cfg: ServerConfig, opts: RayOptions):
                  max_loaded_adapters=None, metrics=False, max_body_bytes=1 << 62, threads=threads)
     registry = AdapterRegistry.bind(list(cfg.loras))
     ongoing = opts.max_ongoing_requests or cfg.n_contexts * cfg.parallel + cfg.max_queue
+    # past the running requests, --max-queue wait at the ingress (then 503
+    # queue_full), as in the single-process server, not an unbounded queue
     replica = serve.deployment(LlamaReplica, name="LlamaReplica", num_replicas=opts.replicas,
-                               max_ongoing_requests=ongoing,
-                               ray_actor_options={"num_cpus": opts.replica_cpus}).bind(inner, registry, opts.max_sets)
+                               max_ongoing_requests=ongoing, max_queued_requests=max(1, cfg.max_queue),
+                               ray_actor_options={"num_cpus": opts.replica_cpus}).bind(
+                                   inner, registry, opts.max_sets, opts.max_adapters)
     ingress = serve.deployment(Ingress, name="Ingress", num_replicas=1, max_ongoing_requests=10_000,
                                ray_actor_options={"num_cpus": 0})
-    return ingress.bind(public, registry, replica, opts.affinity)
+    return ingress.bind(public, registry, replica, opts.affinity, max_adapters=opts.max_adapters,
+                        max_affinity_sets=opts.max_affinity_sets)
 
 
 def app_builder(args: dict):
@@ -696,7 +821,8 @@ def run(cfg: ServerConfig, opts: RayOptions, address: str | None = None) -> int:
             deploy(cfg, opts)
             print(f"llamax: serving {cfg.alias!r} at http://{cfg.host}:{port}/v1 (Ray Serve: {opts.replicas} "
                   f"replica(s) x {cfg.n_contexts} context(s) x {cfg.parallel} sequences, at most "
-                  f"{opts.max_sets} adapter set(s) per replica, {len(cfg.loras)} adapter(s))", flush=True)
+                  f"{opts.max_adapters} adapter(s) in {opts.max_sets} set(s) per replica, {len(cfg.loras)} "
+                  "adapter(s))", flush=True)
             stop.wait()
     except Exception as e:
         print(f"llamax: the Ray Serve application failed to start: {e}", file=sys.stderr, flush=True)

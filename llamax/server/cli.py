@@ -41,7 +41,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="an adapter, loaded at start (repeatable; a bare PATH is named by its stem)")
     p.add_argument("--lora-dir", help="the only folder runtime loads may read adapters from")
     p.add_argument("--max-loaded-adapters", type=int, default=None,
-                   help="adapters in memory at once; others load on demand, least recently used unloaded")
+                   help="adapters in memory at once, and so per request; others load on demand, least "
+                        "recently used unloaded (default: all loaded at start; with --replicas: 8 per replica)")
     p.add_argument("--prefix-cache", choices=("any", "exact", "off"), default="any",
                    help="prompt prefix reuse: any common prefix, token by token (default, as llama-server); "
                         "exact: whole 256-token chunks, a cached answer bit for bit the cold one; off")
@@ -67,8 +68,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--verbose", action="store_true", help="llama.cpp's log and an access log")
     g = p.add_argument_group("Ray Serve (extra: ray)")
     g.add_argument("--replicas", type=int, default=None,
-                   help="serve from R Ray Serve replicas with adapter affinity (each loads the model; "
-                        "--max-loaded-adapters is then the adapter sets per replica, default 4)")
+                   help="serve from R Ray Serve replicas with adapter affinity (each loads the model)")
+    g.add_argument("--max-adapter-sets", type=int, default=None,
+                   help="adapter sets (Ray Serve's multiplexed models) per replica, least recently used "
+                        "evicted (default 4)")
     g.add_argument("--ray-address", default=None,
                    help="join this Ray cluster (e.g. auto, or HEAD:6379) instead of starting a local one")
     g.add_argument("--replica-cpus", type=float, default=1.0,
@@ -103,6 +106,8 @@ def run(args) -> int:
         cfg = server_config(args)
         if args.replicas is None and args.ray_address:
             raise ValueError("--ray-address needs --replicas")
+        if args.replicas is None and args.max_adapter_sets is not None:
+            raise ValueError("--max-adapter-sets needs --replicas")
         if args.replicas is not None:
             try:
                 from ray import serve as _  # noqa: F401
@@ -147,8 +152,10 @@ def ray_options(args):
         raise ValueError("--metrics is for the single-process server; on Ray Serve, use Ray's own Prometheus "
                          "metrics (they include the multiplexing counters)")
     opts = RayOptions(replicas=1 if args.replicas is None else args.replicas,
-                      max_sets=4 if args.max_loaded_adapters is None else args.max_loaded_adapters,
+                      max_sets=4 if args.max_adapter_sets is None else args.max_adapter_sets,
+                      max_adapters=8 if args.max_loaded_adapters is None else args.max_loaded_adapters,
                       replica_cpus=args.replica_cpus)
-    if opts.replicas < 1 or opts.max_sets < 1 or opts.replica_cpus <= 0:
-        raise ValueError("--replicas, --max-loaded-adapters and --replica-cpus must be positive")
+    if opts.replicas < 1 or opts.max_sets < 1 or opts.max_adapters < 1 or opts.replica_cpus <= 0:
+        raise ValueError("--replicas, --max-loaded-adapters, --max-adapter-sets and --replica-cpus must be "
+                         "positive")
     return opts

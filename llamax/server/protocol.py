@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 MAX_N = 16          # choices per request
 MAX_STOPS = 16      # stop strings per request
 MAX_STOP_LEN = 1024
+MAX_LIST_ADAPTERS = 64  # entries of active_loras, lora and control_vectors per request
 
 
 class _Strict(BaseModel):
@@ -46,9 +47,11 @@ class StreamOptions(_Strict):
 class _Adapters(_Strict):
     """The llamax fields every model endpoint takes."""
     model: Optional[str] = None
-    active_loras: Optional[list[LoraByName]] = None
-    lora: Optional[list[LoraById]] = None
-    control_vectors: Optional[list[ControlVectorByName]] = None
+    # each entry costs work per request (a control vector is summed into the
+    # request's own): a bound of the list's own, whatever the server holds
+    active_loras: Optional[list[LoraByName]] = Field(default=None, max_length=MAX_LIST_ADAPTERS)
+    lora: Optional[list[LoraById]] = Field(default=None, max_length=MAX_LIST_ADAPTERS)
+    control_vectors: Optional[list[ControlVectorByName]] = Field(default=None, max_length=MAX_LIST_ADAPTERS)
     user: Optional[str] = None  # accepted, no effect
 
 
