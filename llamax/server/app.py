@@ -333,6 +333,18 @@ def _stops(stop) -> list[str] | None:
     return stops
 
 
+def _token_ids(tokens: list, n_vocab: int, param: str, what: str = "a token id") -> np.ndarray:
+    """Token ids from a body as int64, each in [0, n_vocab), else 400 (a
+    JSON int past int64 is numpy's OverflowError, not a 500)."""
+    try:
+        a = np.asarray(tokens, dtype=np.int64)
+    except OverflowError:
+        a = None
+    if a is None or (a.size and (a.min() < 0 or a.max() >= n_vocab)):
+        raise APIError(400, f"{what} is outside [0, {n_vocab})", param=param, code="invalid_token")
+    return a
+
+
 def _logit_bias(lb):
     if lb is None:
         return None
@@ -395,6 +407,14 @@ async def _guarded(request: Request, aw, timeout: float, on_cancel=None):
 
 def _dumps(obj) -> str:
     return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+
+
+def _dumps_list(items: list, chunk: int = 1024) -> str:
+    """``_dumps(items)`` for a long list, encoded a chunk at a time: one
+    json.dumps call holds the GIL throughout (half a second for a 3 MB
+    /tokenize answer), so the event loop gets its turn between chunks."""
+    parts = [_dumps(items[i:i + chunk])[1:-1] for i in range(0, len(items), chunk)]
+    return "[" + ",".join(parts) + "]"
 
 
 def _cancel(req) -> None:
@@ -937,10 +957,7 @@ def build_app(engine: Engine) -> FastAPI:
                     # special tokens in the text are parsed, as llama-server does
                     out.append(model.tokenize(p, add_special=True, parse_special=True))
                 else:
-                    a = np.asarray(p, dtype=np.int64)
-                    if a.size and (a.min() < 0 or a.max() >= model.n_vocab):
-                        raise APIError(400, f"a prompt token id is outside [0, {model.n_vocab})", param="prompt",
-                                       code="invalid_token")
+                    _token_ids(p, model.n_vocab, "prompt", "a prompt token id")
                     out.append(p)
             return out
 
@@ -1000,8 +1017,8 @@ def build_app(engine: Engine) -> FastAPI:
                     emb = v.tolist()
                 data.append({"object": "embedding", "index": i, "embedding": emb})
             usage = {"prompt_tokens": n_tokens, "total_tokens": n_tokens}
-            body = {"object": "list", "model": model_name, "data": data, "usage": usage}
-            return _dumps(body).encode(), usage
+            head = _dumps({"object": "list", "model": model_name})[:-1]
+            return (head + ',"data":' + _dumps_list(data, 16) + ',"usage":' + _dumps(usage) + "}").encode(), usage
 
         engine.admit(1)
         try:
@@ -1026,7 +1043,7 @@ def build_app(engine: Engine) -> FastAPI:
             # in a worker thread: the body may be megabytes, the answer a dict per token
             toks = model.tokenize(body.content, add_special=body.add_special, parse_special=body.parse_special)
             if not body.with_pieces:
-                return _dumps({"tokens": toks.tolist()}).encode()
+                return ('{"tokens":' + _dumps_list(toks.tolist(), 16384) + "}").encode()
             # llama-server's shape: the piece as text when it is valid UTF-8 alone, else its bytes
             out = []
             for t in toks.tolist():
@@ -1036,7 +1053,7 @@ def build_app(engine: Engine) -> FastAPI:
                 except UnicodeDecodeError:
                     piece = list(b)
                 out.append({"id": t, "piece": piece})
-            return _dumps({"tokens": out}).encode()
+            return ('{"tokens":' + _dumps_list(out) + "}").encode()
 
         return Response(await asyncio.to_thread(work), media_type="application/json")
 
@@ -1045,10 +1062,7 @@ def build_app(engine: Engine) -> FastAPI:
         model = engine.llm.model
 
         def work() -> bytes:
-            toks = np.asarray(body.tokens, dtype=np.int64)
-            if toks.size and (toks.min() < 0 or toks.max() >= model.n_vocab):
-                raise APIError(400, f"a token id is outside [0, {model.n_vocab})", param="tokens",
-                               code="invalid_token")
+            toks = _token_ids(body.tokens, model.n_vocab, "tokens")
             return _dumps({"content": model.detokenize_text(toks.astype(np.int32), errors="replace")}).encode()
 
         return Response(await asyncio.to_thread(work), media_type="application/json")
