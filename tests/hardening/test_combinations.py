@@ -165,10 +165,16 @@ CASES = {
         del made
         m.close()''',
     "grammar_explosion_is_cancellable": '''
-        # 20 "[a-z ]*" in a row: llama.cpp's matching work explodes (seconds per
-        # token here, minutes for more terms).  A CancelToken and Context.cancel()
-        # stop it between slices of candidates instead of after the token.
-        g = "root ::= " + " ".join(["[a-z ]*"] * 20)
+        # "[a-z ]*" terms in a row: llama.cpp's matching work explodes.  20 of
+        # them pass patch 0011's per-token bound (2^24 parser steps): a
+        # GrammarError at the first token, not seconds to minutes per token.
+        with llamax.Llama(SMOL, n_ctx=256, n_threads=1) as llm:
+            check(llamax.GrammarError, "too ambiguous", llm, "Output:",
+                  grammar="root ::= " + " ".join(["[a-z ]*"] * 20), max_tokens=60)
+        # 12 stay under the bound (~0.2 s per token here, 60 tokens: seconds):
+        # a CancelToken and Context.cancel() stop them between slices of
+        # candidates instead of after the token.
+        g = "root ::= " + " ".join(["[a-z ]*"] * 12)
         with llamax.Llama(SMOL, n_ctx=256, n_threads=1) as llm:
             tok = llamax.CancelToken()
             threading.Timer(1.0, tok.cancel).start()
