@@ -188,6 +188,7 @@ private:
     int32_t quantum_;
     int32_t prefix_chunk_;  // 0: no prefix cache (also forced for recurrent/hybrid models)
     bool prefix_align_;     // prompts decoded in chunks ending at multiples of prefix_chunk_
+    static constexpr int32_t kPromptStep = 64;  // otherwise, at most this many prompt tokens per sequence per step
     bool mix_;  // batcher thread after start: mix adapter sets in one decode
     int32_t mix_failures_ = 0;  // mixed decodes failed since the last one that worked
     bool skip_mix_ = false;     // this step groups by whole state (after a failed mixed decode)
