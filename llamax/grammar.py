@@ -414,8 +414,14 @@ def _same(a, b) -> bool:
     return a == b
 
 
-def _types(t) -> list:
-    return [t] if isinstance(t, str) else list(t)
+def _types(t, at: str) -> list:
+    """A type keyword as a list of names (it may be read, by allOf and enum,
+    before the converter reaches it)."""
+    if isinstance(t, str):
+        return [t]
+    if isinstance(t, list) and t and all(isinstance(x, str) for x in t):
+        return list(t)
+    raise InvalidArgumentError(f"type at {at} must be a type name or a non-empty list of them")
 
 
 def _merge(a: dict, b: dict, at: str) -> dict:
@@ -434,9 +440,9 @@ def _merge(a: dict, b: dict, at: str) -> dict:
         elif k == "required" and isinstance(w, list) and isinstance(v, list):
             out[k] = list(dict.fromkeys(w + v))
         elif k == "type":
-            tv = _types(v)
-            common = [t for t in _types(w) if t in tv or (t == "integer" and "number" in tv)]
-            common += ["integer"] if "integer" in tv and "number" in _types(w) else []
+            tv, tw = _types(v, at), _types(w, at)
+            common = [t for t in tw if t in tv or (t == "integer" and "number" in tv)]
+            common += ["integer"] if "integer" in tv and "number" in tw else []
             if not common:
                 raise _Unsatisfiable(f"no value has both type {w!r} and {v!r} (allOf at {at})")
             out[k] = common[0] if len(common) == 1 else common
@@ -457,6 +463,9 @@ def _merge(a: dict, b: dict, at: str) -> dict:
         else:
             raise InvalidArgumentError(f"json schema keyword {k!r} with two different values in allOf "
                                        f"is not supported (at {at})")
+    for x in (a, b):  # read below before the converter checks it
+        if not isinstance(x.get("properties", {}), dict):
+            raise InvalidArgumentError(f"properties at {at} must be an object")
     for x, y in ((a, b), (b, a)):  # a closed object's extra-property rule applies to the other's properties
         extra = set(y.get("properties", ())) - set(x.get("properties", ()))
         if x.get("additionalProperties", True) is not True and extra:
@@ -642,7 +651,7 @@ class _Converter:
                 return self._prim("value")
         elif isinstance(types, str) or (isinstance(types, list) and types
                                         and all(isinstance(t, str) for t in types)):
-            types = list(dict.fromkeys(_types(types)))
+            types = list(dict.fromkeys(_types(types, at)))
         else:
             raise InvalidArgumentError(f"type at {at} must be a type name or a non-empty list of them")
         for t in types:
@@ -676,7 +685,7 @@ class _Converter:
         if "const" in schema:
             values = [schema["const"]] if values is None else [v for v in values if _same(v, schema["const"])]
         if "type" in schema:
-            types = _types(schema["type"])
+            types = _types(schema["type"], at)
             values = [v for v in values if _json_type(v) in types
                       or (_json_type(v) == "integer" and "number" in types)]
         other = sorted(k for k in schema if k in _VALIDATION and k not in ("enum", "const", "type"))

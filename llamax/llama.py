@@ -136,6 +136,19 @@ def _is_int(x) -> bool:
     return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
 
 
+_NOT_INT32 = "a token id does not fit in int32: valid ids are in [0, n_vocab)"
+
+
+def _int_tokens(t) -> np.ndarray:
+    """A list of Python ints as int64 token ids.  An id past int64 (JSON
+    bodies carry any size) is a TokenError, not numpy's OverflowError, and
+    a mix of small and huge ones is not turned into floats."""
+    try:
+        return np.asarray(t, dtype=np.int64)
+    except OverflowError:
+        raise TokenError(_NOT_INT32) from None
+
+
 def _single(input) -> bool:
     """One embedding input: a str, or one list of token ids."""
     return isinstance(input, str) or (isinstance(input, (list, tuple)) and bool(input) and _is_int(input[0]))
@@ -892,7 +905,7 @@ class Llama(_SessionMixin):
                     raise ContextOverflowError(f"input[{i}] has {len(t)} tokens, more than {limit} (n_ctx, and "
                                                "the model's trained length for learned positions)")
                 t = t[:limit]
-            a = np.asarray(t, dtype=np.int64)
+            a = _int_tokens(t)
             if a.min() < 0 or a.max() >= self._model.n_vocab:
                 raise TokenError(f"input[{i}] has a token id outside [0, n_vocab={self._model.n_vocab})")
             arrays.append(a.astype(np.int32))
@@ -908,14 +921,17 @@ class Llama(_SessionMixin):
             # token), as llama-cpp-python does for a prompt without suffix
             tokens = self._model.tokenize(prompt, add_special=True, parse_special=True)
         elif isinstance(prompt, (list, tuple, np.ndarray)):
-            try:
-                tokens = np.asarray(prompt)
-            except ValueError:  # ragged nesting
-                raise ArgumentTypeError("a token prompt must be a flat list of ints") from None
+            if not isinstance(prompt, np.ndarray) and all(_is_int(x) for x in prompt):
+                tokens = _int_tokens(prompt)  # int64: np.asarray([1, 2**63]) would be float64
+            else:
+                try:
+                    tokens = np.asarray(prompt)
+                except ValueError:  # ragged nesting
+                    raise ArgumentTypeError("a token prompt must be a flat list of ints") from None
             if tokens.ndim != 1 or (tokens.size and tokens.dtype.kind not in "iu"):
                 raise ArgumentTypeError("a token prompt must be a flat list of ints")
             if tokens.size and (tokens.min() < -2**31 or tokens.max() >= 2**31):
-                raise TokenError("a token id does not fit in int32: valid ids are in [0, n_vocab)")
+                raise TokenError(_NOT_INT32)
             tokens = tokens.astype(np.int32)
         else:
             raise ArgumentTypeError(f"prompt must be str, bytes or a list of token ids, not {type(prompt).__name__}")

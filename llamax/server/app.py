@@ -284,6 +284,10 @@ class Engine:
     # -- admission ------------------------------------------------------------
 
     def admit(self, n: int) -> None:
+        if n > self.capacity + self.cfg.max_queue:  # never admitted: retrying can't help
+            raise APIError(400, f"the request needs {n} sequences (prompts x n), more than this server ever "
+                           f"admits at once ({self.capacity} running and --max-queue {self.cfg.max_queue})",
+                           param="n", code="too_many_sequences")
         if self.in_flight + n > self.capacity + self.cfg.max_queue:
             raise APIError(503, f"the server is at capacity ({self.in_flight} requests running or queued, "
                            f"--max-queue {self.cfg.max_queue}): retry later", code="queue_full",
@@ -297,7 +301,7 @@ class Engine:
 # -- helpers -------------------------------------------------------------------------
 
 def _error_response(err: APIError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+    return _JSONAnswer(err.body(), status_code=err.status, headers=err.headers)
 
 
 def _text_content(messages: list[dict]) -> list[dict]:
@@ -405,8 +409,24 @@ async def _guarded(request: Request, aw, timeout: float, on_cancel=None):
             task.cancel()
 
 
-def _dumps(obj) -> str:
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+def _dumps(obj, allow_nan: bool = True) -> str:
+    """JSON text that encodes as UTF-8, whatever the request carried: a
+    lone surrogate (JSON's "\\ud800", which a body may hold and an answer
+    may echo: /apply-template's prompt) is escaped, not a UnicodeEncodeError."""
+    s = json.dumps(obj, ensure_ascii=False, allow_nan=allow_nan, separators=(",", ":"))
+    if not s.isascii():
+        try:
+            s.encode("utf-8")
+        except UnicodeEncodeError:
+            s = json.dumps(obj, allow_nan=allow_nan, separators=(",", ":"))
+    return s
+
+
+class _JSONAnswer(JSONResponse):
+    """The answer of a route that returns a dict or list (see _dumps)."""
+
+    def render(self, content) -> bytes:
+        return _dumps(content, allow_nan=False).encode()
 
 
 def _dumps_list(items: list, chunk: int = 1024) -> str:
@@ -704,7 +724,7 @@ def build_app(engine: Engine) -> FastAPI:
             await asyncio.to_thread(engine.close)
 
     app = FastAPI(title="llamax", version=llamax.__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
-                  openapi_url=None)
+                  openapi_url=None, default_response_class=_JSONAnswer)
     app.add_middleware(_BodyLimit, limit=cfg.max_body_bytes)
     app.state.engine = engine
 

@@ -44,6 +44,19 @@ def test_detokenize_spm_as_llama_cpp_python(spm):
         spm.detokenize([10 ** 6])
 
 
+@pytest.mark.parametrize("tokens", [[1, 2**63], [2**64], [1, -2**63 - 1]])
+def test_token_ids_past_int64(llm, tokens):
+    """A token id past int64 (a JSON body carries any size) is a TokenError,
+    not numpy's OverflowError or a float array (found over HTTP:
+    tests/server/test_fuzz_finds.py)."""
+    with pytest.raises(llamax.TokenError):
+        llm.create_completion(tokens, max_tokens=1)
+    with pytest.raises(llamax.TokenError):
+        llm.embed([tokens])
+    with pytest.raises(llamax.TokenError):
+        llm.embed(tokens)
+
+
 def test_str_prompt_parses_special_tokens(llm):
     prompt = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
     r = llm.create_completion(prompt, max_tokens=8, **GREEDY)

@@ -301,6 +301,12 @@ ERRORS = [
      "minLength / maxLength with a pattern other than"),
     ({"type": "string", "pattern": "^a{2,3}$", "minLength": 4}, llamax.InvalidArgumentError, "no string matches"),
     ({"const": {1: "a"}}, llamax.InvalidArgumentError, "not JSON"),
+    # found over HTTP (tests/server/test_fuzz_finds.py): read by allOf / oneOf / enum before the
+    # converter checked their type, a TypeError
+    ({"oneOf": [{"properties": True}], "maximum": 1}, llamax.InvalidArgumentError, "properties at #/oneOf/0"),
+    ({"allOf": [{"properties": True}, {"type": "object"}]}, llamax.InvalidArgumentError, "must be an object"),
+    ({"type": "array", "items": {"type": 5, "enum": [1]}}, llamax.InvalidArgumentError, "type at #/items must be"),
+    ({"allOf": [{"type": 5}, {"type": "string"}]}, llamax.InvalidArgumentError, "type name"),
 ]
 
 
