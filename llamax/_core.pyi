@@ -182,6 +182,9 @@ class ControlVector:
     # static constructors below.  (Never rejects any argument; a bare
     # ``ControlVector()`` still type-checks.)
     def __init__(self, *args: Never, **kwargs: Never) -> None: ...
+    def __copy__(self) -> ControlVector: ...  # the same immutable vector
+    def __deepcopy__(self, memo: dict[int, object], /) -> ControlVector: ...
+    def __reduce__(self) -> Never: ...  # ArgumentTypeError: not picklable
     @staticmethod
     def from_rows(model: Model, rows: _Floats, layer_start: int, layer_end: int) -> ControlVector: ...
     @staticmethod

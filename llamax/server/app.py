@@ -593,8 +593,8 @@ async def read_default_set(request: Request, lora_ids: dict[str, int]) -> list[d
     """POST /lora-adapters' body ([{id, scale}]) as a set [{name, scale}]."""
     try:
         raw = await request.json()
-    except ValueError:
-        raise APIError(400, "the body is not valid JSON", code="invalid_request") from None
+    except (ValueError, RecursionError):  # RecursionError: arrays nested thousands deep (found by the HTTP fuzzer)
+        raise APIError(400, "the body is not valid JSON (or nests too deep)", code="invalid_request") from None
     if not isinstance(raw, list):
         raise APIError(400, "the body must be a list of {id, scale}", code="invalid_request")
     by_id = {v: k for k, v in lora_ids.items()}

@@ -72,3 +72,23 @@ def test_find(server, route, body, status, code, holds):
     time.sleep(0.2)  # the server's log reader thread
     log = "".join(server.err[seen:])
     assert "Traceback" not in log and "ERROR" not in log, log[-3000:]
+
+
+@pytest.mark.parametrize("route", ["/lora-adapters", "/v1/chat/completions", "/tokenize"])
+def test_deeply_nested_json_is_a_400(server, locked, route):
+    """Arrays nested 20,000 deep: json.loads raises RecursionError, which the
+    hand-read body of POST /lora-adapters (an admin route: the ``locked``
+    server) let through as a 500 (found by the slow HTTP fuzz run); the
+    model-validated routes already answered 400."""
+    from .conftest import ADMIN
+    srv, headers = (locked, {"Authorization": f"Bearer {ADMIN}"}) if route == "/lora-adapters" else (server, {})
+    seen = len(srv.err)
+    deep = "[" * 20_000 + "]" * 20_000  # 40 KB: under the locked server's 64 KiB body limit
+    with httpx.Client(base_url=srv.url, timeout=H.BOUND + 5, headers=headers) as c:
+        r = c.post(route, content=deep, headers={"Content-Type": "application/json"})
+        assert r.status_code == 400, r.text
+        assert "error" in H.strict_json(r.content.decode())
+        assert c.get("/health").status_code == 200
+    time.sleep(0.2)
+    log = "".join(srv.err[seen:])
+    assert "Traceback" not in log and "ERROR" not in log, log[-3000:]
