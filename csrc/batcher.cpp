@@ -87,11 +87,106 @@ void Batcher::close() {
         }
         stop_ = true;
     }
+    closing_.store(true, std::memory_order_relaxed);  // a grammar being sampled stops between slices
     ctx_->cancel();  // a decode in progress stops within a graph node
     cv_.notify_all();
     if (thread_.joinable()) {
         thread_.join();
     }
+    {
+        std::lock_guard<std::mutex> lk(smu_);
+        sstop_ = true;
+        sjobs_.clear();
+    }
+    scv_.notify_all();
+    for (auto & t : samplers_) {
+        if (t.joinable()) {
+            t.join();
+        }
+    }
+    samplers_.clear();
+}
+
+// ---------------------------------------------------------------------------
+// Sampling off the decode path
+
+void Batcher::offload_sample(const SeqPtr & s, const float * logits) {
+    s->row_.assign(logits, logits + ctx_->n_vocab());
+    s->sampling_.store(1, std::memory_order_relaxed);
+    {
+        std::lock_guard<std::mutex> lk(smu_);
+        sjobs_.push_back(s);
+        if ((int32_t) samplers_.size() < kSamplers &&
+            n_busy_samplers_ + (int32_t) sjobs_.size() > (int32_t) samplers_.size()) {
+            samplers_.emplace_back([this] { sampler_loop(); });
+        }
+    }
+    scv_.notify_one();
+    std::lock_guard<std::mutex> lk(mu_);
+    ++stats_.n_offloaded;
+}
+
+void Batcher::sampler_loop() {
+    struct Who {
+        const Batcher * b;
+        const Seq * s;
+    };
+    auto stop = [](void * user) {
+        const auto * w = static_cast<const Who *>(user);
+        if (w->s->cancelled_.load(std::memory_order_relaxed) || w->b->closing_.load(std::memory_order_relaxed)) {
+            throw Error(ErrorKind::Aborted, "sampling under the grammar was cancelled");
+        }
+    };
+    for (;;) {
+        SeqPtr s;
+        {
+            std::unique_lock<std::mutex> lk(smu_);
+            scv_.wait(lk, [this] { return sstop_ || !sjobs_.empty(); });
+            if (sstop_) {
+                return;
+            }
+            s = std::move(sjobs_.front());
+            sjobs_.pop_front();
+            ++n_busy_samplers_;
+        }
+        Who who{this, s.get()};
+        s->sample_failed_ = false;
+        try {
+            s->sampled_ = sample_logits_with(s->chain_, s->grammar_, s->row_.data(), ctx_->n_vocab(), s->cand_, stop,
+                                             &who);
+        } catch (const Error & e) {
+            s->sample_failed_ = true;
+            s->sample_kind_ = e.kind;
+            s->sample_error_ = e.what();
+        } catch (const std::bad_alloc &) {
+            s->sample_failed_ = true;
+            s->sample_kind_ = ErrorKind::OutOfMemory;
+            s->sample_error_ = "out of memory while sampling under the grammar";
+        } catch (const std::exception & e) {
+            s->sample_failed_ = true;
+            s->sample_kind_ = ErrorKind::Decode;
+            s->sample_error_ = e.what();
+        }
+        s->sampling_.store(2, std::memory_order_release);
+        {
+            std::lock_guard<std::mutex> lk(smu_);
+            --n_busy_samplers_;
+        }
+        {
+            std::lock_guard<std::mutex> lk(mu_);  // (the batcher may be between its check and its wait)
+        }
+        cv_.notify_all();
+    }
+}
+
+// On the batcher's thread, for s with sampling_ == 2: false when s ended.
+bool Batcher::take_sampled(const SeqPtr & s) {
+    s->sampling_.store(0, std::memory_order_relaxed);
+    if (s->sample_failed_) {
+        fail(s, s->sample_kind_, s->sample_error_);
+        return false;
+    }
+    return !push_token(s, s->sampled_, s->row_.data());
 }
 
 BatcherStats Batcher::stats() {
@@ -520,16 +615,22 @@ void Batcher::run() {
     for (;;) {
         {
             std::unique_lock<std::mutex> lk(mu_);
+            // work: a queued sequence and a slot for it, or a running
+            // sequence whose token is not still being sampled
             auto has_work = [this] {
-                if (stop_ || !pending_.empty()) {
+                if (stop_) {
                     return true;
                 }
+                bool free_slot = false;
                 for (const auto & s : slots_) {
-                    if (s) {
+                    if (!s) {
+                        free_slot = true;
+                    } else if (s->sampling_.load(std::memory_order_acquire) != 1 ||
+                               s->cancelled_.load(std::memory_order_relaxed)) {
                         return true;
                     }
                 }
-                return false;
+                return free_slot && !pending_.empty();
             };
             if (!has_work()) {
                 lk.unlock();
@@ -564,8 +665,40 @@ void Batcher::run() {
             }
         }
         running.erase(std::remove(running.begin(), running.end(), nullptr), running.end());
-        if (running.empty()) {
-            continue;
+        // Tokens sampled off the decode path: while others could decode, a
+        // token still in flight is waited for a little (a quarter of the
+        // last decode's time), then the decode goes ahead without it.
+        size_t n_flight = 0;
+        for (const auto & s : running) {
+            n_flight += s->sampling_.load(std::memory_order_acquire) == 1 ? 1 : 0;
+        }
+        if (n_flight > 0 && n_flight < running.size()) {
+            const auto patience = std::chrono::duration<double>(std::min(0.05, std::max(0.0005, last_decode_s_ / 4)));
+            std::unique_lock<std::mutex> lk(mu_);
+            cv_.wait_for(lk, patience, [&] {
+                if (stop_) {
+                    return true;
+                }
+                for (const auto & s : running) {
+                    if (s->sampling_.load(std::memory_order_acquire) == 1) {
+                        return false;
+                    }
+                }
+                return true;
+            });
+        }
+        for (auto & s : running) {
+            if (s->sampling_.load(std::memory_order_acquire) == 2 && !take_sampled(s)) {
+                s.reset();
+            }
+        }
+        running.erase(std::remove(running.begin(), running.end(), nullptr), running.end());
+        bool any_ready = false;
+        for (const auto & s : running) {
+            any_ready = any_ready || s->sampling_.load(std::memory_order_relaxed) == 0;
+        }
+        if (!any_ready) {
+            continue;  // (all of them in flight: the wait above sleeps until one is back)
         }
         try {
             step(running);
@@ -650,9 +783,13 @@ void Batcher::step(std::vector<SeqPtr> & running) {
     // Which state group runs: the current one while its quantum lasts and it
     // has sequences; otherwise the next group in slot order after the last
     // one served (round robin), so every group gets the context in turn.
+    // (a sequence whose token is still being sampled sits this step out)
+    auto ready = [](const Seq & s) { return s.sampling_.load(std::memory_order_relaxed) == 0; };
     bool cur_alive = false, other_waits = false;
     for (const auto & s : running) {
-        (have_group_ && sched_key(*s) == cur_group_ ? cur_alive : other_waits) = true;
+        if (ready(*s)) {
+            (have_group_ && sched_key(*s) == cur_group_ ? cur_alive : other_waits) = true;
+        }
     }
     if (!cur_alive || (other_waits && quantum_left_ <= 0)) {
         // the first sequence at or after rr_ (cyclically) of another group
@@ -660,14 +797,16 @@ void Batcher::step(std::vector<SeqPtr> & running) {
         for (int32_t k = 0; k < n_slots_ && pick == nullptr; ++k) {
             const int32_t slot = (int32_t) ((rr_ + k) % n_slots_);
             for (const auto & s : running) {
-                if (s->seq_ == slot && (!have_group_ || sched_key(*s) != cur_group_)) {
+                if (s->seq_ == slot && ready(*s) && (!have_group_ || sched_key(*s) != cur_group_)) {
                     pick = &s;
                     break;
                 }
             }
         }
-        if (pick == nullptr) {
-            pick = &running.front();
+        for (size_t i = 0; pick == nullptr && i < running.size(); ++i) {
+            if (ready(*running[i])) {
+                pick = &running[i];
+            }
         }
         if (have_group_ && sched_key(**pick) != cur_group_) {
             std::lock_guard<std::mutex> lk(mu_);
@@ -710,7 +849,7 @@ void Batcher::step(std::vector<SeqPtr> & running) {
     std::vector<SeqPtr> in_batch;
     for (const auto & s : group) {
         s->batch_row_ = -1;
-        if (s->n_fed_ == s->n_prompt_ && (int32_t) tok_buf_.size() < budget) {
+        if (s->n_fed_ == s->n_prompt_ && ready(*s) && (int32_t) tok_buf_.size() < budget) {
             s->batch_row_ = (int32_t) tok_buf_.size();
             tok_buf_.push_back(s->next_);
             pos_buf_.push_back(s->pos_);
@@ -767,6 +906,7 @@ void Batcher::step(std::vector<SeqPtr> & running) {
     llama_batch b = {n_tok, tok_buf_.data(), nullptr, pos_buf_.data(), nseq_buf_.data(), seqp_buf_.data(),
                      out_buf_.data()};
     ctx_->abort_.store(false, std::memory_order_relaxed);
+    const auto t_decode = std::chrono::steady_clock::now();
     try {
         ctx_->raw_decode(b, n_out);
     } catch (const std::exception & e) {
@@ -797,9 +937,16 @@ void Batcher::step(std::vector<SeqPtr> & running) {
         }
         return;
     }
+    last_decode_s_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_decode).count();
     {
         std::lock_guard<std::mutex> lk(mu_);
         ++stats_.n_decodes;
+        for (const auto & s : running) {
+            if (!ready(*s)) {
+                ++stats_.n_sat_out;
+                break;
+            }
+        }
         stats_.n_tokens += n_tok;
         stats_.n_seq_decoded += (int64_t) in_batch.size();
         // an independent check of the grouping: every sequence's own state
@@ -849,6 +996,9 @@ void Batcher::step(std::vector<SeqPtr> & running) {
                 }
                 tok = best;
                 llama_sampler_accept(s->chain_, tok);
+            } else if (s->grammar_ != nullptr) {
+                offload_sample(s, lg);  // its token comes back through take_sampled
+                continue;
             } else {
                 tok = ctx_->sample_chain(s->chain_, s->grammar_, lg);
             }

@@ -102,6 +102,17 @@ private:
     int32_t n_generated_ = 0;
     std::vector<llama_token> tail_;  // last tokens, for stop sequences
     int32_t batch_row_ = -1;   // this step's output row in the batch
+    // A sequence with a grammar is sampled off the decode path (a sampler
+    // thread): its logits row is copied, and it sits out the decodes until
+    // its token is back.  0: no sampling in flight; 1: queued or running;
+    // 2: done (sampled_, or sample_error_ when sample_failed_).
+    std::atomic<int> sampling_{0};
+    std::vector<float> row_;
+    std::vector<llama_token_data> cand_;  // (sampler thread) scratch
+    llama_token sampled_ = -1;
+    bool sample_failed_ = false;
+    ErrorKind sample_kind_ = ErrorKind::Grammar;
+    std::string sample_error_;
     // shared with the consumer (mu_)
     std::mutex mu_;
     std::condition_variable cv_;
@@ -134,6 +145,8 @@ struct BatcherStats {
     int64_t n_seq_copies = 0;     // prefixes copied from another slot's cells
     int64_t n_multi_adapter_decodes = 0;  // decodes that served several adapter sets (patch 0004)
     int64_t n_seq_decoded = 0;    // sum over decodes of the sequences in each (/ n_decodes: sequences per decode)
+    int64_t n_offloaded = 0;      // tokens sampled on a sampler thread (sequences with a grammar)
+    int64_t n_sat_out = 0;        // decodes that went ahead while a sequence's token was still being sampled
 };
 
 class Batcher {
@@ -182,6 +195,11 @@ private:
     void notify(const SeqPtr & s);
     void release_orphaned_state();
     bool push_token(const SeqPtr & s, llama_token tok, const float * logits);
+    // Grammar sampling off the decode path: hand s's row to a sampler
+    // thread / take back the tokens that are done (false: s ended).
+    void offload_sample(const SeqPtr & s, const float * logits);
+    bool take_sampled(const SeqPtr & s);
+    void sampler_loop();
 
     Context * ctx_;
     int32_t n_slots_;
@@ -189,6 +207,19 @@ private:
     int32_t prefix_chunk_;  // 0: no prefix cache (also forced for recurrent/hybrid models)
     bool prefix_align_;     // prompts decoded in chunks ending at multiples of prefix_chunk_
     static constexpr int32_t kPromptStep = 64;  // otherwise, at most this many prompt tokens per sequence per step
+    // Sampler threads (started with the first grammar sequence, at most
+    // kSamplers): one ambiguous grammar takes a sampler thread, not the
+    // decode loop.  The loop waits for a token in flight at most a quarter
+    // of the last decode's time (others waiting) before it decodes without it.
+    static constexpr int32_t kSamplers = 2;
+    std::vector<std::thread> samplers_;
+    std::mutex smu_;  // sjobs_, sstop_
+    std::condition_variable scv_;
+    std::deque<SeqPtr> sjobs_;
+    bool sstop_ = false;
+    std::atomic<bool> closing_{false};
+    int32_t n_busy_samplers_ = 0;  // (smu_)
+    double last_decode_s_ = 0.0;   // batcher thread
     bool mix_;  // batcher thread after start: mix adapter sets in one decode
     int32_t mix_failures_ = 0;  // mixed decodes failed since the last one that worked
     bool skip_mix_ = false;     // this step groups by whole state (after a failed mixed decode)

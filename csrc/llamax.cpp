@@ -1951,6 +1951,9 @@ void Context::state_seq_set(const uint8_t * data, size_t n, llama_seq_id seq) {
     }
 }
 
+// patch 0011: the calling thread's grammar-parser step budget starts afresh
+extern "C" void llamax_grammar_reset_steps(void);
+
 void accept_checked(llama_sampler * chain, llama_sampler * grammar, llama_token token) {
     if (grammar != nullptr) {
         llama_token_data one = {token, 0.0f, 0.0f};
@@ -1973,20 +1976,24 @@ void accept_checked(llama_sampler * chain, llama_sampler * grammar, llama_token 
     }
 }
 
-llama_token Context::sample_chain(llama_sampler * chain, llama_sampler * grammar, const float * logits) {
-    cand_.resize(n_vocab_);
-    for (int32_t i = 0; i < n_vocab_; ++i) {
-        cand_[i] = llama_token_data{i, logits[i], 0.0f};
+llama_token sample_logits_with(llama_sampler * chain, llama_sampler * grammar, const float * logits,
+                               int32_t n_vocab, std::vector<llama_token_data> & cand,
+                               void (*stop)(void * user), void * user) {
+    cand.resize(n_vocab);
+    for (int32_t i = 0; i < n_vocab; ++i) {
+        cand[i] = llama_token_data{i, logits[i], 0.0f};
     }
-    llama_token_data_array arr = {cand_.data(), cand_.size(), -1, false};
+    llama_token_data_array arr = {cand.data(), cand.size(), -1, false};
     if (grammar == nullptr) {
         llama_sampler_apply(chain, &arr);
     } else {
         // What the chain's apply does, sampler by sampler, except that the
         // grammar sees the candidates in slices: its work per token can
-        // explode on ambiguous grammars (minutes), and between slices a
-        // cancel or Ctrl-C stops it.  Each candidate is judged on its own,
-        // so slicing changes no result.
+        // explode on ambiguous grammars, and between slices a cancel or
+        // Ctrl-C stops it.  Each candidate is judged on its own, so slicing
+        // changes no result.  The parser's step budget (patch 0011) is per
+        // token: it starts from zero here, whatever this thread did before.
+        llamax_grammar_reset_steps();
         const int n = llama_sampler_chain_n(chain);
         for (int i = 0; i < n; ++i) {
             llama_sampler * s = llama_sampler_chain_get(chain, i);
@@ -2002,8 +2009,8 @@ llama_token Context::sample_chain(llama_sampler * chain, llama_sampler * grammar
                 } catch (const std::exception & e) {  // patch 0011's bounds on parse stacks
                     throw Error(ErrorKind::Grammar, e.what());
                 }
-                if (abort_.load(std::memory_order_relaxed) || interrupted()) {
-                    throw_cancelled("sampling under the grammar");
+                if (stop != nullptr) {
+                    stop(user);
                 }
             }
         }
@@ -2024,8 +2031,19 @@ llama_token Context::sample_chain(llama_sampler * chain, llama_sampler * grammar
     }
     // The grammar already set every token it rejects to -inf and a dead end
     // is caught above, so the pick needs no second grammar test (nullptr).
-    accept_checked(chain, nullptr, pick.id);
-    return pick.id;
+    const llama_token id = pick.id;
+    accept_checked(chain, nullptr, id);
+    return id;
+}
+
+llama_token Context::sample_chain(llama_sampler * chain, llama_sampler * grammar, const float * logits) {
+    auto stop = [](void * user) {
+        const auto * c = static_cast<const Context *>(user);
+        if (c->abort_.load(std::memory_order_relaxed) || c->interrupted()) {
+            c->throw_cancelled("sampling under the grammar");
+        }
+    };
+    return sample_logits_with(chain, grammar, logits, n_vocab_, cand_, stop, this);
 }
 
 int64_t gbnf_max_nesting(const std::string & t) {

@@ -249,6 +249,16 @@ struct GenParams {
 // any use aborts -- on another rejected token): ErrorKind::Grammar instead.
 void accept_checked(llama_sampler * chain, llama_sampler * grammar, llama_token token);
 
+// Sample one token from `logits` (n_vocab of them) through `chain` and
+// accept it.  `grammar` (the chain's grammar sampler, or null) is applied
+// to the candidates in slices; between slices `stop(user)` is asked whether
+// to give up (it throws the error to raise, or returns false).  `cand` is
+// the caller's scratch buffer, so several threads can sample at once, each
+// with its own chain.
+llama_token sample_logits_with(llama_sampler * chain, llama_sampler * grammar, const float * logits,
+                               int32_t n_vocab, std::vector<llama_token_data> & cand,
+                               void (*stop)(void * user), void * user);
+
 // The deepest nesting of parentheses in a GBNF text, outside string
 // literals, character classes and comments.  llama.cpp's grammar parser
 // recurses once per level (a stack overflow on deep nesting).

@@ -271,12 +271,15 @@ cdef class Batcher:
         """Counters: decodes, tokens decoded, decodes that mixed states (0),
         state switches, sequences finished, prefix-cache reuse, decodes that
         served several adapter sets, and the sum over decodes of the
-        sequences in each (``n_seq_decoded / n_decodes``: sequences per decode)."""
+        sequences in each (``n_seq_decoded / n_decodes``: sequences per decode);
+        tokens sampled on a sampler thread (sequences with a grammar) and
+        decodes that went ahead while such a token was still being sampled."""
         cdef CBatcherStats st = self._ptr().stats()
         return {"n_decodes": st.n_decodes, "n_tokens": st.n_tokens, "n_mixed_decodes": st.n_mixed_decodes,
                 "n_switches": st.n_switches, "n_finished": st.n_finished,
                 "n_cached_tokens": st.n_cached_tokens, "n_seq_copies": st.n_seq_copies,
-                "n_multi_adapter_decodes": st.n_multi_adapter_decodes, "n_seq_decoded": st.n_seq_decoded}
+                "n_multi_adapter_decodes": st.n_multi_adapter_decodes, "n_seq_decoded": st.n_seq_decoded,
+                "n_offloaded": st.n_offloaded, "n_sat_out": st.n_sat_out}
 
     def forget_cache(self):
         """Forget every cached prefix: sequences admitted from now on decode

@@ -417,6 +417,8 @@ class _BatcherStats(TypedDict):
     n_seq_copies: int
     n_multi_adapter_decodes: int
     n_seq_decoded: int
+    n_offloaded: int
+    n_sat_out: int
 
 _SeqFinish: TypeAlias = Literal["stop", "length", "stop_sequence", "cancelled", "error"]
 

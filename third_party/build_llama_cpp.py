@@ -17,6 +17,12 @@ The patches in ``third_party/patches/`` are applied to the extracted tree
 ``LLAMAX_LLAMA_CPP_DIR`` is the user's and is never modified: it builds
 without them.
 
+Each patch set gets its own extracted tree (``src/<sdist>-<patches digest>``),
+made in a temporary folder and renamed into place under a lock, so that
+two builds at once (two checkouts with different patches, a test build
+beside an install) never unpack over each other's sources.  Older trees
+are removed when a new one is made.
+
 The build is cached too, keyed by the pin, the backend and every CMake
 argument, so a rebuild of the shim or the Cython modules never rebuilds
 llama.cpp.
@@ -49,6 +55,9 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import tempfile
+import time
+from contextlib import contextmanager
 from pathlib import Path
 
 PIN_VERSION = "0.3.36"
@@ -112,6 +121,25 @@ def _apply_patches(tree: Path) -> None:
                        cwd=tree, check=True)
 
 
+@contextmanager
+def _locked(path: Path):
+    """An exclusive lock on ``path`` (a lock file) for the block: other
+    llamax builds on this machine wait for it (fcntl; no lock where fcntl
+    is missing)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        import fcntl
+    except ImportError:  # (Windows: builds are not run concurrently there)
+        yield
+        return
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def source_dir() -> Path:
     """Return the llama.cpp source tree (fetched, verified, extracted, cached)."""
     local = os.environ.get("LLAMAX_LLAMA_CPP_DIR")
@@ -120,25 +148,46 @@ def source_dir() -> Path:
         if not (p / "include" / "llama.h").is_file():
             raise RuntimeError(f"LLAMAX_LLAMA_CPP_DIR={local} has no include/llama.h")
         return p
-    root = cache_dir() / "src" / f"llama_cpp_python-{PIN_VERSION}"
+    srcs = cache_dir() / "src"
+    digest = patches_digest()
+    root = srcs / f"llama_cpp_python-{PIN_VERSION}-{digest}"
     tree = root / "vendor" / "llama.cpp"
     stamp = root / ".llamax-verified"
-    want = f"{SDIST_SHA256} patches:{patches_digest()}"
+    want = f"{SDIST_SHA256} patches:{digest}"
     if stamp.is_file() and stamp.read_text().strip() == want:
         return tree
-    archive = fetch_sdist()
-    if root.exists():
-        shutil.rmtree(root)
-    log(f"extracting {archive.name}")
-    with tarfile.open(archive) as tf:
-        if hasattr(tarfile, "data_filter"):  # 3.12, and 3.8.17+/3.9.17+/3.10.12+/3.11.4+ (PEP 706)
-            tf.extractall(root.parent, filter="data")
-        else:
-            tf.extractall(root.parent)
-    if not (tree / "include" / "llama.h").is_file():
-        raise RuntimeError(f"{archive} has no vendor/llama.cpp/include/llama.h")
-    _apply_patches(tree)
-    stamp.write_text(want + "\n")
+    with _locked(srcs / ".lock"):
+        if stamp.is_file() and stamp.read_text().strip() == want:
+            return tree  # (another build made it while this one waited)
+        archive = fetch_sdist()
+        tmp = Path(tempfile.mkdtemp(prefix=".extract-", dir=srcs))
+        try:
+            log(f"extracting {archive.name}")
+            with tarfile.open(archive) as tf:
+                if hasattr(tarfile, "data_filter"):  # 3.12, and 3.8.17+/3.9.17+/3.10.12+/3.11.4+ (PEP 706)
+                    tf.extractall(tmp, filter="data")
+                else:
+                    tf.extractall(tmp)
+            new_root = tmp / f"llama_cpp_python-{PIN_VERSION}"
+            if not (new_root / "vendor" / "llama.cpp" / "include" / "llama.h").is_file():
+                raise RuntimeError(f"{archive} has no vendor/llama.cpp/include/llama.h")
+            _apply_patches(new_root / "vendor" / "llama.cpp")
+            (new_root / ".llamax-verified").write_text(want + "\n")
+            if root.exists():
+                shutil.rmtree(root)
+            new_root.rename(root)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        # trees of other patch sets (older checkouts): a build that still
+        # uses one holds its own lock on its build folder, not on the tree;
+        # only trees untouched for a day are removed
+        for old in srcs.glob(f"llama_cpp_python-{PIN_VERSION}*"):
+            if old != root and old.is_dir():
+                try:
+                    if time.time() - old.stat().st_mtime > 86400:
+                        shutil.rmtree(old, ignore_errors=True)
+                except OSError:
+                    pass
     return tree
 
 
@@ -507,16 +556,26 @@ def build(targets: list[str] | None = None) -> dict:
     bdir.mkdir(parents=True, exist_ok=True)
     (bdir / "llamax-cmake-args.txt").write_text("\n".join(args) + "\n")
     jobs = os.environ.get("LLAMAX_BUILD_JOBS") or str(os.cpu_count() or 2)
-    if _needs_configure(bdir, args):
-        log(f"configuring llama.cpp in {bdir}")
-        cmd = ["cmake", "-S", str(src), "-B", str(bdir)] + _generator(bdir) + args
-        if shutil.which("ccache"):
-            cmd += ["-DCMAKE_C_COMPILER_LAUNCHER=ccache", "-DCMAKE_CXX_COMPILER_LAUNCHER=ccache"]
-        subprocess.check_call(cmd)
-    targets = targets or ["llama"]
-    log(f"building {' '.join(targets)} (cached in {bdir})")
-    subprocess.check_call(["cmake", "--build", str(bdir), "--config", "Release",
-                           "-j", jobs, "--target", *targets])
+    # one build at a time in a build folder (two pip installs at once)
+    with _locked(bdir.parent / f".{bdir.name}.lock"):
+        home = _cache_value(bdir, "CMAKE_HOME_DIRECTORY")
+        if home is not None and Path(home).resolve() != src.resolve():
+            # configured from another tree (an earlier layout of the source
+            # cache): CMake refuses to reuse that cache, so start afresh
+            log(f"{bdir} was configured from {home}: configuring it again")
+            shutil.rmtree(bdir)
+            bdir.mkdir(parents=True)
+            (bdir / "llamax-cmake-args.txt").write_text("\n".join(args) + "\n")
+        if _needs_configure(bdir, args):
+            log(f"configuring llama.cpp in {bdir}")
+            cmd = ["cmake", "-S", str(src), "-B", str(bdir)] + _generator(bdir) + args
+            if shutil.which("ccache"):
+                cmd += ["-DCMAKE_C_COMPILER_LAUNCHER=ccache", "-DCMAKE_CXX_COMPILER_LAUNCHER=ccache"]
+            subprocess.check_call(cmd)
+        targets = targets or ["llama"]
+        log(f"building {' '.join(targets)} (cached in {bdir})")
+        subprocess.check_call(["cmake", "--build", str(bdir), "--config", "Release",
+                               "-j", jobs, "--target", *targets])
     return link_info(src, bdir)
 
 

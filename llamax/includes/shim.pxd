@@ -230,6 +230,8 @@ cdef extern from "batcher.h" namespace "llamax" nogil:
         int64_t n_seq_copies
         int64_t n_multi_adapter_decodes
         int64_t n_seq_decoded
+        int64_t n_offloaded
+        int64_t n_sat_out
 
     cdef cppclass CBatcher "llamax::Batcher":
         CBatcher(CContext * ctx, int32_t quantum, int32_t prefix_chunk, cbool mix_adapters,

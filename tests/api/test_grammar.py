@@ -11,6 +11,7 @@ import json
 import re
 
 import jsonschema
+import numpy as np
 import pytest
 
 import llamax
@@ -526,6 +527,24 @@ def test_ambiguous_grammar_fails_per_token_with_a_typed_error(llm):
     r = llm.create_completion("Is the sky blue? Answer:", grammar=LlamaGrammar.from_string(BOOL_GBNF),
                               max_tokens=10, temperature=0.8, seed=1)
     assert r["choices"][0]["text"] in ("true", "false")
+
+
+def test_a_failed_grammar_leaves_the_next_its_whole_budget(model):
+    """Patch 0011 counts parser steps per token per thread; a token that ran
+    out of them (GrammarError) used to leave the count over the bound, so
+    the next grammar sampled on that thread -- another tenant's, in the
+    server's batcher -- failed at once.  Every token starts from zero."""
+    ctx = llamax.Context(model, n_ctx=64, n_threads=2)
+    with ctx:
+        toks = model.tokenize("Write:")
+        ctx.decode(toks)
+        logits = np.array(ctx.get_logits()[-1], dtype=np.float32)
+        over = llamax.Sampler(model, temperature=0.8, seed=1, grammar=_doubling(5, root_copies=4, leaf="[a-z]"))
+        under = llamax.Sampler(model, temperature=0.8, seed=1, grammar=_doubling(4, root_copies=4, leaf="[a-z]"))
+        with pytest.raises(llamax.GrammarError, match="too ambiguous"):
+            over.sample_logits(ctx, logits)
+        tok = under.sample_logits(ctx, logits)
+        assert model.detokenize([tok]).isalpha()
 
 
 def test_parse_errors_say_why(model):

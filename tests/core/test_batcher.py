@@ -215,6 +215,60 @@ def test_bad_request_fails_alone(model):
         assert b.n_active == 0
 
 
+def _doubling(levels, copies, leaf):
+    return ("root ::= " + " ".join(["r0"] * copies) + "\n"
+            + "".join(f"r{k} ::= | r{k + 1} r{k + 1}\n" for k in range(levels)) + f"r{levels} ::= {leaf}\n")
+
+
+def test_grammar_sampling_runs_beside_the_decodes(model):
+    """A sequence with a grammar is sampled on a sampler thread: the decode
+    loop does not wait for it.  A legal but heavy grammar (~8M parser steps
+    per token, under patch 0011's bound) beside a plain sequence: the plain
+    one gets exactly its tokens alone, decodes go ahead while the grammar's
+    token is in flight, and every grammar token was sampled off the loop and
+    obeys the grammar."""
+    t = model.tokenize("Once upon a time")
+    want = alone(model, [t], 24, ignore_eos=True)[0]
+    heavy = llamax.Sampler(model, temperature=0.8, seed=3, grammar=_doubling(4, 4, "[a-z]"))
+    ctx, b = batcher(model, slots=2)
+    with ctx, b:
+        h = b.submit(model.tokenize("Write:"), heavy, max_tokens=4)
+        p = b.submit(t, greedy(model), max_tokens=24, ignore_eos=True)
+        toks, fin = p.result()
+        htoks, hfin = h.result()
+        st = b.stats()
+    assert toks.tolist() == want and fin == "length"
+    text = model.detokenize(htoks.tolist())
+    assert len(htoks) >= 1 and text.isalpha() and text.islower(), text
+    assert st["n_offloaded"] >= len(htoks)
+    assert st["n_sat_out"] >= 1, st
+    assert st["n_mixed_decodes"] == 0
+
+
+def test_grammar_sequences_end_cleanly_on_cancel_and_close(model):
+    """Cancelled while its token is being sampled, a grammar sequence ends
+    as cancelled and frees its slot; a batcher closed with one in flight
+    joins its sampler threads and fails it as closed."""
+    heavy = _doubling(4, 4, "[a-z]")
+    ctx, b = batcher(model, slots=1)
+    with ctx, b:
+        s = b.submit(model.tokenize("Write:"), llamax.Sampler(model, temperature=0.8, seed=1, grammar=heavy),
+                     max_tokens=64)
+        time.sleep(0.3)
+        s.cancel()
+        assert s.result()[1] == "cancelled"
+        # the one slot is free again
+        assert len(b.submit(model.tokenize("Hi"), greedy(model), max_tokens=3, ignore_eos=True).result()[0]) == 3
+    ctx, b = batcher(model, slots=2)
+    with ctx:
+        s = b.submit(model.tokenize("Write:"), llamax.Sampler(model, temperature=0.8, seed=1, grammar=heavy),
+                     max_tokens=64)
+        time.sleep(0.3)
+        b.close()
+        with pytest.raises(llamax.LlamaxError, match="closed"):
+            s.result()
+
+
 def test_sequence_context_full_ends_with_length(model):
     ctx = llamax.Context(model, n_ctx=2 * 256, n_seq_max=2, kv_unified=False, n_threads=2)
     b = llamax.Batcher(ctx)
