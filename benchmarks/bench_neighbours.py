@@ -30,7 +30,10 @@ is real): a ratio above 1.5 there is the machine's share, not a stall, when
 
 Before the conditions, the event loop's own CPU time is measured (the
 server's main thread, where uvicorn runs it, from /proc): per non-streamed
-request and per streamed token.
+request and per streamed token; and each heavy request is timed alone, so
+that the table shows what the small client costs the heavy one too
+("heavy p50 vs alone": the scheduler's favours to the small client are
+paid by the neighbour -- e.g. a long prompt's chunk preempted and redone).
 
 Writes benchmarks/results/neighbours.{json,md}.
 """
@@ -165,6 +168,20 @@ def loop_costs(srv, n_req: int = 40, n_tok: int = 64) -> dict:
             "n_requests": n_req, "tokens_per_stream": n_tok}
 
 
+def _heavy_once(srv, kind: str, i: int) -> tuple[int, float]:
+    path, body, stream = heavy_request(kind, i)
+    with httpx.Client(base_url=srv.url, timeout=600, headers={"Authorization": f"Bearer {HEAVY_KEY}"}) as c:
+        t0 = time.perf_counter()
+        if stream:
+            with c.stream("POST", path, json=dict(body, stream=True)) as r:
+                for _ in r.iter_bytes():
+                    pass
+                code = r.status_code
+        else:
+            code = c.post(path, json=body).status_code
+        return code, time.perf_counter() - t0
+
+
 def pct(xs, q):
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
@@ -178,8 +195,12 @@ def run(args) -> dict:
     ttft: dict[str, list[float]] = {k: [] for k in ["alone", *kinds]}
     health: dict[str, list[float]] = {k: [] for k in ttft}
     heavy_done: dict[str, list] = {k: [] for k in kinds}
+    heavy_alone: dict[str, float] = {}
     try:
         costs = loop_costs(srv)
+        for kind in kinds:
+            heavy_alone[kind] = _heavy_once(srv, kind, 10_000)[1]
+            print(f"heavy {kind} alone: {heavy_alone[kind]:.2f} s", flush=True)
         print(f"event loop CPU: {costs['loop_cpu_per_request_ms']:.2f} ms per request, "
               f"{costs['loop_cpu_per_streamed_token_ms']:.3f} ms per streamed token", flush=True)
         small = httpx.Client(base_url=srv.url, timeout=600, headers={"Authorization": f"Bearer {SMALL_KEY}"})
@@ -203,16 +224,7 @@ def run(args) -> dict:
                         with httpx.Client(base_url=srv.url, timeout=600,
                                           headers={"Authorization": f"Bearer {HEAVY_KEY}"}) as c:
                             while not stop.is_set():
-                                path, body, stream = heavy_request(cond, len(heavy_done[cond]))
-                                t0 = time.perf_counter()
-                                if stream:
-                                    with c.stream("POST", path, json=dict(body, stream=True)) as r:
-                                        for _ in r.iter_bytes():
-                                            pass
-                                        code = r.status_code
-                                else:
-                                    code = c.post(path, json=body).status_code
-                                heavy_done[cond].append((code, time.perf_counter() - t0))
+                                heavy_done[cond].append(_heavy_once(srv, cond, len(heavy_done[cond])))
 
                     threads = [threading.Thread(target=prober, daemon=True)]
                     if cond != "alone":
@@ -243,6 +255,8 @@ def run(args) -> dict:
             "health_p95_ms": pct(health[cond], 0.95) * 1e3, "health_max_ms": max(health[cond]) * 1e3,
             "heavy_requests": len(heavy_done.get(cond, [])),
             "heavy_statuses": sorted({c for c, _ in heavy_done.get(cond, [])}),
+            "heavy_alone_s": heavy_alone.get(cond),
+            "heavy_p50_s": statistics.median([d for _, d in heavy_done[cond]]) if heavy_done.get(cond) else None,
         })
     return {"machine": platform.processor() or platform.machine(), "cpu": _cpu(), "args": vars(args),
             "rows": rows, "loop": costs}
@@ -265,13 +279,17 @@ def table(res) -> str:
            f"--threads {a['threads']} --rounds {a['rounds']} --per-round {a['per_round']}` on {res['cpu']}, "
            f"SmolLM2-135M Q4_1.", "",
            "| condition | small requests | TTFT p50 ms | TTFT p95 ms | p95 vs alone | /health p95 ms | "
-           "/health max ms | heavy requests done | heavy statuses |",
-           "|---|---|---|---|---|---|---|---|---|"]
+           "/health max ms | heavy requests done | heavy statuses | heavy alone s | heavy p50 s | "
+           "heavy p50 vs alone |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in res["rows"]:
+        ha, hp = r.get("heavy_alone_s"), r.get("heavy_p50_s")
         out.append(f"| {r['condition']} | {r['n']} | {r['ttft_p50_ms']:.1f} | {r['ttft_p95_ms']:.1f} | "
                    f"{r['p95_vs_alone']:.2f}x | {r['health_p95_ms']:.1f} | {r['health_max_ms']:.1f} | "
                    f"{r['heavy_requests'] if r['condition'] != 'alone' else '-'} | "
-                   f"{','.join(map(str, r['heavy_statuses'])) or '-'} |")
+                   f"{','.join(map(str, r['heavy_statuses'])) or '-'} | "
+                   f"{f'{ha:.2f}' if ha else '-'} | {f'{hp:.2f}' if hp else '-'} | "
+                   f"{f'{hp / ha:.2f}x' if ha and hp else '-'} |")
     lc = res["loop"]
     out += ["", f"Event loop (the server's main thread) CPU time: {lc['loop_cpu_per_request_ms']:.2f} ms per "
                 f"non-streamed request, {lc['loop_cpu_per_streamed_token_ms']:.3f} ms per streamed token "

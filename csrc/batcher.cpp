@@ -3,7 +3,9 @@
 
 #include <algorithm>
 #include <chrono>
+#include <climits>
 #include <cmath>
+#include <cstdint>
 
 #include <unistd.h>
 
@@ -46,10 +48,11 @@ void Seq::rethrow() const {
 // ---------------------------------------------------------------------------
 // Batcher
 
-Batcher::Batcher(Context * ctx, int32_t quantum, int32_t prefix_chunk, bool mix_adapters, bool prefix_align)
+Batcher::Batcher(Context * ctx, int32_t quantum, int32_t prefix_chunk, bool mix_adapters, bool prefix_align,
+                 int32_t prompt_step)
     : ctx_(ctx), n_slots_(ctx->n_seq_max()), quantum_(quantum), prefix_chunk_(prefix_chunk),
       prefix_align_(prefix_align),
-      mix_(mix_adapters && Context::kHasPerSeq) {
+      mix_(mix_adapters && Context::kHasPerSeq), prompt_step_(prompt_step) {
     if (!ctx->has_memory()) {
         throw Error(ErrorKind::InvalidArgument, "a Batcher needs a generating context (this model has no KV memory)");
     }
@@ -59,6 +62,12 @@ Batcher::Batcher(Context * ctx, int32_t quantum, int32_t prefix_chunk, bool mix_
     }
     if (quantum < 1) {
         throw Error(ErrorKind::InvalidArgument, "quantum must be at least 1 step");
+    }
+    if (prompt_step < 0) {
+        throw Error(ErrorKind::InvalidArgument, "prompt_step must be >= 0 (0: n_batch)");
+    }
+    if (prompt_step_ == 0 || prompt_step_ > ctx->n_batch()) {
+        prompt_step_ = ctx->n_batch();
     }
     if (prefix_chunk < 0 || prefix_chunk > ctx->n_batch()) {
         throw Error(ErrorKind::InvalidArgument, "prefix_chunk must be in [0, n_batch=" +
@@ -261,6 +270,19 @@ SeqPtr Batcher::submit(llama_sampler * chain, llama_sampler * grammar, bool plai
             throw Error(ErrorKind::Aborted, "the batcher is closed");
         }
         pending_.push_back(s);
+        // a decode of a long prompt chunk in flight, a free slot for this
+        // sequence, and a shorter prompt: preempt that decode (see step())
+        if (decode_preemptible_ && n_prompt < decode_min_left_) {
+            int32_t n_free = 0;
+            for (const auto & o : slots_) {
+                n_free += o ? 0 : 1;
+            }
+            if (n_free >= (int32_t) pending_.size()) {
+                decode_preemptible_ = false;
+                preempt_ = true;
+                ctx_->cancel();
+            }
+        }
     }
     cv_.notify_all();
     return s;
@@ -858,23 +880,59 @@ void Batcher::step(std::vector<SeqPtr> & running) {
             in_batch.push_back(s);
         }
     }
+    // Prompts, shortest remaining first.  A short one (at most prompt_step_
+    // tokens left: a chat turn) goes in whole; while one waits, long
+    // prompts sit the step out (not twice in a row), so a newcomer's first
+    // token costs one short decode, not a decode with a long chunk.  With
+    // other sequences active, a long prompt goes in prompt_step_ tokens per
+    // step (64 tokens of a 4,000-token prompt: ~0.4 s on one thread, 512:
+    // ~3 s; the prompt throughput is the same from 64 rows on -- below, the
+    // attention takes its per-row kernel, 2-3x slower deep in a long
+    // prompt); alone, n_batch per step (a newcomer preempts it).
+    std::vector<SeqPtr> prompts;
     for (const auto & s : group) {
-        if (s->n_fed_ < s->n_prompt_ && follow(s)) {
+        if (s->n_fed_ < s->n_prompt_) {
+            prompts.push_back(s);
+        }
+    }
+    std::stable_sort(prompts.begin(), prompts.end(), [](const SeqPtr & a, const SeqPtr & b) {
+        return a->n_prompt_ - a->n_fed_ < b->n_prompt_ - b->n_fed_;
+    });
+    bool alone;
+    {
+        std::lock_guard<std::mutex> lk(mu_);
+        alone = running.size() == 1 && pending_.empty();
+    }
+    const bool align = prefix_chunk_ > 0 && prefix_align_;
+    bool any_short = false, any_long = false;
+    for (const auto & s : prompts) {
+        (s->n_prompt_ - s->n_fed_ <= prompt_step_ ? any_short : any_long) = true;
+    }
+    const bool shorts_only = any_short && any_long && !last_shorts_only_;
+    last_shorts_only_ = shorts_only;
+    bool long_chunk = false;       // this batch holds a chunk of a long prompt
+    int32_t min_left = INT32_MAX;  // the least prompt left among those
+    for (const auto & s : prompts) {
+        const int32_t left = s->n_prompt_ - s->n_fed_;
+        if (shorts_only && left > prompt_step_) {
+            continue;
+        }
+        if (follow(s)) {
             const int32_t room = budget - (int32_t) tok_buf_.size();
             if (room <= 0) {
                 break;
             }
             int32_t n = std::min(room, s->n_prompt_ - s->n_fed_);
-            if (prefix_chunk_ > 0 && prefix_align_) {  // end at the next multiple of the chunk (prefix cache)
+            if (align) {  // end at the next multiple of the chunk (prefix cache)
+                // (not prompt_step_: a cold run's chunk ends and a cached
+                // one's must be the same)
                 n = std::min(n, prefix_chunk_ - (int32_t) (s->pos_ % prefix_chunk_));
-            } else {
-                // A long prompt goes in steps of kPromptStep tokens, so that a
-                // request arriving meanwhile waits for one short decode, not for
-                // an n_batch chunk (512 tokens of a 4,000-token prompt: ~3 s on
-                // one thread; 64: ~0.4 s, at the same prompt throughput there).
-                // Not under the exact prefix cache, whose chunk ends must be the
-                // same for a cold run and a cached one (they are: above).
-                n = std::min(n, kPromptStep);
+            } else if (!alone) {
+                n = std::min(n, prompt_step_);
+            }
+            if (left > prompt_step_) {
+                long_chunk = true;
+                min_left = std::min(min_left, left);
             }
             s->chunk_ = n;
             for (int32_t i = 0; i < n; ++i) {
@@ -906,10 +964,44 @@ void Batcher::step(std::vector<SeqPtr> & running) {
     llama_batch b = {n_tok, tok_buf_.data(), nullptr, pos_buf_.data(), nseq_buf_.data(), seqp_buf_.data(),
                      out_buf_.data()};
     ctx_->abort_.store(false, std::memory_order_relaxed);
+    {
+        std::lock_guard<std::mutex> lk(mu_);
+        decode_preemptible_ = long_chunk && !just_preempted_ && !stop_;
+        decode_min_left_ = min_left;
+        preempt_ = false;
+    }
+    just_preempted_ = false;
     const auto t_decode = std::chrono::steady_clock::now();
     try {
         ctx_->raw_decode(b, n_out);
     } catch (const std::exception & e) {
+        bool preempted, closing;
+        {
+            std::lock_guard<std::mutex> lk(mu_);
+            decode_preemptible_ = false;
+            closing = stop_;
+            preempted = preempt_ && !stop_;
+            preempt_ = false;
+            if (preempted) {
+                ++stats_.n_preempted;
+            }
+        }
+        if (preempted) {
+            // Aborted for a newcomer with a shorter prompt: llama.cpp dropped
+            // the aborted ubatch's cells; drop anything else of this batch
+            // and redo it later, nothing advanced.
+            ctx_->abort_.store(false, std::memory_order_relaxed);
+            for (const auto & s : in_batch) {
+                llama_memory_seq_rm(llama_get_memory(ctx_->raw()), s->seq_, s->pos_, -1);
+            }
+            just_preempted_ = true;
+            last_shorts_only_ = false;
+            return;
+        }
+        if (closing) {  // close() aborted it
+            fail_all(in_batch, ErrorKind::Aborted, "the batcher was closed while this request ran");
+            return;
+        }
         if (multi) {
             // A mixed decode failed: drop what this batch may have written and
             // run the next step by whole state (a real error then fails the
@@ -940,6 +1032,11 @@ void Batcher::step(std::vector<SeqPtr> & running) {
     last_decode_s_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_decode).count();
     {
         std::lock_guard<std::mutex> lk(mu_);
+        decode_preemptible_ = false;
+        if (preempt_) {  // (too late: the decode was done)
+            preempt_ = false;
+            ctx_->abort_.store(false, std::memory_order_relaxed);
+        }
         ++stats_.n_decodes;
         for (const auto & s : running) {
             if (!ready(*s)) {

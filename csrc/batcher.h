@@ -147,6 +147,7 @@ struct BatcherStats {
     int64_t n_seq_decoded = 0;    // sum over decodes of the sequences in each (/ n_decodes: sequences per decode)
     int64_t n_offloaded = 0;      // tokens sampled on a sampler thread (sequences with a grammar)
     int64_t n_sat_out = 0;        // decodes that went ahead while a sequence's token was still being sampled
+    int64_t n_preempted = 0;      // decodes of long prompt chunks aborted (and redone) for a shorter newcomer
 };
 
 class Batcher {
@@ -155,8 +156,10 @@ public:
     // gone); starts the thread.  quantum: steps a state group keeps the
     // context while another group waits.  prefix_chunk: see above (0: off).
     // mix_adapters: one decode may serve several adapter sets (see above).
+    // prompt_step: with other sequences active, a prompt goes in at most this
+    // many tokens per step (0: n_batch), so that their decodes stay short.
     Batcher(Context * ctx, int32_t quantum, int32_t prefix_chunk = 0, bool mix_adapters = true,
-            bool prefix_align = true);
+            bool prefix_align = true, int32_t prompt_step = 64);
     ~Batcher();  // close()
     Batcher(const Batcher &) = delete;
     Batcher & operator=(const Batcher &) = delete;
@@ -206,7 +209,19 @@ private:
     int32_t quantum_;
     int32_t prefix_chunk_;  // 0: no prefix cache (also forced for recurrent/hybrid models)
     bool prefix_align_;     // prompts decoded in chunks ending at multiples of prefix_chunk_
-    static constexpr int32_t kPromptStep = 64;  // otherwise, at most this many prompt tokens per sequence per step
+    // Prompt scheduling (see step()): with other sequences active, a prompt
+    // goes in chunks of at most prompt_step_ tokens; alone, n_batch.  Short
+    // prompts (at most prompt_step_ tokens left) go first, shortest first,
+    // and a step that has them leaves long chunks for the next step.  A
+    // decode holding a long chunk is preempted (aborted, redone later) when
+    // a sequence with a shorter prompt arrives and has a free slot -- at
+    // most once in a row, so long prompts always progress.
+    int32_t prompt_step_;
+    bool last_shorts_only_ = false;  // batcher thread: the last step left long chunks out
+    bool just_preempted_ = false;    // batcher thread: the last decode was preempted
+    bool decode_preemptible_ = false;  // (mu_) the decode in flight may be preempted ...
+    int32_t decode_min_left_ = 0;      // (mu_) ... by a prompt shorter than this
+    bool preempt_ = false;             // (mu_) it was
     // Sampler threads (started with the first grammar sequence, at most
     // kSamplers): one ambiguous grammar takes a sampler thread, not the
     // decode loop.  The loop waits for a token in flight at most a quarter

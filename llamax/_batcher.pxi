@@ -142,7 +142,8 @@ class _AsyncHub:
 cdef class Batcher:
     """Continuous batching on one context: concurrent sequences share decodes.
 
-    ``Batcher(context, quantum=4, prefix_chunk=0, mix_adapters=True, prefix_align=True)`` takes over ``context`` (created with
+    ``Batcher(context, quantum=4, prefix_chunk=0, mix_adapters=True, prefix_align=True, prompt_step=64)``
+    takes over ``context`` (created with
     ``n_seq_max=S`` and ``kv_unified=False``: S sequences at once, each with
     ``n_ctx / S`` cells of its own) and runs it on a native thread without
     the GIL.  ``submit()`` queues a sequence and returns a
@@ -167,6 +168,15 @@ cdef class Batcher:
     usual and reuse counts in units of C (``prefix_chunk=1``: any common
     prefix, as llama-server does): more is reused, but a cached run no
     longer does exactly the arithmetic of a cold one.
+
+    Prompts are scheduled for the others' latency: with other sequences
+    active, a long prompt goes in ``prompt_step`` tokens per step (0:
+    ``n_batch``; alone, ``n_batch``); short prompts (at most ``prompt_step``
+    tokens left) go first, shortest first, in a step of their own; and a
+    decode holding a long prompt's chunk is aborted and redone later when a
+    sequence with a shorter prompt arrives for a free slot (at most once in
+    a row).  A sequence with a grammar is sampled on a sampler thread while
+    the others decode.
     """
 
     cdef CBatcher * _b
@@ -177,12 +187,14 @@ cdef class Batcher:
     def __cinit__(self):
         self._b = NULL
 
-    def __init__(self, context, *, quantum=4, prefix_chunk=0, mix_adapters=True, prefix_align=True):
+    def __init__(self, context, *, quantum=4, prefix_chunk=0, mix_adapters=True, prefix_align=True,
+                 prompt_step=64):
         if self._b != NULL:
             raise InvalidArgumentError("this Batcher is already running")
         cdef Context ctx = _typed(context, Context, "context")
         _check_int(quantum, "quantum", 1, 1 << 20)
         _check_int(prefix_chunk, "prefix_chunk", 0, INT32_MAX)
+        _check_int(prompt_step, "prompt_step", 0, INT32_MAX)
         cdef CContext * c = ctx._get()
         if ctx._driven():
             raise ContextBusyError("this context already has a Batcher")
@@ -200,7 +212,8 @@ cdef class Batcher:
         if not isinstance(prefix_align, bool):
             raise ArgumentTypeError("prefix_align must be True or False")
         cdef cbool align = prefix_align
-        self._b = new CBatcher(c, q, pc, mix, align)
+        cdef int32_t step = prompt_step
+        self._b = new CBatcher(c, q, pc, mix, align, step)
         ctx._driver = weakref.ref(self)
         self.context = ctx
         _LIVE_BATCHERS.add(self)
@@ -273,13 +286,14 @@ cdef class Batcher:
         served several adapter sets, and the sum over decodes of the
         sequences in each (``n_seq_decoded / n_decodes``: sequences per decode);
         tokens sampled on a sampler thread (sequences with a grammar) and
-        decodes that went ahead while such a token was still being sampled."""
+        decodes that went ahead while such a token was still being sampled;
+        decodes of long prompt chunks preempted for a shorter newcomer."""
         cdef CBatcherStats st = self._ptr().stats()
         return {"n_decodes": st.n_decodes, "n_tokens": st.n_tokens, "n_mixed_decodes": st.n_mixed_decodes,
                 "n_switches": st.n_switches, "n_finished": st.n_finished,
                 "n_cached_tokens": st.n_cached_tokens, "n_seq_copies": st.n_seq_copies,
                 "n_multi_adapter_decodes": st.n_multi_adapter_decodes, "n_seq_decoded": st.n_seq_decoded,
-                "n_offloaded": st.n_offloaded, "n_sat_out": st.n_sat_out}
+                "n_offloaded": st.n_offloaded, "n_sat_out": st.n_sat_out, "n_preempted": st.n_preempted}
 
     def forget_cache(self):
         """Forget every cached prefix: sequences admitted from now on decode

@@ -419,6 +419,7 @@ class _BatcherStats(TypedDict):
     n_seq_decoded: int
     n_offloaded: int
     n_sat_out: int
+    n_preempted: int
 
 _SeqFinish: TypeAlias = Literal["stop", "length", "stop_sequence", "cancelled", "error"]
 
@@ -426,7 +427,7 @@ _SeqFinish: TypeAlias = Literal["stop", "length", "stop_sequence", "cancelled", 
 class Batcher:
     def __init__(
         self, context: Context, *, quantum: int = 4, prefix_chunk: int = 0, mix_adapters: bool = True,
-        prefix_align: bool = True,
+        prefix_align: bool = True, prompt_step: int = 64,
     ) -> None: ...
     @property
     def context(self) -> Context: ...

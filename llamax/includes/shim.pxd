@@ -232,10 +232,11 @@ cdef extern from "batcher.h" namespace "llamax" nogil:
         int64_t n_seq_decoded
         int64_t n_offloaded
         int64_t n_sat_out
+        int64_t n_preempted
 
     cdef cppclass CBatcher "llamax::Batcher":
         CBatcher(CContext * ctx, int32_t quantum, int32_t prefix_chunk, cbool mix_adapters,
-                 cbool prefix_align) except +translate_exception
+                 cbool prefix_align, int32_t prompt_step) except +translate_exception
         void forget_cache()
         CSeqPtr submit(llama_sampler * chain, llama_sampler * grammar, cbool plain_greedy,
                        CSeqParams params) except +translate_exception

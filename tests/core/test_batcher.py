@@ -30,8 +30,8 @@ def alone(model, prompt_tokens, n, **kw):
     return out
 
 
-def batcher(model, slots=4, **kw):
-    ctx = llamax.Context(model, n_ctx=512 * slots, n_seq_max=slots, kv_unified=False, n_threads=2)
+def batcher(model, slots=4, n_ctx_seq=512, **kw):
+    ctx = llamax.Context(model, n_ctx=n_ctx_seq * slots, n_seq_max=slots, kv_unified=False, n_threads=2)
     return ctx, llamax.Batcher(ctx, **kw)
 
 
@@ -267,6 +267,54 @@ def test_grammar_sequences_end_cleanly_on_cancel_and_close(model):
         b.close()
         with pytest.raises(llamax.LlamaxError, match="closed"):
             s.result()
+
+
+def _long_prompt(model, n):
+    toks = model.tokenize("Notes: " + " ".join(f"item {i} is {i * 7 % 13}." for i in range(n)))
+    return toks[:n]
+
+
+@pytest.mark.parametrize("align", [True, False])
+def test_a_short_prompt_preempts_a_long_prompt_chunk(model, align):
+    """A newcomer with a short prompt does not wait for a long prompt's
+    chunk (512 tokens deep in a long prompt: seconds on 2 cores): that
+    decode is aborted and redone later.  Nothing of the long prompt is lost
+    or doubled -- it answers as it does with no newcomer (with align, the
+    same chunk ends: prefix_chunk=64; without, 512-token chunks alone and
+    64-token ones beside the newcomer, so close, not equal, numbers) -- and
+    the newcomer gets exactly its tokens alone."""
+    long_toks = _long_prompt(model, 1400)
+    short = model.tokenize("The capital of France is")
+    want_short = alone(model, [short], 6, ignore_eos=True)[0]
+    kw = dict(prefix_chunk=64 if align else 0, prefix_align=align, n_ctx_seq=1536)
+    ctx, b = batcher(model, slots=2, **kw)
+    with ctx, b:
+        ref = b.submit(long_toks, greedy(model), max_tokens=4, ignore_eos=True, logprobs=0)
+        ref_toks = ref.result()[0].tolist()
+        ref_lp = ref.logprobs[0][0]
+    ctx, b = batcher(model, slots=2, **kw)
+    with ctx, b:
+        lng = b.submit(long_toks, greedy(model), max_tokens=4, ignore_eos=True, logprobs=0)
+        got = []
+        for _ in range(3):  # newcomers while the long prompt is being decoded
+            time.sleep(0.15)
+            got.append(b.submit(short, greedy(model), max_tokens=6, ignore_eos=True).result()[0].tolist())
+        toks = lng.result()[0].tolist()
+        st = b.stats()
+    assert st["n_preempted"] >= 1, st
+    assert all(g == want_short for g in got), (got, want_short)
+    assert toks[:2] == ref_toks[:2], (toks, ref_toks)
+    assert abs(lng.logprobs[0][0] - ref_lp) < 0.05, (lng.logprobs[0][0], ref_lp)
+    assert st["n_mixed_decodes"] == 0
+
+
+def test_prompt_step_is_checked(model):
+    ctx = llamax.Context(model, n_ctx=512, n_seq_max=2, kv_unified=False, n_threads=2)
+    with ctx:
+        with pytest.raises(llamax.InvalidArgumentError, match="prompt_step"):
+            llamax.Batcher(ctx, prompt_step=-1)
+        with pytest.raises(llamax.ArgumentTypeError, match="prompt_step"):
+            llamax.Batcher(ctx, prompt_step="64")
 
 
 def test_sequence_context_full_ends_with_length(model):
