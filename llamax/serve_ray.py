@@ -663,10 +663,11 @@ def _ingress_app(ing: Ingress) -> FastAPI:
     @app.post("/v1/load_lora_adapter", dependencies=admin)
     async def load_lora(body: P.LoadLoraRequest, e: _IngressEngine = Depends(fresh)):
         name = body.lora_name
-        check_runtime_load(cfg, body, engine.lora_ids)
+        # (path checks touch the filesystem: a worker thread, not the loop)
+        await asyncio.to_thread(check_runtime_load, cfg, body, dict(engine.lora_ids))
         async with ing.admin_lock:
             await ing._refresh()
-            path = check_runtime_load(cfg, body, engine.lora_ids)
+            path = await asyncio.to_thread(check_runtime_load, cfg, body, dict(engine.lora_ids))
             try:
                 problem = await ing.replica.check_adapter.remote(path)  # any replica: one model
             except (RayError, BackPressureError) as err:
