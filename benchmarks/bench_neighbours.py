@@ -144,9 +144,12 @@ def loop_costs(srv, n_req: int = 40, n_tok: int = 64) -> dict:
     streamed token (streams of n_tok tokens, less the per-request part)."""
     pid = srv.proc.pid
     with httpx.Client(base_url=srv.url, timeout=600, headers={"Authorization": f"Bearer {SMALL_KEY}"}) as c:
-        def chat(i, max_tokens, stream):
+        def chat(i, max_tokens, stream, stops=None, client=c):
             body = {"messages": [{"role": "user", "content": f"Loop cost {i}: say something."}],
                     "max_tokens": max_tokens, "temperature": 0, "logit_bias": {str(EOS): -100}}
+            if stops:
+                body["stop"] = stops
+            c = client
             if not stream:
                 c.post("/v1/chat/completions", json=body).raise_for_status()
                 return
@@ -163,9 +166,29 @@ def loop_costs(srv, n_req: int = 40, n_tok: int = 64) -> dict:
         for i in range(n_req):
             chat(1000 + i, n_tok, True)
         per_stream = (loop_cpu(pid) - t0) / n_req
+
+        # 16 clients streaming at once, with and without 16 stop strings of
+        # 1,024 characters each (none of which matches): the loop's CPU per
+        # streamed token (issue #30 item 4: stop matching is linear)
+        def concurrent(stops):
+            def client_run(k):
+                with httpx.Client(base_url=srv.url, timeout=600,
+                                  headers={"Authorization": f"Bearer {SMALL_KEY}"}) as cc:
+                    chat(2000 + k, n_tok, True, stops, cc)
+            t0 = loop_cpu(pid)
+            ths = [threading.Thread(target=client_run, args=(k,)) for k in range(16)]
+            for t in ths:
+                t.start()
+            for t in ths:
+                t.join()
+            return (loop_cpu(pid) - t0) / (16 * n_tok) * 1e3
+        long_stops = [("stop%02d " % k) * 128 for k in range(16)]
+        plain16 = concurrent(None)
+        stops16 = concurrent(long_stops)
     return {"loop_cpu_per_request_ms": per_request * 1e3,
             "loop_cpu_per_streamed_token_ms": max(0.0, per_stream - per_request) / n_tok * 1e3,
-            "n_requests": n_req, "tokens_per_stream": n_tok}
+            "n_requests": n_req, "tokens_per_stream": n_tok,
+            "loop_cpu_per_token_16_streams_ms": plain16, "loop_cpu_per_token_16_streams_16_stops_ms": stops16}
 
 
 def _heavy_once(srv, kind: str, i: int) -> tuple[int, float]:
@@ -191,7 +214,7 @@ def run(args) -> dict:
     from llamax.models import default_model
     model = args.model or default_model(progress=True)
     srv = Server(model, args.parallel, args.threads, args.n_ctx)
-    kinds = args.kinds.split(",")
+    kinds = [] if args.kinds == "none" else args.kinds.split(",")
     ttft: dict[str, list[float]] = {k: [] for k in ["alone", *kinds]}
     health: dict[str, list[float]] = {k: [] for k in ttft}
     heavy_done: dict[str, list] = {k: [] for k in kinds}
@@ -203,6 +226,9 @@ def run(args) -> dict:
             print(f"heavy {kind} alone: {heavy_alone[kind]:.2f} s", flush=True)
         print(f"event loop CPU: {costs['loop_cpu_per_request_ms']:.2f} ms per request, "
               f"{costs['loop_cpu_per_streamed_token_ms']:.3f} ms per streamed token", flush=True)
+        if not kinds:
+            return {"machine": platform.processor() or platform.machine(), "cpu": _cpu(), "args": vars(args),
+                    "rows": [], "loop": costs}
         small = httpx.Client(base_url=srv.url, timeout=600, headers={"Authorization": f"Bearer {SMALL_KEY}"})
         small_ttft(small, -1)  # warm-up
         n = 0
@@ -221,10 +247,8 @@ def run(args) -> dict:
                                 time.sleep(0.05)
 
                     def heavy():
-                        with httpx.Client(base_url=srv.url, timeout=600,
-                                          headers={"Authorization": f"Bearer {HEAVY_KEY}"}) as c:
-                            while not stop.is_set():
-                                heavy_done[cond].append(_heavy_once(srv, cond, len(heavy_done[cond])))
+                        while not stop.is_set():
+                            heavy_done[cond].append(_heavy_once(srv, cond, len(heavy_done[cond])))
 
                     threads = [threading.Thread(target=prober, daemon=True)]
                     if cond != "alone":
@@ -282,6 +306,8 @@ def table(res) -> str:
            "/health max ms | heavy requests done | heavy statuses | heavy alone s | heavy p50 s | "
            "heavy p50 vs alone |",
            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    if not res["rows"]:
+        out = out[:1]
     for r in res["rows"]:
         ha, hp = r.get("heavy_alone_s"), r.get("heavy_p50_s")
         out.append(f"| {r['condition']} | {r['n']} | {r['ttft_p50_ms']:.1f} | {r['ttft_p95_ms']:.1f} | "
@@ -294,7 +320,10 @@ def table(res) -> str:
     out += ["", f"Event loop (the server's main thread) CPU time: {lc['loop_cpu_per_request_ms']:.2f} ms per "
                 f"non-streamed request, {lc['loop_cpu_per_streamed_token_ms']:.3f} ms per streamed token "
                 f"({lc['n_requests']} chat requests each, streams of {lc['tokens_per_stream']} tokens, "
-                "/proc/PID/task/PID/stat)."]
+                "/proc/PID/task/PID/stat).  16 clients streaming at once: "
+                f"{lc['loop_cpu_per_token_16_streams_ms']:.3f} ms per token (request costs included) without "
+                f"stop strings, {lc['loop_cpu_per_token_16_streams_16_stops_ms']:.3f} ms with 16 stop strings "
+                "of 1,024 characters each."]
     return "\n".join(out) + "\n"
 
 
@@ -306,7 +335,8 @@ def main():
     p.add_argument("--n-ctx", type=int, default=8192)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--per-round", type=int, default=6)
-    p.add_argument("--kinds", default="stops,grammar,embeddings,long_prompt,tokenize")
+    p.add_argument("--kinds", default="stops,grammar,embeddings,long_prompt,tokenize",
+                   help="heavy kinds; 'none': only the event loop's costs")
     p.add_argument("--out", default=str(HERE / "results" / "neighbours"))
     args = p.parse_args()
     res = run(args)
