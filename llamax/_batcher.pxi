@@ -521,7 +521,7 @@ cdef class BatchSequence:
         cdef CSeq * s = self._get()
         if s.failed():
             return "error"
-        return _FINISH[<int> s.finish()]
+        return _finish_name(s.finish())
 
 
 def _close_batchers_at_exit():

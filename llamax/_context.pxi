@@ -8,7 +8,19 @@ cdef dict _POOLING = {
     "mean": LLAMA_POOLING_TYPE_MEAN, "cls": LLAMA_POOLING_TYPE_CLS,
     "last": LLAMA_POOLING_TYPE_LAST, "rank": LLAMA_POOLING_TYPE_RANK,
 }
-cdef tuple _FINISH = ("stop", "length", "stop_sequence", "callback", "length", "cancelled")
+cdef str _finish_name(CFinish f):
+    """The C++ Finish by name (as errors are), not by position."""
+    if f == CFinish.Eog:
+        return "stop"
+    if f == CFinish.Length or f == CFinish.ContextFull:
+        return "length"  # (a full context ends a completion as max_tokens does, as OpenAI reports it)
+    if f == CFinish.StopSequence:
+        return "stop_sequence"
+    if f == CFinish.Callback:
+        return "callback"
+    if f == CFinish.Cancelled:
+        return "cancelled"
+    raise DecodeError(f"unknown finish reason {<int> f} from the shim")
 
 
 cdef struct _CbState:
@@ -613,7 +625,7 @@ cdef class Context:
         cdef int32_t[::1] ov = out
         if res.tokens.size():
             memcpy(&ov[0], res.tokens.data(), res.tokens.size() * sizeof(int32_t))
-        return out, _FINISH[<int> res.finish]
+        return out, _finish_name(res.finish)
 
     @property
     def draft_stats(self):

@@ -488,10 +488,9 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(llamax.LlamaxError)
     async def _llamax(request, exc):
-        err = from_exception(exc)
-        if err is None:
+        err = from_exception(exc)  # (every LlamaxError has a row)
+        if err.status == 500:
             logger.exception("llamax error", exc_info=exc)
-            err = APIError(500, f"{type(exc).__name__}: {exc}")
         return _error_response(err)
 
     @app.exception_handler(Exception)
@@ -898,8 +897,9 @@ def build_app(engine: Engine) -> FastAPI:
                     exc = APIError(408, f"the request took longer than {cfg.request_timeout:g} s "
                                    "(--request-timeout)", code="request_timeout")
                 err = from_exception(exc)
-                if err is None:
+                if err is None or err.status == 500:
                     logger.exception("error in a stream", exc_info=exc)
+                if err is None:
                     err = APIError(500, f"internal error: {type(exc).__name__}")
                 engine.counters.request(name, err.status)
                 yield _dumps(err.body())

@@ -3,6 +3,7 @@ with the status code that fits, and the mapping from llamax's exceptions."""
 from __future__ import annotations
 
 from llamax import _errors as E
+from llamax._fetch import FetchError
 from llamax.chat import ChatTemplateError
 
 _TYPES = {
@@ -30,38 +31,53 @@ class APIError(Exception):
                           "param": self.param, "code": self.code}}
 
 
-# llamax exception -> (status, code); the first matching class wins
-_MAP = [
-    (E.UnknownAdapterError, 404, "adapter_not_found"),
-    (E.ContextOverflowError, 400, "context_length_exceeded"),
-    (E.AdapterInUseError, 503, "adapters_busy"),
-    (E.AdapterMismatchError, 400, "adapter_mismatch"),
-    (E.InvalidGGUFError, 400, "invalid_file"),
-    (E.PeftError, 400, "invalid_adapter"),
-    (E.LoadError, 400, "load_failed"),
-    (ChatTemplateError, 400, "chat_template_error"),
-    (E.GrammarError, 400, "grammar_error"),
-    (E.ControlVectorError, 400, "invalid_control_vector"),
-    (E.TokenError, 400, "invalid_token"),
-    (E.InvalidUtf8Error, 400, "invalid_utf8"),
-    (E.ArgumentTypeError, 400, "invalid_type"),
-    (E.InvalidArgumentError, 400, "invalid_value"),
-    (E.OutOfMemoryError, 503, "out_of_memory"),
-    (E.KVCacheFullError, 503, "kv_cache_full"),
-    (E.CancelledError, 503, "cancelled"),      # the server is stopping
-    (E.ClosedError, 503, "cancelled"),
-]
+# Every llamax exception class -> (status, code).  An exception gets its own
+# class's row, else the row of the nearest base in its MRO (a subclass made
+# elsewhere); tests/server/test_error_table.py checks that every
+# LlamaxError subclass has a row of its own, so none falls through to 500
+# by accident.
+BY_CLASS: dict[type, tuple[int, str]] = {
+    E.LlamaxError: (500, "internal_error"),
+    E.UnknownAdapterError: (404, "adapter_not_found"),
+    E.ContextOverflowError: (400, "context_length_exceeded"),
+    E.AdapterInUseError: (503, "adapters_busy"),
+    E.AdapterMismatchError: (400, "adapter_mismatch"),
+    E.InvalidGGUFError: (400, "invalid_file"),
+    E.PeftError: (400, "invalid_adapter"),
+    E.LoadError: (400, "load_failed"),
+    ChatTemplateError: (400, "chat_template_error"),
+    E.GrammarError: (400, "grammar_error"),
+    E.ControlVectorError: (400, "invalid_control_vector"),
+    E.TokenError: (400, "invalid_token"),
+    E.InvalidUtf8Error: (400, "invalid_utf8"),
+    E.ArgumentTypeError: (400, "invalid_type"),
+    E.InvalidArgumentError: (400, "invalid_value"),
+    E.OutOfMemoryError: (503, "out_of_memory"),
+    E.KVCacheFullError: (503, "kv_cache_full"),
+    E.CancelledError: (503, "cancelled"),       # the server is stopping
+    E.ClosedError: (503, "cancelled"),
+    E.ContextBusyError: (503, "context_busy"),  # a context another thread holds: try again
+    E.DecodeError: (500, "decode_error"),       # llama_decode failed: the server's fault, not the request's
+    E.ViewsExportedError: (500, "internal_error"),
+    FetchError: (500, "fetch_failed"),          # a pinned download (model, data) failed on the server's side
+}
 
 
 def from_exception(exc: BaseException) -> APIError | None:
-    """The APIError for an exception llamax raises on purpose, else None."""
+    """The APIError for an exception llamax raises (its class's row in
+    BY_CLASS, or its nearest base's); None for anything else."""
     if isinstance(exc, APIError):
         return exc
-    for cls, status, code in _MAP:
-        if isinstance(exc, cls):
-            msg = str(exc)
-            if isinstance(exc, KeyError) and exc.args:
-                msg = str(exc.args[0])  # KeyError's str() adds quotes
-            headers = {"Retry-After": "1"} if status == 503 else None
-            return APIError(status, msg, code=code, headers=headers)
+    for cls in type(exc).__mro__:
+        row = BY_CLASS.get(cls)
+        if row is None:
+            continue
+        status, code = row
+        msg = str(exc)
+        if isinstance(exc, KeyError) and exc.args:
+            msg = str(exc.args[0])  # KeyError's str() adds quotes
+        if status == 500:
+            msg = f"{type(exc).__name__}: {msg}"
+        headers = {"Retry-After": "1"} if status == 503 else None
+        return APIError(status, msg, code=code, headers=headers)
     return None
