@@ -175,6 +175,10 @@ void Batcher::sampler_loop() {
             s->sample_failed_ = true;
             s->sample_kind_ = ErrorKind::Decode;
             s->sample_error_ = e.what();
+        } catch (...) {
+            s->sample_failed_ = true;
+            s->sample_kind_ = ErrorKind::Decode;
+            s->sample_error_ = "unknown error while sampling under the grammar";
         }
         s->sampling_.store(2, std::memory_order_release);
         {
@@ -709,21 +713,21 @@ void Batcher::run() {
                 return true;
             });
         }
-        for (auto & s : running) {
-            if (s->sampling_.load(std::memory_order_acquire) == 2 && !take_sampled(s)) {
-                s.reset();
-            }
-        }
-        running.erase(std::remove(running.begin(), running.end(), nullptr), running.end());
-        bool any_ready = false;
-        for (const auto & s : running) {
-            any_ready = any_ready || s->sampling_.load(std::memory_order_relaxed) == 0;
-        }
-        if (!any_ready) {
-            continue;  // (all of them in flight: the wait above sleeps until one is back)
-        }
         try {
-            step(running);
+            // (inside the try: nothing may escape this thread, or the process ends)
+            for (auto & s : running) {
+                if (s->sampling_.load(std::memory_order_acquire) == 2 && !take_sampled(s)) {
+                    s.reset();
+                }
+            }
+            running.erase(std::remove(running.begin(), running.end(), nullptr), running.end());
+            bool any_ready = false;
+            for (const auto & s : running) {
+                any_ready = any_ready || s->sampling_.load(std::memory_order_relaxed) == 0;
+            }
+            if (any_ready) {  // (else all of them are in flight: the wait at the top sleeps until one is back)
+                step(running);
+            }
         } catch (const Error & e) {
             fail_all(running, e.kind, e.what());
         } catch (const std::bad_alloc &) {

@@ -500,8 +500,13 @@ class Probe:
         if body is not None:
             headers["Content-Type"] = "application/json"
         t0 = time.monotonic()
-        r = self.c.request(method, path, content=None if body is None else body.content(), headers=headers,
-                           timeout=BOUND + 5)
+        try:
+            r = self.c.request(method, path, content=None if body is None else body.content(), headers=headers,
+                               timeout=BOUND + 5)
+        except httpx.TransportError as e:  # the server died (or hung up): say what was sent, and its last words
+            log = "".join(self.server.err)[-4000:]
+            raise AssertionError(f"{type(e).__name__}: {e}\n{method} {path} key={key!r} body={body!r:.3000}\n"
+                                 f"server exit code: {self.server.proc.poll()}; its stderr ends:\n{log}") from None
         took = time.monotonic() - t0
         code = ""
         try:

@@ -59,7 +59,8 @@ def probe(smollm2_path, adapters):
             if report:  # what the bodies got: status and code counts per route, the slowest
                 H.report(probe, report)
     finally:
-        assert s.stop() == 0
+        rc = s.stop()
+        assert rc == 0, f"the server exited with {rc}; its stderr ends:\n{''.join(s.err)[-4000:]}"
     log = "".join(s.err)
     assert "Traceback" not in log, log[-4000:]
 
