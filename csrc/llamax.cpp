@@ -40,6 +40,17 @@ void log_callback(ggml_log_level level, const char * text, void *) {
         return;
     }
     int lvl = level == GGML_LOG_LEVEL_CONT ? t_prev_level : (int) level;
+    // An aborted decode (ret 2) is always one its caller asked for -- a
+    // cancel, a close, the batcher preempting a long prompt's chunk, Ctrl-C
+    // -- and raised as a typed error or redone: not an error for the log,
+    // nor the note that the aborted ubatch's cells were dropped.
+    if (level != GGML_LOG_LEVEL_CONT && (lvl == GGML_LOG_LEVEL_ERROR || lvl == GGML_LOG_LEVEL_WARN) &&
+        (std::strstr(text, "failed to decode, ret = 2") != nullptr ||
+         std::strstr(text, "ggml_backend_sched_graph_compute_async failed with error 1\n") != nullptr ||
+         std::strstr(text, "failed to compute graph, compute status: 1\n") != nullptr ||  // GGML_STATUS_ABORTED
+         std::strstr(text, "removing memory module entries for seq_id") != nullptr)) {
+        lvl = GGML_LOG_LEVEL_DEBUG;
+    }
     t_prev_level = lvl;
     if (lvl == GGML_LOG_LEVEL_ERROR) {
         // Loaders log why they failed, then return NULL: keep the reasons for
