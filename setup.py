@@ -1,7 +1,7 @@
 """Build llamax: the pinned llama.cpp (static, cached), the C++ shim and the
 Cython core, linked into one self-contained extension module.
 
-See third_party/build_llama_cpp.py for the fetch/verify/build of llama.cpp
+See buildsys/build_llama_cpp.py for the fetch/verify/build of llama.cpp
 and the LLAMAX_* environment variables.
 
 Linux and macOS only: the shim uses POSIX calls (``sigaction`` for Ctrl-C
@@ -20,7 +20,10 @@ if sys.platform == "win32":
              "and fseeko.  On Windows, use WSL2 (Linux) and install llamax there.")
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE / "third_party"))
+# buildsys/ is on sys.path already when pip runs the backend (pyproject.toml's
+# backend-path), but not when this file is run itself (`setup.py build_ext
+# --inplace`: tools/test_baseline.sh, tools/device_check.sh)
+sys.path.insert(0, str(HERE / "buildsys"))
 import build_llama_cpp as llama_build  # noqa: E402  (build-time only)
 
 

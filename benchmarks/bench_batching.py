@@ -36,7 +36,7 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT / "third_party"))
+sys.path.insert(0, str(ROOT / "buildsys"))
 sys.path.insert(0, str(HERE))
 import bench_engine  # noqa: E402
 import build_llama_cpp as llama_build  # noqa: E402

@@ -53,7 +53,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 # The test-data helper (cached, verified model) and the pinned llama.cpp
 # build helper are plain modules in the repository, not part of the package.
 sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT / "third_party"))
+sys.path.insert(0, str(ROOT / "buildsys"))
 import data  # noqa: E402
 import build_llama_cpp as llama_build  # noqa: E402
 

@@ -19,13 +19,13 @@ import venv
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "third_party"))
+sys.path.insert(0, str(ROOT / "buildsys"))
 import build_llama_cpp as llama_build  # noqa: E402
 
 
 def _peer_cmake_args() -> list[str]:
     # the CPU flags of llamax's own llama.cpp build; OpenMP on, as llama-cpp-python builds by default
-    # (llamax builds without it: third_party/build_llama_cpp.py says why)
+    # (llamax builds without it: buildsys/build_llama_cpp.py says why)
     return llama_build.cpu_args() + ["-DGGML_OPENMP=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF"]
 
 

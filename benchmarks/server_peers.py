@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "third_party"))
+sys.path.insert(0, str(ROOT / "buildsys"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import build_llama_cpp as llama_build  # noqa: E402
 import peers  # noqa: E402

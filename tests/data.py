@@ -21,7 +21,7 @@ import zipfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "third_party"))
+sys.path.insert(0, str(ROOT / "buildsys"))
 import build_llama_cpp as llama_build  # noqa: E402
 
 

@@ -54,7 +54,7 @@ phase_build() {
         || { tail -40 "$OUT/build.txt" | tee -a "$LOG"; die "building llamax with CUDA"; }
     log "llamax built with CUDA in $((SECONDS - t0)) s"
     t0=$SECONDS
-    python3 third_party/build_llama_cpp.py llama-bench llama-batched-bench >> "$OUT/build.txt" 2>&1 \
+    python3 buildsys/build_llama_cpp.py llama-bench llama-batched-bench >> "$OUT/build.txt" 2>&1 \
         || { tail -40 "$OUT/build.txt" | tee -a "$LOG"; die "building llama-bench"; }
     log "llama-bench and llama-batched-bench built in $((SECONDS - t0)) s"
     (cd /tmp && python3 -c "

@@ -35,7 +35,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / ".devcheck"
-sys.path.insert(0, str(ROOT / "third_party"))
+sys.path.insert(0, str(ROOT / "buildsys"))
 import build_llama_cpp as llama_build  # noqa: E402
 
 # ggml backends the CUDA build compiles; every other ggml/src/ggml-* folder stays behind

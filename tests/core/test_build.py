@@ -20,7 +20,7 @@ def test_no_openmp():
     OpenMP, a second thread running a graph (an embedding call beside a
     batcher, two contexts of a pool) puts every libgomp team of the process
     into non-spinning barriers once they outnumber the CPUs, for good
-    (measured: 105 -> 35 tok/s; third_party/build_llama_cpp.py)."""
+    (measured: 105 -> 35 tok/s; buildsys/build_llama_cpp.py)."""
     out = subprocess.run(["ldd", llamax._core.__file__], capture_output=True, text=True).stdout
     assert "libgomp" not in out and "libomp" not in out, out
     assert "OPENMP = 1" not in llamax.system_info()
@@ -39,14 +39,14 @@ def test_package_ships_declarations():
     assert {"llama.pxd", "shim.pxd"} <= {p.name for p in r.files("llamax.includes").iterdir()}
 
 
-# -- the CUDA build's configuration (third_party/build_llama_cpp.py) ------------------
+# -- the CUDA build's configuration (buildsys/build_llama_cpp.py) ------------------
 # Compiling ggml-cuda takes half an hour, so CI checks what the build script
 # asks CMake for; tools/device_check.sh builds and runs it on a GPU.
 
 def _build_script():
     import importlib
     from pathlib import Path
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "third_party"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "buildsys"))
     return importlib.import_module("build_llama_cpp")
 
 

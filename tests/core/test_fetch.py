@@ -30,7 +30,7 @@ def _offline(tmp_path, find_links):
 
 
 def test_no_host_names_in_the_code():
-    for path in [ROOT / "setup.py", *ROOT.glob("llamax/*.py"), *ROOT.glob("third_party/*.py")]:
+    for path in [ROOT / "setup.py", *ROOT.glob("llamax/*.py"), *ROOT.glob("buildsys/*.py")]:
         text = path.read_text()
         for host in ("pythonhosted.org", "pypi.org", "urllib.request"):
             if host == "urllib.request" and path.name == "_fetch.py":
@@ -93,7 +93,7 @@ def test_pip_subprocess_does_not_inherit_our_build_backend(monkeypatch):
     that sdist's own backend ("Backend was not loaded from backend-path":
     what a fresh clone's first build hit)."""
     from llamax import _fetch
-    monkeypatch.setenv("PEP517_BACKEND_PATH", str(ROOT / "third_party"))
+    monkeypatch.setenv("PEP517_BACKEND_PATH", str(ROOT / "buildsys"))
     monkeypatch.setenv("PEP517_BUILD_BACKEND", "_llamax_backend")
     monkeypatch.setenv("PIP_INDEX_URL", "https://example.invalid/simple")
     env = _fetch._pip_env()

@@ -66,7 +66,8 @@ SDIST_REQUIREMENT = f"llama-cpp-python=={PIN_VERSION}"
 SDIST_NAME = f"llama_cpp_python-{PIN_VERSION}.tar.gz"
 SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
 
-PATCH_DIR = Path(__file__).resolve().parent / "patches"
+# buildsys/ and third_party/ sit side by side at the top of the checkout
+PATCH_DIR = Path(__file__).resolve().parent.parent / "third_party" / "patches"
 
 # Static archives in link order: dependants first.
 CPU_LIBS = ["llama", "ggml", "ggml-cpu", "ggml-base"]
@@ -308,7 +309,7 @@ def cublas_requirement() -> str | None:
 
 def cublas_wheel_requirement() -> str | None:
     """The nvidia-cublas requirement a CUDA build takes cuBLAS from, both at
-    build time (third_party/_llamax_backend.py) and as the installed
+    build time (buildsys/_llamax_backend.py) and as the installed
     package's dependency (setup.py); None for other backends, with
     LLAMAX_CUBLAS_DIR, or when the toolkit has cuBLAS as a system install
     does (then it is the user's to keep on the library path)."""
@@ -659,6 +660,6 @@ def cuda_link_args() -> list[str]:
 
 
 if __name__ == "__main__":
-    # python third_party/build_llama_cpp.py [target ...]   e.g. llama-bench
+    # python buildsys/build_llama_cpp.py [target ...]   e.g. llama-bench
     info = build(sys.argv[1:] or None)
     print(info["build"])

@@ -10,14 +10,10 @@ nothing beyond ``[build-system] requires``.
 """
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 from setuptools import build_meta as _orig
 from setuptools.build_meta import *  # noqa: F401,F403  (the hooks this module doesn't change)
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import build_llama_cpp as _build  # noqa: E402
+import build_llama_cpp as _build  # buildsys/, on sys.path as the backend-path
 
 
 def _extra() -> list[str]:
