@@ -50,7 +50,7 @@ LAYERS = [
     # the package's face
     ["llamax"],
     # the server, split by #31 item 2
-    ["llamax.server", "llamax.server.config", "llamax.server.protocol", "llamax.server.errors",
+    ["llamax.server.config", "llamax.server.protocol", "llamax.server.errors",
      "llamax.server.files"],
     ["llamax.server.translate", "llamax.server.streaming", "llamax.server.http", "llamax.server.adapters",
      "llamax.server.metrics"],
@@ -60,7 +60,8 @@ LAYERS = [
     # the ingress builds its app with server.app.build_app, so backends sit above it
     ["llamax.server.backends", "llamax.server.backends.local", "llamax.server.backends.ray",
      "llamax.server.backends.ray.*"],
-    ["llamax.server.run", "llamax.server.ray"],
+    # the package re-exports ServerConfig, LocalBackend and build_app
+    ["llamax.server", "llamax.server.run", "llamax.server.ray"],
     ["llamax.server.cli"],
     # entry points: `python -m llamax serve` runs the server's cli; serve_ray is the
     # Ray deployment today, a compat alias of llamax.server.ray once that exists
