@@ -26,6 +26,7 @@ import numpy as np
 
 from llamax._core import Sampler, State
 from llamax._errors import ArgumentTypeError, ContextOverflowError, InvalidArgumentError, TokenError
+from llamax._validate import check_int
 from llamax.llama_cache import BASE_STATE, BaseLlamaCache, LlamaState
 from llamax.pool import _lcp, _Pool, _Slot
 
@@ -162,8 +163,7 @@ class _SessionMixin:
 
     @n_tokens.setter
     def n_tokens(self, value: int) -> None:
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-            raise ArgumentTypeError("n_tokens must be an int")
+        value = check_int(value, "n_tokens")
         with self._hold_session() as slot:
             have = self._session_tokens(slot)
             if not 0 <= value <= len(have):
@@ -218,8 +218,7 @@ class _SessionMixin:
 
     def set_seed(self, seed: int) -> None:
         """Seed the draws of later requests that give no seed (and of sample())."""
-        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-            raise InvalidArgumentError("seed must be a non-negative int")
+        seed = check_int(seed, "seed", 0, error=InvalidArgumentError, msg="seed must be a non-negative int")
         with self._rng_lock:
             self._seed = seed
             self._rng = random.Random(seed)

@@ -12,6 +12,7 @@ import time
 
 from llamax._core import LoraAdapter, Model
 from llamax._errors import AdapterInUseError, ArgumentTypeError, InvalidArgumentError, UnknownAdapterError
+from llamax._validate import check_float, check_int
 
 __all__ = ["AdapterRegistry"]
 
@@ -34,9 +35,8 @@ class AdapterRegistry:
     make_room_timeout = 60.0  # seconds to wait for a running request to release an adapter
 
     def __init__(self, model: Model, max_loaded: int | None = None):
-        if max_loaded is not None and (isinstance(max_loaded, bool) or not isinstance(max_loaded, int)
-                                       or max_loaded < 1):
-            raise InvalidArgumentError(f"max_loaded_adapters must be a positive int or None, got {max_loaded!r}")
+        max_loaded = check_int(max_loaded, "max_loaded_adapters", 1, none_ok=True, error=InvalidArgumentError,
+                               msg=f"max_loaded_adapters must be a positive int or None, got {max_loaded!r}")
         self._model = model
         self._max = max_loaded
         self._entries: dict[str, _Entry] = {}
@@ -214,12 +214,10 @@ def _parse_specs(specs):
         name = s.get("name")
         if not isinstance(name, str):
             raise ArgumentTypeError(f"active_loras[{i}]['name'] must be a str")
-        scale = s.get("scale", 1.0)
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or scale != scale \
-                or scale in (float("inf"), float("-inf")):
-            raise InvalidArgumentError(f"active_loras[{i}]['scale'] must be a finite number")
+        scale = check_float(s.get("scale", 1.0), f"active_loras[{i}]['scale']", error=InvalidArgumentError,
+                            msg=f"active_loras[{i}]['scale'] must be a finite number")
         if name in seen:
             raise InvalidArgumentError(f"adapter {name!r} appears twice in active_loras")
         seen.add(name)
-        out.append((name, float(scale)))
+        out.append((name, scale))
     return out

@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from llamax._errors import ArgumentTypeError, InvalidArgumentError
+from llamax._validate import check_int
 
 METHODS = ("pca", "mean_diff")
 
@@ -88,9 +89,7 @@ def train(model, positive, negative, *, method: str = "pca", layer_start: int = 
     n_layer = model.n_layer
     if layer_end is None:
         layer_end = n_layer - 1
-    for v, what in ((layer_start, "layer_start"), (layer_end, "layer_end")):
-        if not isinstance(v, int) or isinstance(v, bool):
-            raise ArgumentTypeError(f"{what} must be an int")
+    layer_start, layer_end = check_int(layer_start, "layer_start"), check_int(layer_end, "layer_end")
     if not 1 <= layer_start <= layer_end <= n_layer - 1:
         raise InvalidArgumentError(f"layers must satisfy 1 <= layer_start <= layer_end <= {n_layer - 1} "
                                    f"(llama.cpp applies control vectors to layers 1..n_layer-1), not "

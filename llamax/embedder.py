@@ -28,6 +28,7 @@ import sys
 import numpy as np
 
 from llamax._errors import ArgumentTypeError, InvalidArgumentError
+from llamax._validate import check_int
 from llamax.llama import Llama
 
 __all__ = ["Embedder", "cos_sim"]
@@ -87,10 +88,10 @@ class Embedder:
     @max_seq_length.setter
     def max_seq_length(self, value: int) -> None:
         limit = self._llm._embed_limit()  # n_ctx, and BERT's trained length
-        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= limit:
-            raise InvalidArgumentError(f"max_seq_length must be an int in [1, {limit}] (n_ctx, and the model's "
-                                       f"trained length for learned positions), got {value!r}")
-        self._max_seq_length = value
+        self._max_seq_length = check_int(
+            value, "max_seq_length", 1, limit, error=InvalidArgumentError,
+            msg=f"max_seq_length must be an int in [1, {limit}] (n_ctx, and the model's trained length for "
+                f"learned positions), got {value!r}")
 
     def get_sentence_embedding_dimension(self) -> int:
         return self._llm.n_embd()
@@ -127,8 +128,8 @@ class Embedder:
         for i, t in enumerate(items):
             if not isinstance(t, str):
                 raise ArgumentTypeError(f"sentences[{i}] is {type(t).__name__}, not str")
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise InvalidArgumentError(f"batch_size must be a positive int, got {batch_size!r}")
+        batch_size = check_int(batch_size, "batch_size", 1, error=InvalidArgumentError,
+                               msg=f"batch_size must be a positive int, got {batch_size!r}")
         dim = self._llm.n_embd()
         out = np.empty((len(items), dim), dtype=np.float32)
         bar = _Progress(len(items)) if show_progress_bar else None

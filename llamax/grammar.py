@@ -44,6 +44,7 @@ from typing import Callable
 from urllib.parse import unquote
 
 from llamax._errors import ArgumentTypeError, InvalidArgumentError, LoadError
+from llamax._validate import is_number
 
 __all__ = ["JSON_GBNF", "JSON_OBJECT_GBNF", "LlamaGrammar", "json_schema_to_gbnf"]
 
@@ -446,9 +447,9 @@ def _merge(a: dict, b: dict, at: str) -> dict:
             if not common:
                 raise _Unsatisfiable(f"no value has both type {w!r} and {v!r} (allOf at {at})")
             out[k] = common[0] if len(common) == 1 else common
-        elif k in ("minLength", "minItems", "minimum", "exclusiveMinimum") and _is_number(w) and _is_number(v):
+        elif k in ("minLength", "minItems", "minimum", "exclusiveMinimum") and is_number(w) and is_number(v):
             out[k] = max(w, v)
-        elif k in ("maxLength", "maxItems", "maximum", "exclusiveMaximum") and _is_number(w) and _is_number(v):
+        elif k in ("maxLength", "maxItems", "maximum", "exclusiveMaximum") and is_number(w) and is_number(v):
             out[k] = min(w, v)
         elif k == "enum" and isinstance(w, list) and isinstance(v, list):
             out[k] = [x for x in w if any(_same(x, y) for y in v)]
@@ -472,10 +473,6 @@ def _merge(a: dict, b: dict, at: str) -> dict:
             raise InvalidArgumentError(f"allOf at {at} combines an object whose additionalProperties restrict "
                                        f"other properties with one that declares {sorted(extra)}: not supported")
     return out
-
-
-def _is_number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def _pointer(key: str) -> str:
@@ -743,7 +740,7 @@ class _Converter:
         excl_key = "exclusive" + key[0].upper() + key[1:]
         value, excl = schema.get(key), schema.get(excl_key)
         for k, v in ((key, value), (excl_key, excl)):
-            if v is not None and not _is_number(v) and not (k == excl_key and isinstance(v, bool)):
+            if v is not None and not is_number(v) and not (k == excl_key and isinstance(v, bool)):
                 raise InvalidArgumentError(f"{k} at {at} must be a number, not {v!r}")
         if isinstance(excl, bool):  # draft 4: a flag on minimum / maximum
             return value, excl and value is not None
@@ -759,7 +756,7 @@ class _Converter:
         v = schema.get(key)
         if v is None:
             return None
-        if not _is_number(v) or v < 0 or v != int(v):
+        if not is_number(v) or v < 0 or v != int(v):
             raise InvalidArgumentError(f"{key} at {at} must be a non-negative integer, not {v!r}")
         if v > _MAX_COUNT and key.startswith("min"):
             raise InvalidArgumentError(f"{key} {v} at {at} is above the {_MAX_COUNT} supported")

@@ -35,6 +35,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from llamax._errors import ArgumentTypeError, InvalidArgumentError
+from llamax._validate import check_int, is_int
 from llamax.pool import _lcp as pool_lcp
 
 __all__ = ["BaseLlamaCache", "LlamaRAMCache", "LlamaCache", "LlamaDiskCache", "LlamaState"]
@@ -156,10 +157,6 @@ class LlamaState:
 _MAX_N_CTX = 1 << 24
 
 
-def _is_count(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
-
-
 def _check_head(head) -> None:
     """Raise InvalidArgumentError naming the first field of a state file's
     header that is missing or of the wrong type or range."""
@@ -168,12 +165,12 @@ def _check_head(head) -> None:
     if not isinstance(head, dict):
         bad(f"the header is a JSON {type(head).__name__}, not an object")
     for k in ("n_tokens", "n_ctx", "state_size", "exact_n"):
-        if not _is_count(head.get(k)):
+        if not is_int(head.get(k), 0):
             bad(f"{k} is {str(head.get(k))[:40]!r}, not a non-negative int")
     if head["n_ctx"] > _MAX_N_CTX:
         bad(f"n_ctx {head['n_ctx']} is more than {_MAX_N_CTX}")
     shape = head.get("scores_shape")
-    if not (isinstance(shape, list) and len(shape) <= 2 and all(_is_count(d) for d in shape)):
+    if not (isinstance(shape, list) and len(shape) <= 2 and all(is_int(d, 0) for d in shape)):
         bad(f"scores_shape is {str(shape)[:40]!r}, not a list of at most 2 non-negative ints")
     for k in ("state_key", "model_key"):
         if not isinstance(head.get(k), str):
@@ -184,7 +181,7 @@ def _check_head(head) -> None:
         if not (isinstance(rs, list) and len(rs) == 3 and isinstance(rs[0], int) and isinstance(rs[1], list)
                 and all(isinstance(x, int) for x in rs[1]) and (rs[2] is None or isinstance(rs[2], float))):
             bad("seed.random_state is not a random.Random state")
-    elif seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+    elif seed is not None and not is_int(seed):
         bad(f"seed is {str(seed)[:40]!r}, not an int")
 
 
@@ -193,9 +190,8 @@ class BaseLlamaCache(ABC):
     longest token prefix with a prompt, under the same state."""
 
     def __init__(self, capacity_bytes: int = (2 << 30)):
-        if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) or capacity_bytes < 0:
-            raise InvalidArgumentError("capacity_bytes must be a non-negative int")
-        self.capacity_bytes = capacity_bytes
+        self.capacity_bytes = check_int(capacity_bytes, "capacity_bytes", 0, error=InvalidArgumentError,
+                                        msg="capacity_bytes must be a non-negative int")
         self._lock = threading.Lock()
 
     @property

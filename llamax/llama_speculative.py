@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from llamax._errors import ArgumentTypeError, InvalidArgumentError
+from llamax._validate import check_bool, check_int
 
 __all__ = ["LlamaDraftModel", "LlamaPromptLookupDecoding"]
 
@@ -41,16 +41,9 @@ class LlamaPromptLookupDecoding(LlamaDraftModel):
         that yields tokens faster than plain decoding, as timed during the
         request (on a CPU with a small model a verify batch costs nearly its
         length, and drafting would slow it); False: verify every draft found."""
-        if not isinstance(adaptive, bool):
-            raise ArgumentTypeError("adaptive must be True or False")
-        self.adaptive = adaptive
-        for name, v, hi in (("max_ngram_size", max_ngram_size, 64), ("num_pred_tokens", num_pred_tokens, 1024)):
-            if isinstance(v, bool) or not isinstance(v, int):
-                raise ArgumentTypeError(f"{name} must be an int")
-            if not 1 <= v <= hi:
-                raise InvalidArgumentError(f"{name}={v} must be in [1, {hi}]")
-        self.max_ngram_size = max_ngram_size
-        self.num_pred_tokens = num_pred_tokens
+        self.adaptive = check_bool(adaptive, "adaptive")
+        self.max_ngram_size = check_int(max_ngram_size, "max_ngram_size", 1, 64)
+        self.num_pred_tokens = check_int(num_pred_tokens, "num_pred_tokens", 1, 1024)
 
     @staticmethod
     def find_candidate_pred_tokens(input_ids: npt.NDArray[np.intc], max_ngram_size: int,

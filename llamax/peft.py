@@ -40,6 +40,7 @@ from pathlib import Path
 import numpy as np
 
 from llamax._errors import PeftError
+from llamax._validate import is_int, is_number
 from llamax.gguf_tools import write_gguf
 
 __all__ = ["convert", "cached", "is_peft_dir", "PeftError"]
@@ -166,7 +167,7 @@ def _config(peft_dir: Path) -> dict:
                         "rank: llama.cpp's LoRA can't hold them")
     for k in ("r", "lora_alpha"):
         v = cfg.get(k)
-        if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v <= 0:
+        if not is_number(v) or v <= 0:
             raise PeftError(f"{p}: {k} must be a positive number, not {v!r}")
     return cfg
 
@@ -222,13 +223,8 @@ _MAX_DIMS = 16
 _ST_DTYPES = {"F32": "f4", "F16": "f2", "F64": "f8", "BF16": "bf16"}
 
 
-def _is_count(v) -> bool:
-    """A non-negative int (not a bool): a size, an offset, a stride."""
-    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
-
-
 def _shape(v, what: str, path) -> tuple:
-    if not isinstance(v, (list, tuple)) or len(v) > _MAX_DIMS or not all(_is_count(d) for d in v):
+    if not isinstance(v, (list, tuple)) or len(v) > _MAX_DIMS or not all(is_int(d, 0) for d in v):
         raise PeftError(f"{path}: {what}: {_short(v)} is not a shape (at most {_MAX_DIMS} non-negative ints)")
     return tuple(v)
 
@@ -263,7 +259,7 @@ def _read_safetensors(path: Path) -> dict[str, np.ndarray]:
         dt = _ST_DTYPES[v["dtype"]]
         shape = _shape(v.get("shape"), f"tensor {k!r}", path)
         offsets = v.get("data_offsets")
-        if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_count(o) for o in offsets)
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(is_int(o, 0) for o in offsets)
                 and offsets[0] <= offsets[1] <= len(body)):
             raise PeftError(f"{path}: tensor {k!r}: data_offsets {_short(offsets)} are not a range within "
                             f"the file's {len(body)} data bytes")
@@ -365,7 +361,7 @@ class _TorchUnpickler(pickle.Unpickler):
         _, stype, key, _location, numel = pid[:5]
         if not isinstance(stype, _StorageType):
             raise PeftError(f"{self.path}: an unsupported storage type {_short(stype)}")
-        if not isinstance(key, str) or not _is_count(numel):
+        if not isinstance(key, str) or not is_int(numel, 0):
             raise PeftError(f"{self.path}: a storage named {_short(key)} with {_short(numel)} elements")
         s = self.storages.get(key)
         if s is None:  # read once; every later reference shares it
@@ -396,7 +392,7 @@ class _TorchUnpickler(pickle.Unpickler):
         stride = _shape(stride, f"tensor on storage {storage.key!r}: stride", self.path)
         if len(stride) != len(size):
             raise PeftError(f"{where}: {len(size)} sizes but {len(stride)} strides")
-        if not _is_count(offset):
+        if not is_int(offset, 0):
             raise PeftError(f"{where}: storage offset {_short(offset)} is not a non-negative int")
         numel = math.prod(size)
         if offset > storage.numel:
