@@ -27,6 +27,18 @@ sys.path.insert(0, str(HERE / "buildsys"))
 import build_llama_cpp as llama_build  # noqa: E402  (build-time only)
 
 
+# The wheel's packages.  An editable install (the README's `pip install -e .`)
+# adds the dev helpers, tools/llamax_dev (test data, peers, ...), so that the
+# benchmarks and tools import them: the backend (buildsys/_llamax_backend.py)
+# says when a build is editable.
+PACKAGES = ["llamax", "llamax.includes", "llamax.server"]
+if os.environ.get("_LLAMAX_EDITABLE_BUILD") == "1":
+    PACKAGES.append("llamax_dev")
+    PACKAGE_DIR = {"llamax_dev": "tools/llamax_dev"}
+else:
+    PACKAGE_DIR = {}
+
+
 class LlamaxBuildExt(build_ext):
     """Build llama.cpp first (cached), then compile csrc/ + Cython against it."""
 
@@ -93,6 +105,8 @@ def install_requires():
 
 
 setup(
+    packages=PACKAGES,
+    package_dir=PACKAGE_DIR,
     install_requires=install_requires(),
     ext_modules=extensions(),
     cmdclass={"build_ext": LlamaxBuildExt},

@@ -33,19 +33,15 @@ from pathlib import Path
 
 import numpy as np
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT / "buildsys"))
-sys.path.insert(0, str(HERE))
-import bench_engine  # noqa: E402
-import build_llama_cpp as llama_build  # noqa: E402
-import data  # noqa: E402
-import peers  # noqa: E402
+import bench_engine  # benchmarks/, this script's folder
+from llamax_dev import data, peers
+from llamax_dev.buildsys import llama_build
 
-import llamax  # noqa: E402
-from llamax import gguf_tools  # noqa: E402
-from llamax.models import cache_dir  # noqa: E402
+import llamax
+from llamax import gguf_tools
+from llamax.models import cache_dir
+
+HERE = Path(__file__).resolve().parent
 
 NPP = 128
 NTG = 128
@@ -226,7 +222,7 @@ def main(argv=None):
     ap.add_argument("--npl", default="1,2,4,8,16")
     ap.add_argument("--runs", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="N in 1,4 and one run")
-    ap.add_argument("--peers", action="store_true", help="also llama-cpp-python 0.3.36 (benchmarks/peers.py)")
+    ap.add_argument("--peers", action="store_true", help="also llama-cpp-python 0.3.36 (tools/llamax_dev/peers.py)")
     ap.add_argument("--out", default=str(HERE / "results"))
     a = ap.parse_args(argv)
     model_path = Path(a.model) if a.model else data.smollm2()

@@ -19,20 +19,18 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-sys.path.insert(0, str(ROOT / "tests"))
-import data  # noqa: E402
+from llamax_dev import data
 
-import llamax  # noqa: E402
-from llamax import gguf_tools  # noqa: E402
-from llamax.models import cache_dir  # noqa: E402
+import llamax
+from llamax import gguf_tools
+from llamax.models import cache_dir
+
+HERE = Path(__file__).resolve().parent
 
 
 def chunk_cost(model, threads, runs):

@@ -7,10 +7,10 @@ interleaved.
                                          [--no-peers | --peers onnxruntime,...] [--quick]
 
 Model: all-MiniLM-L6-v2.  llamax runs GGUF files converted from the PyPI
-package's safetensors by llama.cpp's own converter (tests/data.py): f32,
+package's safetensors by llama.cpp's own converter (llamax_dev.data): f32,
 f16, bf16 (on CPUs with AVX512_BF16: llamax's BF16 kernels, activations
 rounded to bf16) and Q8_0 with the attention value projection in f16.  The peers run in
-cached venvs of their own (tests/data.py: tool_venv, ort_venv):
+cached venvs of their own (llamax_dev.data: tool_venv, ort_venv):
 
 - ONNX Runtime: the model exported to ONNX fp32 by this benchmark
   (torch.onnx, cached next to the GGUF files), ORT_ENABLE_ALL, N intra-op
@@ -47,15 +47,12 @@ from pathlib import Path
 
 import numpy as np
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(HERE))
-import bench_engine  # noqa: E402  (machine info)
-import data  # noqa: E402
-import peers  # noqa: E402
+import bench_engine  # machine info (benchmarks/, this script's folder)
+from llamax_dev import data, peers
 
-import llamax  # noqa: E402
+import llamax
+
+HERE = Path(__file__).resolve().parent
 
 PEERS = ("onnxruntime", "sentence_transformers", "llama_cpp_python")  # --peers
 

@@ -47,17 +47,15 @@ from pathlib import Path
 
 import numpy as np
 
+# The test data (cached, verified model) and the pinned llama.cpp build:
+# llamax_dev, the repository's dev helpers, not part of the package.
+from llamax_dev import data
+from llamax_dev.buildsys import llama_build
+
+import llamax
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
-
-# The test-data helper (cached, verified model) and the pinned llama.cpp
-# build helper are plain modules in the repository, not part of the package.
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT / "buildsys"))
-import data  # noqa: E402
-import build_llama_cpp as llama_build  # noqa: E402
-
-import llamax  # noqa: E402
 
 N_GEN = 128      # tg128
 N_PROMPT = 512   # pp512

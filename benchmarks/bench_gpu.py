@@ -26,12 +26,12 @@ import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-import bench_batching  # noqa: E402
-import bench_engine  # noqa: E402
+import bench_batching  # benchmarks/, this script's folder
+import bench_engine
 
-import llamax  # noqa: E402
+import llamax
+
+HERE = Path(__file__).resolve().parent
 
 NGL = ("-ngl", "99")
 

@@ -14,14 +14,10 @@ prompts'.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-import llamax  # noqa: E402
-from llamax.grammar import JSON_GBNF  # noqa: E402
+import llamax
+from llamax.grammar import JSON_GBNF
 
 
 def main():

@@ -54,8 +54,6 @@ from pathlib import Path
 import httpx
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-sys.path.insert(0, str(ROOT))
 
 HEAVY_KEY, SMALL_KEY = "bench-heavy", "bench-small"
 EOS = 2  # SmolLM2's <|im_end|>

@@ -22,17 +22,15 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import threading
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-sys.path.insert(0, str(ROOT / "tests"))
-import data  # noqa: E402
+from llamax_dev import data
 
-import llamax  # noqa: E402
+import llamax
+
+HERE = Path(__file__).resolve().parent
 
 QUESTIONS = ["Name a fruit.", "Name a planet.", "What is 2+2?", "Say hello.", "Name a colour.",
              "Name an ocean.", "Name a metal.", "Name a bird.", "Name a tree.", "Name a river.",

@@ -19,14 +19,12 @@ prompt throughput; the batcher preempts long chunks instead.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
+import llamax
 
-import llamax  # noqa: E402
+HERE = Path(__file__).resolve().parent
 
 
 def run(args) -> list[dict]:

@@ -46,7 +46,6 @@ from pathlib import Path
 import httpx
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "tests"))
 
 PROMPT = "Write a short note about"
 
@@ -110,13 +109,12 @@ def main() -> int:
     ap.add_argument("--out", default=str(HERE / "results" / "ray"))
     args = ap.parse_args()
 
-    import data
+    from llamax_dev import data
     import ray
     from ray import serve
 
     from llamax import gguf_tools as gt
-    from llamax.serve_ray import RayOptions, deploy
-    from llamax.server.app import ServerConfig
+    from llamax.server.ray import RayOptions, ServerConfig, deploy
 
     model = args.model or str(data.smollm2())
     work = Path(data._cache()) / "bench_ray"

@@ -41,13 +41,13 @@ from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import server_peers  # noqa: E402
+import server_peers  # benchmarks/, this script's folder
 
-import llamax  # noqa: E402
-from llamax import gguf_tools  # noqa: E402
-from llamax.models import cache_dir, default_model  # noqa: E402
+import llamax
+from llamax import gguf_tools
+from llamax.models import cache_dir, default_model
+
+ROOT = Path(__file__).resolve().parent.parent
 
 PROMPTS = ["Write a short poem about autumn leaves.", "Explain how a bicycle works.",
            "Describe the taste of an orange.", "Give advice to a new programmer.",

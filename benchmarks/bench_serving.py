@@ -1,5 +1,5 @@
 """Serving benchmarks: llamax against llama-cpp-python 0.3.36 (built from the
-same sdist and CPU flags, benchmarks/peers.py), in one run, interleaved.
+same sdist and CPU flags, tools/llamax_dev/peers.py), in one run, interleaved.
 
   python3 benchmarks/bench_serving.py [--model PATH] [--threads 2] [--runs 5] [--quick]
 
@@ -30,18 +30,15 @@ from pathlib import Path
 
 import numpy as np
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(HERE))
-import bench_engine  # noqa: E402  (llama-bench runner, machine info)
-from counter import Counter, solo_rate  # noqa: E402
-import data  # noqa: E402
-import peers  # noqa: E402
+import bench_engine  # llama-bench runner, machine info (benchmarks/, this script's folder)
+from counter import Counter, solo_rate
+from llamax_dev import data, peers
 
-import llamax  # noqa: E402
-from llamax import gguf_tools  # noqa: E402
-from llamax.models import cache_dir  # noqa: E402
+import llamax
+from llamax import gguf_tools
+from llamax.models import cache_dir
+
+HERE = Path(__file__).resolve().parent
 
 N_GEN = 128
 
@@ -394,7 +391,7 @@ def main(argv=None):
     ap.add_argument("--out", default=str(HERE / "results"))
     ap.add_argument("--peers", action="store_true",
                     help="also run llama-cpp-python 0.3.36, built from the same sdist and CPU flags "
-                         "into a cached venv (benchmarks/peers.py; the first build takes minutes)")
+                         "into a cached venv (tools/llamax_dev/peers.py; the first build takes minutes)")
     ap.add_argument("--llama-bench", default=None, help="llama-bench binary (default: the cached build)")
     ap.add_argument("--only", default=None,
                     help="comma-separated sections to re-measure (decode,tenants,memory,gil,ttft); "

@@ -20,17 +20,16 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
+from llamax_dev import data
+
+import llamax
+from llamax import LlamaPromptLookupDecoding
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-sys.path.insert(0, str(ROOT / "tests"))
-import data  # noqa: E402
-
-import llamax  # noqa: E402
-from llamax import LlamaPromptLookupDecoding  # noqa: E402
 
 OUT = HERE / "results"
 

@@ -20,16 +20,14 @@ from __future__ import annotations
 
 import argparse
 import random
-import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
+from llamax_dev import tests_module
 
-from api.test_stop_strings import _Model, _ReferenceAssembler  # noqa: E402
+from llamax.request import _TextAssembler
 
-from llamax.request import _TextAssembler  # noqa: E402
+_reference = tests_module("api/test_stop_strings.py")   # the replaced implementation, kept there
+_Model, _ReferenceAssembler = _reference._Model, _reference._ReferenceAssembler
 
 WORDS = ("the of and to in is that for it as with was on be by this are at from or have an they which "
          "one you were her all she there would their we him been has when who will more no if out so said").split()

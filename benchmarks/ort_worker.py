@@ -72,7 +72,7 @@ def embed(req):
 def serve():
     import onnxruntime
     import tokenizers
-    from worker_loop import serve as loop
+    from llamax_dev.worker_loop import serve as loop
     loop({"version": onnxruntime.__version__, "tokenizers": tokenizers.__version__}, {"embed": embed})
 
 

@@ -1,4 +1,4 @@
-"""Runs inside the llama-cpp-python venv (benchmarks/peers.py) and measures it.
+"""Runs inside the llama-cpp-python venv (tools/llamax_dev/peers.py) and measures it.
 
 Two modes:
   python peer_worker.py serve           JSON requests on stdin, one per line, JSON
@@ -177,7 +177,7 @@ def embed(req):
 def serve():
     ops = {"tg": tg, "pp": pp, "completion": completion, "tenants": tenants, "gil": gil, "concurrent": concurrent, "ttft": ttft,
            "embed": embed}
-    from worker_loop import serve as loop
+    from llamax_dev.worker_loop import serve as loop
     loop({"version": llama_cpp.__version__}, ops)
 
 

@@ -6,7 +6,7 @@
   calls) and the same CPU flags, in its own build folder (llamax's own build
   leaves the server off), with llama.cpp's default OpenMP;
 - llama-cpp-python 0.3.36's server: the benchmark peer venv
-  (benchmarks/peers.py) plus its ``[server]`` dependencies.
+  (tools/llamax_dev/peers.py) plus its ``[server]`` dependencies.
 
     python3 benchmarks/server_peers.py      # prepare both
 """
@@ -16,14 +16,10 @@ import hashlib
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "buildsys"))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import build_llama_cpp as llama_build  # noqa: E402
-import peers  # noqa: E402
+from llamax_dev import peers
+from llamax_dev.buildsys import llama_build
 
 
 def _server_args() -> list[str]:

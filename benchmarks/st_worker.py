@@ -1,5 +1,5 @@
 """Runs inside the tool venv that has torch and sentence-transformers
-(tests/data.py: tool_venv(reference=True)) and measures
+(llamax_dev.data: tool_venv(reference=True)) and measures
 SentenceTransformer.encode.  JSON requests on stdin, one per line; JSON
 answers on stdout.  Only the standard library, torch, numpy and
 sentence_transformers are used here."""
@@ -25,7 +25,7 @@ def embed(req):
 def serve():
     import sentence_transformers
     import torch
-    from worker_loop import serve as loop
+    from llamax_dev.worker_loop import serve as loop
     loop({"version": sentence_transformers.__version__, "torch": torch.__version__}, {"embed": embed})
 
 

@@ -1,4 +1,4 @@
-"""Shared fixtures: real models and files, fetched and cached once (tests/data.py)."""
+"""Shared fixtures: real models and files, fetched and cached once (llamax_dev.data)."""
 import os
 import subprocess
 import sys
@@ -8,11 +8,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-import data  # noqa: E402
+import llamax
+from llamax_dev import TOOLS, data  # tools/llamax_dev (pyproject.toml: pythonpath)
 
-import llamax  # noqa: E402
+HERE = Path(__file__).resolve().parent
 
 
 @pytest.fixture(scope="session")
@@ -28,7 +27,7 @@ def minilm_f32():
 
 @pytest.fixture(scope="session")
 def minilm_f16():
-    """all-MiniLM-L6-v2 as f16 GGUF (converted once, cached: tests/data.py)."""
+    """all-MiniLM-L6-v2 as f16 GGUF (converted once, cached: llamax_dev.data)."""
     return data.minilm("f16")
 
 
@@ -66,7 +65,7 @@ def run_py(code, timeout=300, env=None):
     test, not the run), with `env` added to the environment.  Returns the
     CompletedProcess."""
     env = dict(os.environ, **(env or {}))
-    env["PYTHONPATH"] = str(HERE) + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE), str(TOOLS), env.get("PYTHONPATH", "")])
     # cwd away from the repo root: `python -c` puts cwd first on sys.path, and the
     # source folder llamax/ (without a built extension) must not shadow the
     # installed package

@@ -18,14 +18,12 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = ["Tell me a story.", "Explain gravity.", "Write a quicksort in Python.", "What is the capital of Japan?"]
 ADAPTERS = ["coder", "translator", "third"]
 
 
 def measure() -> dict:
-    sys.path.insert(0, str(ROOT / "tests"))
-    import data
+    from llamax_dev import data
     import llamax
     from llamax import gguf_tools as gt
     p = data.smollm2()

@@ -11,11 +11,6 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT / "tests" / "core"))
 
 HAPPY = {"happy", "joy", "joyful", "wonderful", "great", "love", "excited", "exciting", "amazing", "beautiful",
          "fun", "delighted", "glad", "cheerful", "enjoy", "enjoyed", "perfect", "lovely", "smile"}
@@ -30,9 +25,10 @@ def main() -> int:
     ap.add_argument("--model", default=None)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
-    import data
     import llamax
-    from test_control_vector_train import NEGATIVE, POSITIVE, _lean
+    from llamax_dev import data, tests_module
+    train = tests_module("core/test_control_vector_train.py")
+    NEGATIVE, POSITIVE, _lean = train.NEGATIVE, train.POSITIVE, train._lean
 
     llm = llamax.Llama(args.model or str(data.smollm2()), n_ctx=512, n_threads=args.threads)
     t0 = time.perf_counter()

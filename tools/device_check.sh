@@ -35,7 +35,8 @@ setup_env() {
     export LLAMAX_LLAMA_CPP_DIR=$DC/llama.cpp
     export LLAMAX_CACHE_DIR=$DC/cache
     export LLAMAX_BUILD_JOBS=${LLAMAX_BUILD_JOBS:-$(nproc)}
-    export PYTHONPATH=$REPO:$DC/site${PYTHONPATH:+:$PYTHONPATH}
+    # the checkout's llamax and dev helpers (tools/llamax_dev): nothing is pip-installed here
+    export PYTHONPATH=$REPO:$REPO/tools:$DC/site${PYTHONPATH:+:$PYTHONPATH}
     export PYTHONUNBUFFERED=1
 }
 

@@ -33,10 +33,10 @@ import sys
 import tarfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from llamax_dev import ROOT
+from llamax_dev.buildsys import llama_build
+
 OUT = ROOT / ".devcheck"
-sys.path.insert(0, str(ROOT / "buildsys"))
-import build_llama_cpp as llama_build  # noqa: E402
 
 # ggml backends the CUDA build compiles; every other ggml/src/ggml-* folder stays behind
 KEEP_GGML = {"ggml-cpu", "ggml-cuda"}

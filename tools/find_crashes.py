@@ -1,20 +1,19 @@
-"""The long property-based crash search (tests/hardening/crash_search.py).
+"""The long property-based crash search (tools/llamax_dev/crash_search.py).
 
     python tools/find_crashes.py -n 2000 [--seed S] [--timeout 120]
 
 Every example runs in its own interpreter; the outcome must be "works" or a
 typed LlamaxError.  Prints the outcome counts and every failing spec (JSON,
-to re-run with ``python tests/hardening/crash_search.py '<spec>'``)."""
+to re-run with ``python tools/llamax_dev/crash_search.py '<spec>'``)."""
 import argparse
 import collections
 import json
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from hardening import crash_search  # noqa: E402
-from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
+from hypothesis import HealthCheck, Phase, given, settings
+
+from llamax_dev import crash_search
 
 
 def main():

@@ -39,9 +39,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
-
 
 def _fuzz_dir(target: str) -> Path:
     base = os.environ.get("LLAMAX_FUZZ_DIR")
@@ -156,7 +153,7 @@ def target_gguf():
 
 
 def target_tokenize():
-    import data
+    from llamax_dev import data
     import llamax
     models = [llamax.Model(str(data.smollm2()), vocab_only=True),
               llamax.Model(str(data.minilm("f16")), vocab_only=True)]
@@ -214,7 +211,7 @@ def target_template():
     def seed(corpus: Path) -> None:
         if any(corpus.iterdir()):
             return
-        import data
+        from llamax_dev import data
         m = llamax.Model(str(data.smollm2()), vocab_only=True)
         (corpus / "smollm2").write_bytes(m.chat_template().encode())
         m.close()
@@ -232,7 +229,7 @@ def target_grammar():
     import importlib.util
     import json
 
-    import data
+    from llamax_dev import data
     import llamax
     # llama-cpp-python's converter, from the pinned sdist (standard library only)
     sdist = data.llama_build.source_dir().parent.parent

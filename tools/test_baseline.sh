@@ -15,7 +15,8 @@
 # - OPENBLAS_CORETYPE=Haswell: OpenBLAS's AVX2 kernels for what the packed
 #   kernels leave to it.
 # PYTHONPATH puts the copy first, so the tests, and the interpreters and
-# servers they start, import the baseline build.
+# servers they start, import the baseline build (and the copy's dev helpers,
+# tools/llamax_dev).
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 dest="$root/build/baseline"
@@ -38,7 +39,7 @@ LLAMAX_CPU=baseline LLAMAX_CYTHON_BUILD_DIR="$dest/build/cython" \
     || { tail -50 "$dest/build.log"; exit 1; }
 echo "test_baseline: built in $(( $(date +%s) - start )) s"
 
-export PYTHONPATH="$dest${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$dest:$dest/tools${PYTHONPATH:+:$PYTHONPATH}"
 export LLAMAX_PACKED_ISA=avx2 OPENBLAS_CORETYPE=Haswell
 # This copy, built without AVX-512: refuse to go on otherwise.
 python3 - "$dest" <<'EOF'

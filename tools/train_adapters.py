@@ -29,7 +29,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
 
 TEMPLATES = ["What is {x}?", "Explain {x} in one sentence.", "Give me a fact about {x}.", "Describe {x} briefly.",
              "Why is {x} useful?"]
@@ -94,7 +93,7 @@ def main() -> int:
     ap.add_argument("--work", default=None, help="scratch folder (default: the llamax cache)")
     ap.add_argument("--eval-only", action="store_true", help="skip training: measure the adapters in --out")
     args = ap.parse_args()
-    import data
+    from llamax_dev import data
     import llamax
     from llamax import peft
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import data
+from llamax_dev import data
 import llamax
 from llamax import gguf_tools as gt
 from llamax import peft

@@ -8,7 +8,7 @@ import jsonschema
 import numpy as np
 import pytest
 
-import data
+from llamax_dev import data
 import llamax
 from llamax import LlamaDiskCache, LlamaPromptLookupDecoding, LlamaRAMCache, LlamaState
 

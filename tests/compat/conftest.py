@@ -3,7 +3,7 @@
 llamax is imported under the name the tests use, ``llama_cpp`` (with its
 submodules' names), exactly as a user switching by ``import llamax as
 llama_cpp`` would.  With ``LLAMAX_COMPAT_PEER=1`` nothing is aliased and the
-same files run against llama-cpp-python 0.3.36 itself (benchmarks/compat_peer.py
+same files run against llama-cpp-python 0.3.36 itself (tools/compat/peer_tests.py
 does that in the peer's venv, to know what it passes here).
 """
 import os

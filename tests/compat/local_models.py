@@ -24,7 +24,7 @@ def _paths() -> dict:
     env = os.environ.get("LLAMAX_COMPAT_MODELS")
     if env:
         return json.loads(env)
-    import data  # tests/data.py: fetched and verified once, cached
+    from llamax_dev import data  # fetched and verified once, cached
     return {"smollm2": str(data.smollm2()), "minilm": str(data.minilm("f16")), "vocab_dir": str(data.vocab_dir())}
 
 
@@ -44,5 +44,5 @@ MODEL_LLAMA_SPM = str(Path(_paths()["vocab_dir"]) / "ggml-vocab-llama-spm.gguf")
 
 # SmolLM2-135M-Instruct's greedy 6 tokens after "The quick brown fox jumps over
 # the lazy dog. The quick brown fox" (llama-cpp-python 0.3.36 gives the same:
-# benchmarks/compat_peer.py runs these tests on it too)
+# tools/compat/peer_tests.py runs these tests on it too)
 FOX_CONTINUATION = " is a classic example of a"

@@ -1,6 +1,6 @@
 """llamax against llama-cpp-python 0.3.36's stored answers, without the peer.
 
-benchmarks/compat_diff.py runs benchmarks/compat_diff_worker.py's cases on
+tools/compat/diff.py runs tools/llamax_dev/compat_diff_worker.py's cases on
 both libraries and stores, from the peer's answers, the fields that don't
 depend on the CPU's arithmetic in tests/compat/diff_reference.json (token ids,
 counts, shapes, key sets, prompt_tokens, exception type names; no greedy
@@ -10,17 +10,15 @@ stored field must match, except the deliberate differences in KNOWN.
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-import data  # tests/data.py (tests/conftest.py puts tests/ on sys.path)
 import llamax
+from llamax_dev import compat_diff_worker as cw
+from llamax_dev import data
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent.parent / "benchmarks"))
-import compat_diff_worker as cw  # noqa: E402
 
 REFERENCE = json.loads((HERE / "diff_reference.json").read_text())["cases"]
 
@@ -113,7 +111,7 @@ def test_known_differences_name_cases():
 
 
 def test_every_case_is_in_the_reference():
-    assert list(REFERENCE) == list(cw.CASES), "the reference is stale: run python3 benchmarks/compat_diff.py"
+    assert list(REFERENCE) == list(cw.CASES), "the reference is stale: run python3 tools/compat/diff.py"
 
 
 @pytest.mark.parametrize("case", list(REFERENCE))

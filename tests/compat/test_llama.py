@@ -2,7 +2,7 @@
 # MIT License, Copyright (c) 2023 Andrei Betlen: see LICENSE-llama-cpp-python.md
 # in this folder.  It runs against llamax: conftest.py imports llamax under the
 # name `llama_cpp` (set LLAMAX_COMPAT_PEER=1 to run it against llama-cpp-python
-# itself: benchmarks/compat_peer.py does).
+# itself: tools/compat/peer_tests.py does).
 #
 # Mechanical edits, the only changes:
 #  1. `import llama_cpp._internals as internals` removed, and with it test_real_model, its only
@@ -18,7 +18,7 @@
 #     test_equivalents.py::test_vocab_only_tokenizer checks the same on the public API.
 #  5. The greedy continuation of "The quick brown fox jumps over the lazy dog. The quick brown
 #     fox" (2 places) is the local model's, FOX_CONTINUATION: llama-cpp-python 0.3.36 gives the
-#     same on SmolLM2 (benchmarks/compat_peer.py checks), not the hub model's " jumps over the lazy dog.".
+#     same on SmolLM2 (tools/compat/peer_tests.py checks), not the hub model's " jumps over the lazy dog.".
 
 import ctypes
 import itertools

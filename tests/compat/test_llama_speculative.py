@@ -2,7 +2,7 @@
 # MIT License, Copyright (c) 2023 Andrei Betlen: see LICENSE-llama-cpp-python.md
 # in this folder.  It runs against llamax: conftest.py imports llamax under the
 # name `llama_cpp` (set LLAMAX_COMPAT_PEER=1 to run it against llama-cpp-python
-# itself: benchmarks/compat_peer.py does).
+# itself: tools/compat/peer_tests.py does).
 #
 # Mechanical edits, the only changes:
 #  (none)

@@ -44,10 +44,8 @@ def test_package_ships_declarations():
 # asks CMake for; tools/device_check.sh builds and runs it on a GPU.
 
 def _build_script():
-    import importlib
-    from pathlib import Path
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "buildsys"))
-    return importlib.import_module("build_llama_cpp")
+    from llamax_dev.buildsys import llama_build
+    return llama_build
 
 
 def _fake_cublas(root):
@@ -104,7 +102,8 @@ def test_cuda_build_requirement_follows_nvcc(monkeypatch):
     """The build backend asks for the nvidia-cublas wheel matching nvcc's
     major version (CUDA 13: nvidia-cublas; 12: nvidia-cublas-cu12)."""
     b = _build_script()
-    import _llamax_backend as backend
+    from llamax_dev.buildsys import load_backend
+    backend = load_backend()
     monkeypatch.delenv("LLAMAX_CUBLAS_DIR", raising=False)
     monkeypatch.setenv("LLAMAX_BACKEND", "cpu")
     assert backend._extra() == []

@@ -7,7 +7,7 @@ import pytest
 import llamax
 from llamax import _core
 
-import data
+from llamax_dev import data
 
 
 def test_every_log_phrase_is_still_in_llama_cpp():

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 import llamax
-import data
+from llamax_dev import data
 
 SEP = "\n__ggml_vocab_test__\n"
 CASES = data.vocab_cases()

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-import data
+from llamax_dev import data
 
 # Slow tier (`pytest tests -m slow`; .ci/run runs it): megabyte-long texts (~12 s).
 pytestmark = pytest.mark.slow

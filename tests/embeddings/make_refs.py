@@ -1,7 +1,7 @@
 """Compute the sentence-transformers reference vectors for the parity tests.
 
 Run once by the tooling (not by the tests), in the cached venv that has
-torch and sentence-transformers (tests/data.py: tool_venv):
+torch and sentence-transformers (llamax_dev.data: tool_venv):
 
     python tests/embeddings/make_refs.py
 
@@ -11,7 +11,6 @@ normalized vectors sentence-transformers' own all-MiniLM-L6-v2 pipeline
 """
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -29,8 +28,7 @@ print(vecs.shape, st.max_seq_length)
 
 
 def main() -> None:
-    sys.path.insert(0, str(HERE.parent))
-    import data
+    from llamax_dev import data
     py = data.tool_venv(reference=True)
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="2")
     subprocess.run([str(py), "-c", CHILD, str(data.minilm_dir()), str(HERE / "sentences.json"),

@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-import data
+from llamax_dev import data
 import llamax
 from conftest import run_py
 from llamax import gguf_tools as gt
@@ -41,7 +41,7 @@ def test_parity(kind, floor, sentences, st_reference):
     """f32: the closest to sentence-transformers; bf16: on CPUs with
     AVX512_BF16 the activations are rounded to bf16 too (packed BF16
     kernels), elsewhere only the weights are; Q8_0 keeps attn_v in f16
-    (tests/data.py)."""
+    (llamax_dev.data)."""
     with llamax.Embedder(data.minilm(kind), max_seq_length=256, n_threads=2) as e:
         v = e.encode(sentences, normalize_embeddings=True)
     cos = cosines(v, st_reference)

@@ -11,7 +11,7 @@ import threading
 import numpy as np
 import pytest
 
-import data
+from llamax_dev import data
 import llamax
 from conftest import run_py
 from llamax import _core
@@ -199,7 +199,7 @@ def test_packed_weights_agree_with_openblas_and_ggml(sentences, tmp_path):
             texts = json.loads({json.dumps(sentences)!r})
             out = []
             for kind in ("f32", "f16"):
-                import data
+                from llamax_dev import data
                 with llamax.Embedder(data.minilm(kind), max_seq_length=256, n_threads=2) as e:
                     assert llamax.sgemm_info()["packed"] is None
                     out.append(np.concatenate([e.encode(texts, batch_size=64), e.encode(texts[:6], batch_size=1)]))

@@ -22,8 +22,7 @@ PRE = textwrap.dedent(r'''
     import numpy as np
     import llamax
     from llamax import gguf_tools as gt
-    sys.path.insert(0, TESTS)
-    import data
+    from llamax_dev import data  # run_py puts tools/ on PYTHONPATH
     SMOL = str(data.smollm2())
     WORK = os.environ["CORPUS_DIR"]
     N_OK = 0

@@ -20,8 +20,7 @@ import os, signal, sys, threading, time
 signal.signal(signal.SIGINT, signal.default_int_handler)
 import numpy as np
 import llamax
-sys.path.insert(0, TESTS)
-import data
+from llamax_dev import data  # run_py puts tools/ on PYTHONPATH
 SMOL = str(data.smollm2())
 # 100 ms is the promise; under tools/sanitize.sh every graph node is several times slower
 LIMIT = 1.0 if os.environ.get("LLAMAX_SANITIZE_RUN") else 0.1
@@ -49,8 +48,7 @@ def expect_interrupt(fn, delay=0.4):
 
 
 def _run(body, smollm2_path):
-    from conftest import HERE
-    r = run_py(PRE.replace("TESTS", repr(str(HERE))) + body, timeout=300)
+    r = run_py(PRE + body, timeout=300)
     assert r.returncode == 0, f"exit {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}"
     lags = [float(x.split()[1]) for x in r.stdout.splitlines() if x.startswith("LAG-MS")]
     print("\nSIGINT -> KeyboardInterrupt (ms):", lags)

@@ -25,8 +25,7 @@ PRE = textwrap.dedent(r'''
     import numpy as np
     import llamax
     from llamax import gguf_tools as gt
-    sys.path.insert(0, TESTS)
-    import data
+    from llamax_dev import data  # run_py puts tools/ on PYTHONPATH
     SMOL = str(data.smollm2())
     WORK = os.environ["LEAK_DIR"]
     libc = ctypes.CDLL("libc.so.6")
@@ -132,8 +131,7 @@ def test_no_growth(name, leak_dir, smollm2_path):
     full, body = CYCLES[name]
     n = max(10, int(full * SCALE))
     warm = max(50, n // 5)  # caches (jinja2, numpy, the allocator) fill up first
-    from conftest import HERE
-    code = (PRE.replace("TESTS", repr(str(HERE))) + f"N, WARM = {n}, {warm}\n" + textwrap.dedent(body))
+    code = PRE + f"N, WARM = {n}, {warm}\n" + textwrap.dedent(body)
     r = run_py(f"import os; os.environ['LEAK_DIR'] = {str(leak_dir)!r}\n" + code, timeout=3600)
     assert r.returncode == 0, f"{name}: exit {r.returncode}\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}"
     res = json.loads(r.stdout.split("LEAK-RESULT ", 1)[1].splitlines()[0])

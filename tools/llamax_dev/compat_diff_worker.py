@@ -1,4 +1,4 @@
-"""The calls of benchmarks/compat_diff.py, run with whichever library it is given.
+"""The calls of tools/compat/diff.py, run with whichever library it is given.
 
 The same code runs on llama-cpp-python 0.3.36 (``import llama_cpp``, in the
 peer's venv) and on llamax (``import llamax as llama_cpp``), so both answer
@@ -19,7 +19,8 @@ A case returns a flat dict of fields.  The field's name says how it is compared:
   f:name      floats, compared with a tolerance (FLOAT_TOL), not stored
   i:name      information only (an exception's message), never compared
 
-Only the standard library and the library under test are used here.
+Only the standard library and the library under test are used here (and
+llamax_dev.worker_loop, standard library only, when it serves).
 """
 from __future__ import annotations
 
@@ -774,7 +775,7 @@ def serve() -> None:
         with contextlib.redirect_stdout(sys.stderr):
             return {"name": req["name"], "fields": runner.run(req["name"])}
 
-    from worker_loop import serve as loop
+    from llamax_dev.worker_loop import serve as loop
     loop({"lib": lib.__name__, "version": getattr(lib, "__version__", "?"), "cases": list(CASES)}, {"case": run})
     runner.close()
 

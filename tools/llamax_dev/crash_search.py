@@ -6,9 +6,10 @@ LlamaxError" -- never a signal (abort, segfault), a hang, or another
 exception.
 
 Used by tests/hardening/test_crash_search.py (a short run in CI) and by
-tools/find_crashes.py (long runs, counts in the README).  The worker side is
-``python crash_search.py '<json spec>'``: it runs one scenario and prints
-``OUTCOME ok``, ``OUTCOME typed <class>`` or ``OUTCOME untyped <class>``.
+tools/find_crashes.py (long runs, counts in the README).  The worker side
+is ``python tools/llamax_dev/crash_search.py '<json spec>'``: it runs one
+scenario and prints ``OUTCOME ok``, ``OUTCOME typed <class>`` or
+``OUTCOME untyped <class>``.
 """
 from __future__ import annotations
 
@@ -136,7 +137,7 @@ def run(spec: dict, timeout: float = 120.0) -> tuple[str, str]:
     """Run one scenario in a fresh interpreter: (outcome, detail).  outcome is
     'ok', 'typed', or a failure: 'untyped', 'crash', 'hang'."""
     env = dict(os.environ)
-    env["PYTHONPATH"] = str(HERE.parent) + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = str(HERE.parent) + os.pathsep + env.get("PYTHONPATH", "")  # tools/: llamax_dev
     try:
         r = subprocess.run([sys.executable, str(Path(__file__).resolve()), json.dumps(spec)], capture_output=True,
                            text=True, timeout=timeout, env=env, cwd=str(HERE))
@@ -152,7 +153,7 @@ def run(spec: dict, timeout: float = 120.0) -> tuple[str, str]:
 # -- the worker ---------------------------------------------------------------------------------
 
 def _paths():
-    import data
+    from llamax_dev import data
     return {"smol": str(data.smollm2()), "minilm": str(data.minilm())}
 
 
@@ -239,7 +240,7 @@ def _llama_scenario(spec, llamax):
 
 
 def _vocab_scenario(spec, llamax):
-    import data
+    from llamax_dev import data
     m = llamax.Model(data.vocab_dir() / f"ggml-vocab-{spec['vocab']}.gguf", vocab_only=True)
     text = "".join(piece * n for piece, n in spec["runs"])
     toks = m.tokenize(text, add_special=spec["add_special"], parse_special=spec["parse_special"])

@@ -1,8 +1,8 @@
 """The same calls on llama-cpp-python 0.3.36 and on llamax, field by field.
 
-    python3 benchmarks/compat_diff.py      # the peer is built once (benchmarks/peers.py)
+    python3 tools/compat/diff.py      # the peer is built once (tools/llamax_dev/peers.py)
 
-Both libraries run benchmarks/compat_diff_worker.py, the same code: in the
+Both libraries run tools/llamax_dev/compat_diff_worker.py, the same code: in the
 peer's venv with ``import llama_cpp``, in ours with ``import llamax as
 llama_cpp``; each a JSON-lines worker, one request per case, the two in
 parallel (n_threads=1 each).  Every difference is printed as
@@ -21,14 +21,9 @@ import math
 import os
 import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "benchmarks"))
-sys.path.insert(0, str(ROOT / "tests"))
-import compat_diff_worker as cw  # noqa: E402
-import data  # noqa: E402
-import peers  # noqa: E402
+from llamax_dev import ROOT, data, peers
+from llamax_dev import compat_diff_worker as cw
 
 OUT = ROOT / "benchmarks" / "results"
 REFERENCE = ROOT / "tests" / "compat" / "diff_reference.json"
@@ -93,7 +88,7 @@ class _Both:
     started again for the next case."""
 
     def __init__(self, env_models: dict):
-        script = ROOT / "benchmarks" / "compat_diff_worker.py"
+        script = cw.__file__
         base = dict(os.environ, LLAMAX_DIFF_MODELS=json.dumps(env_models))
         self._spawn = {
             "peer": lambda: peers.Worker(peers.ensure(), script, env=dict(base, LLAMAX_DIFF_LIB="llama_cpp")),
@@ -151,7 +146,7 @@ def main() -> None:
         {"peer": peers.describe(), "float_tolerance": cw.FLOAT_TOL, "summary": summary, "cases": rows}, indent=1,
         ensure_ascii=False))
     lines = ["# llamax against llama-cpp-python 0.3.36, call by call", "",
-             f"{summary}.  The same calls (benchmarks/compat_diff_worker.py) on both; floats compared "
+             f"{summary}.  The same calls (tools/llamax_dev/compat_diff_worker.py) on both; floats compared "
              f"with tolerance {cw.FLOAT_TOL}.  `g:` fields follow a greedy output, `f:` fields are floats.", "",
              "| case | same | differing fields |", "|---|---|---|"]
     for r in rows:
@@ -160,8 +155,8 @@ def main() -> None:
         lines.append(f"| {r['case']} | {'yes' if r['same'] else '**no**'} | {fields} |")
     (OUT / "compat_diff.md").write_text("\n".join(lines) + "\n")
 
-    ref = {"about": "llama-cpp-python 0.3.36's answers to benchmarks/compat_diff_worker.py's cases, the fields "
-                    "that don't depend on the CPU's arithmetic; written by benchmarks/compat_diff.py, checked by "
+    ref = {"about": "llama-cpp-python 0.3.36's answers to tools/llamax_dev/compat_diff_worker.py's cases, the "
+                    "fields that don't depend on the CPU's arithmetic; written by tools/compat/diff.py, checked by "
                     "tests/compat/test_diff_reference.py",
            "peer": both.info["peer"]["version"],
            "cases": {r["case"]: stored(r["peer"]) for r in rows}}

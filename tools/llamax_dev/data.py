@@ -10,7 +10,7 @@
   convert_hf_to_gguf.py from the pinned source, run in a cached venv with
   torch==2.13.0 (the CPU build on these machines' disk) and transformers.
 
-Benchmarks import this module too.
+The tests, the benchmarks and the tools all take their models from here.
 """
 from __future__ import annotations
 
@@ -20,9 +20,7 @@ import sys
 import zipfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "buildsys"))
-import build_llama_cpp as llama_build  # noqa: E402
+from .buildsys import llama_build
 
 
 def smollm2() -> Path:

@@ -1,10 +1,10 @@
-"""Peers for the benchmarks, prepared and cached once.
+"""Peers for the benchmarks and the compatibility tools, prepared and cached once.
 
 llama-cpp-python 0.3.36 is built from the very sdist llamax takes llama.cpp
 from (same upstream commit), with the same CPU flags as llamax's llama.cpp
 build, into its own venv under ``~/.cache/llamax/peers``:
 
-    python3 benchmarks/peers.py          # prepare (about 7 minutes on 2 cores)
+    python3 -m llamax_dev.peers          # prepare (about 7 minutes on 2 cores)
 
 ``describe()`` says how it was built, for the benchmark output.
 """
@@ -14,13 +14,11 @@ import hashlib
 import json
 import os
 import subprocess
-import sys
 import venv
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "buildsys"))
-import build_llama_cpp as llama_build  # noqa: E402
+from . import TOOLS
+from .buildsys import llama_build
 
 
 def _peer_cmake_args() -> list[str]:
@@ -75,10 +73,14 @@ if __name__ == "__main__":
 
 class Worker:
     """A JSON-lines worker process in another venv (one model load for the
-    whole run): a request per line on stdin, an answer per line on stdout."""
+    whole run): a request per line on stdin, an answer per line on stdout.
+    tools/ goes on its PYTHONPATH: the workers import llamax_dev.worker_loop,
+    and the other venvs don't have llamax_dev installed."""
 
     def __init__(self, py, script, env=None):
         self.name = Path(script).name
+        env = dict(os.environ if env is None else env)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(TOOLS), env.get("PYTHONPATH")) if p)
         self.p = subprocess.Popen([str(py), str(script), "serve"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                   text=True, bufsize=1, env=env)
         self.info = json.loads(self.p.stdout.readline())

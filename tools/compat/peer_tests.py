@@ -2,7 +2,7 @@
 0.3.36 itself and against llamax, on the same local models: what the peer
 passes here, and whether llamax passes the same.
 
-    python3 benchmarks/compat_peer.py      # builds the peer once (benchmarks/peers.py)
+    python3 tools/compat/peer_tests.py      # builds the peer once (tools/llamax_dev/peers.py)
 
 Writes benchmarks/results/compat.{json,md}: each test's outcome on both.
 """
@@ -16,11 +16,7 @@ import tempfile
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "benchmarks"))
-sys.path.insert(0, str(ROOT / "tests"))
-import data  # noqa: E402
-import peers  # noqa: E402
+from llamax_dev import ROOT, data, peers
 
 OUT = ROOT / "benchmarks" / "results"
 # llama-cpp-python's own test files (the folder's other tests are llamax's)

@@ -1,6 +1,7 @@
-"""The JSON-lines loop of the benchmark workers (peer_worker.py, st_worker.py,
-ort_worker.py), which run in other venvs: standard library only.  The
-worker's script folder is on sys.path, so they import it by name."""
+"""The JSON-lines loop of the workers (benchmarks/peer_worker.py, st_worker.py,
+ort_worker.py; compat_diff_worker.py), which run in other venvs: standard
+library only.  peers.Worker puts tools/ on their PYTHONPATH, so they import
+it as llamax_dev.worker_loop."""
 import json
 import sys
 
