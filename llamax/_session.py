@@ -29,6 +29,7 @@ from llamax._errors import ArgumentTypeError, ContextOverflowError, InvalidArgum
 from llamax._validate import check_int
 from llamax.llama_cache import BASE_STATE, BaseLlamaCache, LlamaState
 from llamax.pool import _lcp, _Pool, _Slot
+from llamax.request import apply_processors, check_processors, grammar_text
 
 __all__ = ["LogitsProcessorList", "StoppingCriteriaList", "MinTokensLogitsProcessor"]
 
@@ -66,22 +67,6 @@ class MinTokensLogitsProcessor:
         if len(input_ids) - self.prompt_tokens < self.min_tokens:
             scores[self.token_eos] = -np.inf
         return scores
-
-
-def check_processors(logits_processor, stopping_criteria):
-    if logits_processor is not None and not callable(logits_processor):
-        raise ArgumentTypeError("logits_processor must be a LogitsProcessorList (or a callable)")
-    if stopping_criteria is not None and not callable(stopping_criteria):
-        raise ArgumentTypeError("stopping_criteria must be a StoppingCriteriaList (or a callable)")
-
-
-def apply_processors(processor, input_ids: np.ndarray, row: np.ndarray, n_vocab: int) -> np.ndarray:
-    """Run a logits processor on a private copy of ``row``; check what it returns."""
-    out = processor(input_ids, row)
-    out = np.asarray(out, dtype=np.float32)
-    if out.shape != (n_vocab,):
-        raise InvalidArgumentError(f"a logits processor returned shape {out.shape}, not ({n_vocab},)")
-    return out
 
 
 def state_fingerprint(state: State) -> str:
@@ -307,7 +292,6 @@ class _SessionMixin:
             temp = 0.8
         if temp < 0:  # llama-cpp-python: a plain draw from the softmax
             temp, top_k, top_p, min_p, typical_p = 1.0, 0, 1.0, 0.0, 1.0
-        from llamax.request import grammar_text
         return Sampler(self._model, temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, typical_p=typical_p,
                        repeat_penalty=repeat_penalty, frequency_penalty=frequency_penalty,
                        presence_penalty=presence_penalty, penalty_last_n=self.last_n_tokens_size,
@@ -534,11 +518,6 @@ class _SessionMixin:
     @property
     def _is_hybrid(self) -> bool:
         return self._model.is_hybrid
-
-    def tokenizer(self):
-        """A :class:`llamax.llama_tokenizer.LlamaTokenizer` over this Llama's vocabulary."""
-        from llamax.llama_tokenizer import LlamaTokenizer
-        return LlamaTokenizer(self)
 
     def token_nl(self) -> int:
         nl = self._model.special_tokens["nl"]

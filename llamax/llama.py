@@ -8,12 +8,14 @@ prompt cache keyed by the adapter set and control vector as well as tokens.
 """
 from __future__ import annotations
 
+import abc
 import logging
 import os
 import random
 import threading
 import time
 import uuid
+from typing import Optional
 
 import numpy as np
 
@@ -24,11 +26,12 @@ from llamax._errors import (
 from llamax.adapters import AdapterRegistry
 from llamax.cancel import CancelToken
 from llamax.chat import ChatTemplate, ChatTemplateError, _check_messages, prepare_prefill
-from llamax._session import _SessionMixin, check_processors
+from llamax._session import _SessionMixin
+from llamax._validate import check_bool, check_bools, check_int, is_int
 from llamax.pool import _BatchPool, _BatchSlot, _Pool, _Slot
 from llamax.request import (
-    RequestParams, _adeliver, _Chunks, _deliver, _Request, chat_logprobs, completion_logprobs, grammar_text,
-    row_logprobs,
+    PreparedEmbedding, PreparedRequest, RequestParams, Runtime, _Chunks, _Request, chat_logprobs, check_processors,
+    completion_logprobs, grammar_text, row_logprobs,
 )
 
 __all__ = ["Llama"]
@@ -126,16 +129,6 @@ def _response_format_grammar(rf) -> str | None:
     raise InvalidArgumentError(f"response_format type {kind!r} is not one of 'text', 'json_object', 'json_schema'")
 
 
-def _check_bools(**kw):
-    for k, v in kw.items():
-        if not isinstance(v, bool):
-            raise ArgumentTypeError(f"{k} must be True or False, not {type(v).__name__}")
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
-
-
 _NOT_INT32 = "a token id does not fit in int32: valid ids are in [0, n_vocab)"
 
 
@@ -151,11 +144,50 @@ def _int_tokens(t) -> np.ndarray:
 
 def _single(input) -> bool:
     """One embedding input: a str, or one list of token ids."""
-    return isinstance(input, str) or (isinstance(input, (list, tuple)) and bool(input) and _is_int(input[0]))
+    return isinstance(input, str) or (isinstance(input, (list, tuple)) and bool(input) and is_int(input[0]))
 
 
 def _is_token_input(texts) -> bool:
     return bool(texts) and all(isinstance(t, (list, tuple)) for t in texts)
+
+
+class BaseLlamaTokenizer(abc.ABC):
+    __module__ = "llamax.llama_tokenizer"  # (defined here: it and Llama make each other)
+
+    @abc.abstractmethod
+    def tokenize(self, text: bytes, add_bos: bool = True, special: bool = True) -> list[int]:
+        """Token ids of ``text``."""
+
+    @abc.abstractmethod
+    def detokenize(self, tokens: list[int], prev_tokens: Optional[list[int]] = None,
+                   special: bool = False) -> bytes:
+        """The bytes of ``tokens`` (after ``prev_tokens``, if given)."""
+
+
+class LlamaTokenizer(BaseLlamaTokenizer):
+    """The vocabulary of a Llama (``Llama.tokenizer()``)."""
+
+    __module__ = "llamax.llama_tokenizer"
+
+    def __init__(self, llama):
+        self._model = llama
+
+    def tokenize(self, text: bytes, add_bos: bool = True, special: bool = True) -> list[int]:
+        return self._model.tokenize(text, add_bos=add_bos, special=special)
+
+    def detokenize(self, tokens: list[int], prev_tokens: Optional[list[int]] = None,
+                   special: bool = False) -> bytes:
+        return self._model.detokenize(tokens, prev_tokens=prev_tokens, special=special)
+
+    def encode(self, text: str, add_bos: bool = True, special: bool = True) -> list[int]:
+        return self.tokenize(text.encode("utf-8", errors="ignore"), add_bos=add_bos, special=special)
+
+    def decode(self, tokens: list[int]) -> str:
+        return self.detokenize(tokens).decode("utf-8", errors="ignore")
+
+    @classmethod
+    def from_ggml_file(cls, path: str) -> "LlamaTokenizer":
+        return cls(Llama(model_path=path, vocab_only=True))
 
 
 class Llama(_SessionMixin):
@@ -216,9 +248,10 @@ class Llama(_SessionMixin):
             yarn_attn_factor=yarn_attn_factor, yarn_beta_fast=yarn_beta_fast, yarn_beta_slow=yarn_beta_slow,
             yarn_orig_ctx=yarn_orig_ctx, op_offload=op_offload, swa_full=swa_full, numa=numa,
             chat_handler=chat_handler, tokenizer=tokenizer, type_k=type_k, type_v=type_v, spm_infill=spm_infill))
-        _check_bools(logits_all=logits_all, offload_kqv=offload_kqv, no_perf=no_perf)
-        if isinstance(last_n_tokens_size, bool) or not isinstance(last_n_tokens_size, int) or last_n_tokens_size < 0:
-            raise InvalidArgumentError("last_n_tokens_size must be a non-negative int (tokens the repeat penalties see)")
+        check_bools(logits_all=logits_all, offload_kqv=offload_kqv, no_perf=no_perf)
+        last_n_tokens_size = check_int(
+            last_n_tokens_size, "last_n_tokens_size", 0, error=InvalidArgumentError,
+            msg="last_n_tokens_size must be a non-negative int (tokens the repeat penalties see)")
         if pooling_type not in _POOLING_TYPES:
             raise InvalidArgumentError(f"pooling_type must be one of {sorted(_POOLING_TYPES)} (llama.cpp's "
                                        "LLAMA_POOLING_TYPE_*), got {pooling_type!r}")
@@ -231,17 +264,16 @@ class Llama(_SessionMixin):
             if n_parallel > 1:
                 raise InvalidArgumentError("draft_model (speculative decoding) needs n_parallel=1")
         self.last_n_tokens_size = last_n_tokens_size
-        if isinstance(n_contexts, bool) or not isinstance(n_contexts, int) or not 0 <= n_contexts <= 64:
-            raise InvalidArgumentError(f"n_contexts must be an int in [0, 64], got {n_contexts!r}")
-        if isinstance(n_parallel, bool) or not isinstance(n_parallel, int) or not 1 <= n_parallel <= 256:
-            raise InvalidArgumentError(f"n_parallel must be an int in [1, 256], got {n_parallel!r}")
+        n_contexts = check_int(n_contexts, "n_contexts", 0, 64, error=InvalidArgumentError,
+                               msg=f"n_contexts must be an int in [0, 64], got {n_contexts!r}")
+        n_parallel = check_int(n_parallel, "n_parallel", 1, 256, error=InvalidArgumentError,
+                               msg=f"n_parallel must be an int in [1, 256], got {n_parallel!r}")
         if n_parallel > n_batch:
             raise InvalidArgumentError(f"n_parallel={n_parallel} is more than n_batch={n_batch}: every step "
                                        "decodes one token of each sequence in one batch; raise n_batch")
         if n_contexts == 0 and not embedding:
             raise InvalidArgumentError("n_contexts=0 (no generation contexts) is only for embedding=True")
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise ArgumentTypeError("seed must be an int")
+        seed = check_int(seed, "seed")
         if verbose:
             if not any(isinstance(h, logging.StreamHandler) and not isinstance(h, logging.NullHandler)
                        for h in logger.handlers):
@@ -261,21 +293,15 @@ class Llama(_SessionMixin):
         self._rng_lock = threading.Lock()
         self._closed = False
         self._pooling = pooling
-        if not isinstance(prefix_cache, bool):
-            raise ArgumentTypeError("prefix_cache must be a bool")
-        self._prefix_cache = prefix_cache
+        self._prefix_cache = check_bool(prefix_cache, "prefix_cache")
         # (a bad n_batch is the context's to report)
-        nb = n_batch if isinstance(n_batch, int) and not isinstance(n_batch, bool) and n_batch >= 1 else None
+        nb = n_batch if is_int(n_batch, 1) else None
         if prefix_cache_chunk is None:
             prefix_cache_chunk = min(256, nb or 256)
-        if isinstance(prefix_cache_chunk, bool) or not isinstance(prefix_cache_chunk, int) \
-                or prefix_cache_chunk < 1 or (nb is not None and prefix_cache_chunk > nb):
-            raise InvalidArgumentError(f"prefix_cache_chunk must be an int in [1, n_batch={n_batch}], "
-                                       f"got {prefix_cache_chunk!r}")
-        self._prefix_chunk = prefix_cache_chunk
-        if not isinstance(prefix_cache_exact, bool):
-            raise ArgumentTypeError("prefix_cache_exact must be a bool")
-        self._prefix_exact = prefix_cache_exact
+        self._prefix_chunk = check_int(prefix_cache_chunk, "prefix_cache_chunk", 1, nb, error=InvalidArgumentError,
+                                       msg=f"prefix_cache_chunk must be an int in [1, n_batch={n_batch}], "
+                                           f"got {prefix_cache_chunk!r}")
+        self._prefix_exact = check_bool(prefix_cache_exact, "prefix_cache_exact")
         self.n_parallel = n_parallel
         slots = []
         try:
@@ -343,6 +369,25 @@ class Llama(_SessionMixin):
         """Whether a request runs on this Llama (close() would raise ContextBusyError)."""
         return (not self._closed and (self._model.busy or any(s.busy for s in self._pool.slots)
                                       or self._embed_lock.locked()))
+
+    def tokenizer(self) -> LlamaTokenizer:
+        """A :class:`llamax.llama_tokenizer.LlamaTokenizer` over this Llama's vocabulary."""
+        return LlamaTokenizer(self)
+
+    def context_stats(self) -> list[dict]:
+        """Per generation context: ``busy`` (a request runs on it) and, with
+        ``n_parallel > 1``, ``n_requests`` (submitted, not finished),
+        ``n_active`` (sequences in the batcher) and the batcher's counters
+        (:meth:`Batcher.stats`).  Read without locks: a snapshot for
+        monitoring, not a synchronisation point."""
+        out = []
+        for s in self._pool.slots:
+            d: dict = {"busy": bool(s.busy)}
+            b = getattr(s, "batcher", None)
+            if b is not None and not b.closed:
+                d.update(n_requests=s.n_requests, n_active=b.n_active, **b.stats())
+            out.append(d)
+        return out
 
     def __enter__(self):
         return self
@@ -412,7 +457,7 @@ class Llama(_SessionMixin):
             return b""
         n_vocab = self._model.n_vocab
         for t in tokens:
-            if isinstance(t, bool) or not _is_int(t):
+            if not is_int(t):
                 raise ArgumentTypeError("tokens must be ints")
             if not 0 <= t < n_vocab:
                 raise TokenError(f"token id {t} is outside [0, n_vocab={n_vocab})")
@@ -477,10 +522,8 @@ class Llama(_SessionMixin):
                 for k in ("data", "layer_start", "layer_end"):
                     if k not in control_vector:
                         raise ControlVectorError(f"control_vector needs '{k}' (data is padded from layer 1)")
-                ls, le = control_vector["layer_start"], control_vector["layer_end"]
-                for k, v in (("layer_start", ls), ("layer_end", le)):
-                    if isinstance(v, bool) or not isinstance(v, int):
-                        raise ArgumentTypeError(f"control_vector['{k}'] must be an int")
+                ls = check_int(control_vector["layer_start"], "control_vector['layer_start']")
+                le = check_int(control_vector["layer_end"], "control_vector['layer_end']")
                 parts.append((ControlVector.from_padded(self._model, control_vector["data"], ls, le), 1.0))
             else:
                 raise ArgumentTypeError("control_vector must be a dict {'data', 'layer_start', 'layer_end'} "
@@ -505,9 +548,8 @@ class Llama(_SessionMixin):
                     ls = cv.layer_start if ls is None else ls
                     le = cv.layer_end if le is None else le
                     n_layer = self._model.n_layer
-                    for k, v in (("layer_start", ls), ("layer_end", le)):
-                        if isinstance(v, bool) or not isinstance(v, int):
-                            raise ArgumentTypeError(f"control_vectors[{i}]['{k}'] must be an int")
+                    ls = check_int(ls, f"control_vectors[{i}]['layer_start']")
+                    le = check_int(le, f"control_vectors[{i}]['layer_end']")
                     if not 1 <= ls <= le <= n_layer - 1:  # checked before the padded copy is allocated
                         raise ControlVectorError(
                             f"control_vectors[{i}] layer range [{ls}, {le}] is invalid: need 1 <= layer_start "
@@ -539,8 +581,7 @@ class Llama(_SessionMixin):
 
     def _next_seed(self, seed):
         if seed is not None:
-            if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-                raise InvalidArgumentError("seed must be a non-negative int")
+            seed = check_int(seed, "seed", 0, error=InvalidArgumentError, msg="seed must be a non-negative int")
             return seed & 0xFFFFFFFF
         with self._rng_lock:
             return self._rng.getrandbits(32) & 0xFFFFFFFE
@@ -590,7 +631,7 @@ class Llama(_SessionMixin):
     def __call__(self, prompt, **kwargs):
         return self.create_completion(prompt, **kwargs)
 
-    def create_completion(self, prompt, suffix=None, max_tokens: int | None = 16, temperature: float = 0.8,
+    def prepare_completion(self, prompt, suffix=None, max_tokens: int | None = 16, temperature: float = 0.8,
                           top_p: float = 0.95, min_p: float = 0.05, typical_p: float = 1.0,
                           logprobs: int | None = None, echo: bool = False, stop=None,
                           frequency_penalty: float = 0.0, presence_penalty: float = 0.0,
@@ -599,8 +640,11 @@ class Llama(_SessionMixin):
                           grammar=None, active_loras=None, control_vector=None, control_vectors=None,
                           cancel: CancelToken | None = None, cache_prompt: bool = True,
                           tfs_z: float = 1.0, mirostat_mode: int = 0, mirostat_tau: float = 5.0,
-                          mirostat_eta: float = 0.1, logits_processor=None, stopping_criteria=None):
-        """OpenAI-style text completion (``stream=True`` gives chunks).
+                          mirostat_eta: float = 0.1, logits_processor=None,
+                          stopping_criteria=None) -> PreparedRequest:
+        """An OpenAI-style text completion, checked and ready to run (see
+        :class:`~llamax.request.PreparedRequest`); :meth:`create_completion`
+        runs it at once (``stream=True`` gives chunks).
 
         ``cancel``: a :class:`CancelToken`; ``cancel.cancel()`` from another
         thread stops this request with ``CancelledError``.  ``cache_prompt=False``:
@@ -614,13 +658,12 @@ class Llama(_SessionMixin):
         """
         self._check_open()
         _no_mirostat(mirostat_mode)
-        _check_bools(stream=stream, echo=echo, cache_prompt=cache_prompt)
+        check_bools(stream=stream, echo=echo, cache_prompt=cache_prompt)
         if suffix is not None:
             raise InvalidArgumentError("suffix (fill-in-the-middle) is not supported")
-        if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int) or logprobs < 0
-                                     or logprobs > self.n_vocab()):
-            raise InvalidArgumentError(f"logprobs must be an int in [0, n_vocab={self.n_vocab()}] (top alternatives "
-                                       "per token)")
+        logprobs = check_int(logprobs, "logprobs", 0, self.n_vocab(), none_ok=True, error=InvalidArgumentError,
+                             msg=f"logprobs must be an int in [0, n_vocab={self.n_vocab()}] (top alternatives per "
+                                 "token)")
         tokens = self._prompt_tokens(prompt)
         req = self._request(tokens, logprobs, RequestParams(
             max_tokens=max_tokens, temperature=temperature, top_p=top_p, min_p=min_p, typical_p=typical_p,
@@ -668,11 +711,18 @@ class Llama(_SessionMixin):
                     "choices": [{"text": str(text), "index": 0, "logprobs": lp, "finish_reason": finish}]}
 
         head = [chunk(prompt_text, echoed=True)] if prompt_text else []
-        return _deliver(req, stream, result, _Chunks(head, chunk, lambda res: chunk("", res.finish_reason)))
+        return PreparedRequest(req, result, _Chunks(head, chunk, lambda res: chunk("", res.finish_reason)), stream)
+
+    def create_completion(self, prompt, **kwargs):
+        """OpenAI-style text completion: :meth:`prepare_completion` (same
+        keywords) run at once; ``stream=True`` gives an iterator of chunks."""
+        return self.prepare_completion(prompt, **kwargs).deliver()
+
+    create_completion.__wrapped__ = prepare_completion  # type: ignore[attr-defined]  # its keywords, for inspect
 
     # -- chat -----------------------------------------------------------------
 
-    def create_chat_completion(self, messages, functions=None, function_call=None, tools=None,
+    def prepare_chat_completion(self, messages, functions=None, function_call=None, tools=None,
                                tool_choice=None, temperature: float = 0.2, top_p: float = 0.95,
                                top_k: int = 40, min_p: float = 0.05, typical_p: float = 1.0,
                                stream: bool = False, stop=None, seed: int | None = None,
@@ -684,8 +734,10 @@ class Llama(_SessionMixin):
                                assistant_prefill: bool = False, cancel: CancelToken | None = None,
                                cache_prompt: bool = True, tfs_z: float = 1.0, mirostat_mode: int = 0,
                                mirostat_tau: float = 5.0, mirostat_eta: float = 0.1, logits_processor=None,
-                               stopping_criteria=None):
-        """OpenAI-style chat completion through the model's chat template.
+                               stopping_criteria=None) -> PreparedRequest:
+        """An OpenAI-style chat completion through the model's chat template,
+        checked and ready to run (see :class:`~llamax.request.PreparedRequest`);
+        :meth:`create_chat_completion` runs it at once.
 
         ``assistant_prefill=True`` continues the final, partial assistant
         message: the reply's content is the continuation only.
@@ -696,7 +748,7 @@ class Llama(_SessionMixin):
         """
         self._check_open()
         _no_mirostat(mirostat_mode)
-        _check_bools(stream=stream, assistant_prefill=assistant_prefill, cache_prompt=cache_prompt)
+        check_bools(stream=stream, assistant_prefill=assistant_prefill, cache_prompt=cache_prompt)
         if functions is not None or function_call is not None:
             raise InvalidArgumentError("functions/function_call are not supported; pass tools= to the template")
         if tool_choice not in (None, "none", "auto"):
@@ -713,8 +765,8 @@ class Llama(_SessionMixin):
         n_top = None
         if logprobs:
             n_top = 0 if top_logprobs is None else top_logprobs
-            if isinstance(n_top, bool) or not isinstance(n_top, int) or not 0 <= n_top <= 20:
-                raise InvalidArgumentError("top_logprobs must be an int in [0, 20]")
+            n_top = check_int(n_top, "top_logprobs", 0, 20, error=InvalidArgumentError,
+                              msg="top_logprobs must be an int in [0, 20]")
         req = self._request(tokens, n_top, RequestParams(
             max_tokens=max_tokens, temperature=temperature, top_p=top_p, min_p=min_p, typical_p=typical_p,
             top_k=top_k, repeat_penalty=repeat_penalty, frequency_penalty=frequency_penalty,
@@ -739,9 +791,16 @@ class Llama(_SessionMixin):
             return {"id": cid, "object": "chat.completion.chunk", "created": created, "model": name,
                     "choices": [{"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}]}
 
-        return _deliver(req, stream, result, _Chunks([chunk({"role": "assistant"})],
-                                                     lambda piece: chunk({"content": str(piece)}, piece=piece),
-                                                     lambda res: chunk({}, res.finish_reason)))
+        return PreparedRequest(req, result, _Chunks([chunk({"role": "assistant"})],
+                                                    lambda piece: chunk({"content": str(piece)}, piece=piece),
+                                                    lambda res: chunk({}, res.finish_reason)), stream)
+
+    def create_chat_completion(self, messages, **kwargs):
+        """OpenAI-style chat completion: :meth:`prepare_chat_completion` (same
+        keywords) run at once; ``stream=True`` gives an iterator of chunks."""
+        return self.prepare_chat_completion(messages, **kwargs).deliver()
+
+    create_chat_completion.__wrapped__ = prepare_chat_completion  # type: ignore[attr-defined]
 
     # -- async twins ------------------------------------------------------------
 
@@ -749,11 +808,11 @@ class Llama(_SessionMixin):
         """``await``-able :meth:`create_completion` (same arguments); with
         ``stream=True`` an async iterator of chunks.  With ``n_parallel > 1``
         the event loop is woken by the batcher: no thread waits per request."""
-        return await _adeliver(self.create_completion, prompt, **kwargs)
+        return await self.prepare_completion(prompt, **kwargs).adeliver()
 
     async def acreate_chat_completion(self, messages, **kwargs):
         """``await``-able :meth:`create_chat_completion` (same arguments)."""
-        return await _adeliver(self.create_chat_completion, messages, **kwargs)
+        return await self.prepare_chat_completion(messages, **kwargs).adeliver()
 
     async def aembed(self, input, **kwargs):
         """:meth:`embed` in a worker thread (embedding runs without the GIL)."""
@@ -828,7 +887,7 @@ class Llama(_SessionMixin):
         (llama-cpp-python's shape.  :meth:`embed_array` returns the same as
         one float32 array without a Python float per number.)
         """
-        _check_bools(return_count=return_count)
+        check_bools(return_count=return_count)
         vecs, n = self._embed(input, normalize, truncate, active_loras, control_vector, control_vectors)
         out = vecs[0].tolist() if _single(input) else vecs.tolist()
         return (out, n) if return_count else out
@@ -854,8 +913,14 @@ class Llama(_SessionMixin):
                 "data": [{"object": "embedding", "embedding": v, "index": i} for i, v in enumerate(rows)],
                 "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens}}
 
-    def _embed(self, input, normalize, truncate, active_loras, control_vector, control_vectors,
-               max_tokens=None, cancel=None):
+    def prepare_embedding(self, input, *, normalize: bool = False, truncate: bool = True,
+                          max_tokens: int | None = None, active_loras=None, control_vector=None,
+                          control_vectors=None) -> PreparedEmbedding:
+        """Embedding input(s) checked and tokenized, adapters pinned, ready to
+        run (see :class:`~llamax.request.PreparedEmbedding`): ``run()`` gives
+        the float32 array, one row per input (``embed_array``'s, always 2-D),
+        ``n_tokens`` what the usage counts; ``cancel()`` from any thread aborts
+        the decodes."""
         self._check_open()
         # a str, a list of str, one token list, or a list of token lists
         texts = [input] if _single(input) else input
@@ -865,8 +930,7 @@ class Llama(_SessionMixin):
             raise InvalidArgumentError("input is empty: pass at least one string")
         limit = self._embed_limit()
         if max_tokens is not None:
-            if isinstance(max_tokens, bool) or not isinstance(max_tokens, int):
-                raise ArgumentTypeError("max_tokens must be an int or None")
+            max_tokens = check_int(max_tokens, "max_tokens", none_ok=True)
             if not 1 <= max_tokens <= limit:
                 raise InvalidArgumentError(f"max_tokens={max_tokens} must be in [1, {limit}] (n_ctx, and the "
                                            f"model's trained length for learned positions)")
@@ -878,27 +942,33 @@ class Llama(_SessionMixin):
             tokens, offsets = self._model.tokenize_batch(list(texts), add_special=True, max_tokens=limit,
                                                          truncate=bool(truncate))
         state, names = self._state(active_loras, control_vector, control_vectors)
-        try:
+
+        def run(cancel: CancelToken) -> np.ndarray:
+            self._check_open()
             with self._embed_lock:
                 ctx = self._embedding_context()
                 ctx.set_state(state)  # a pointer compare when it is applied already
-                if cancel is not None:  # a server's timeout or gone client aborts the decodes
-                    cancel._attach(ctx)
+                cancel._attach(ctx)   # cancel() aborts the decodes
                 try:
-                    out = ctx.embed(tokens, offsets, normalize=bool(normalize))
+                    return ctx.embed(tokens, offsets, normalize=bool(normalize))
                 finally:
-                    if cancel is not None:
-                        cancel._detach(ctx)
-        finally:
-            self._adapters.release(names)
-        return out, int(len(tokens))
+                    cancel._detach(ctx)
+
+        return PreparedEmbedding(run, lambda: self._adapters.release(names), len(texts), int(len(tokens)))
+
+    def _embed(self, input, normalize, truncate, active_loras, control_vector, control_vectors,
+               max_tokens=None):
+        with self.prepare_embedding(input, normalize=normalize, truncate=truncate, max_tokens=max_tokens,
+                                    active_loras=active_loras, control_vector=control_vector,
+                                    control_vectors=control_vectors) as p:
+            return p.run(), p.n_tokens
 
     def _token_inputs(self, inputs, limit, truncate):
         """Pre-tokenized embedding inputs (taken as they are: no BOS/SEP
         added) in the layout Context.embed takes."""
         arrays = []
         for i, t in enumerate(inputs):
-            if not isinstance(t, (list, tuple)) or not t or not all(_is_int(x) for x in t):
+            if not isinstance(t, (list, tuple)) or not t or not all(is_int(x) for x in t):
                 raise ArgumentTypeError(f"input[{i}] must be a non-empty list of token ids")
             if len(t) > limit:
                 if not truncate:
@@ -921,7 +991,7 @@ class Llama(_SessionMixin):
             # token), as llama-cpp-python does for a prompt without suffix
             tokens = self._model.tokenize(prompt, add_special=True, parse_special=True)
         elif isinstance(prompt, (list, tuple, np.ndarray)):
-            if not isinstance(prompt, np.ndarray) and all(_is_int(x) for x in prompt):
+            if not isinstance(prompt, np.ndarray) and all(is_int(x) for x in prompt):
                 tokens = _int_tokens(prompt)  # int64: np.asarray([1, 2**63]) would be float64
             else:
                 try:
@@ -949,9 +1019,7 @@ class Llama(_SessionMixin):
         if not self._pool.slots:
             # vocab_only=True or n_contexts=0: no context to run on (the pool would wait forever)
             raise InvalidArgumentError("this Llama has no generation context (vocab_only=True or n_contexts=0)")
-        max_tokens = p.max_tokens
-        if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)):
-            raise ArgumentTypeError("max_tokens must be an int or None")
+        max_tokens = check_int(p.max_tokens, "max_tokens", none_ok=True)
         if max_tokens is None or max_tokens <= 0:
             max_tokens = -1  # until the context is full
         stop = p.stop
@@ -978,7 +1046,12 @@ class Llama(_SessionMixin):
                           seed=self._next_seed(p.seed), grammar=grammar, logit_bias=p.logit_bias)
         # Resolved last: it pins adapters, which the request must release.
         state, names = self._state(p.active_loras, p.control_vector, p.control_vectors)
-        return _Request(self, tokens, sampler, max_tokens, stops, logprobs, state, names, cancel, p.cache_prompt,
+        rt = Runtime(model=self._model, pool=self._pool, release=self._adapters.release,
+                     cache_before=self._cache_before if self.cache is not None else None,
+                     cache_after=self._cache_after if self.cache is not None else None,
+                     prefix_chunk=self._prefix_chunk, prefix_cache=self._prefix_cache,
+                     prefix_exact=self._prefix_exact, draft=self._native_draft())
+        return _Request(rt, tokens, sampler, max_tokens, stops, logprobs, state, names, cancel, p.cache_prompt,
                         p.logits_processor, p.stopping_criteria)
 
     def _native_draft(self):

@@ -8,17 +8,16 @@ import codecs
 import dataclasses
 import queue
 import threading
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import Any, Iterator
 
 import numpy as np
 
 from llamax._core import Context, Model
-from llamax._errors import ArgumentTypeError, CancelledError, LlamaxError
+from llamax._errors import ArgumentTypeError, CancelledError, InvalidArgumentError, LlamaxError
 from llamax.cancel import CancelToken
 from llamax.pool import _BatchPool, _lcp
 
-if TYPE_CHECKING:
-    from llamax.llama import Llama
+__all__ = ["PreparedEmbedding", "PreparedRequest", "Runtime"]
 
 
 class _Chunks:
@@ -57,48 +56,185 @@ class _Chunks:
             await pieces.aclose()
 
 
-class _Plan:
-    """A request made ready by a sync endpoint, to be run by an async one."""
+class PreparedRequest:
+    """A completion or chat completion, checked and ready to run: what
+    :meth:`Llama.prepare_completion` and :meth:`Llama.prepare_chat_completion`
+    return, and what ``create_*`` run at once.
 
-    __slots__ = ("req", "stream", "result", "chunks")
+    Preparing does everything that can refuse the request (arguments, the
+    prompt's tokens, the grammar, the adapters it names, which are pinned
+    from here until the request ends or :meth:`close`), so running it fails
+    only for what happens while it runs.  Run it once, in one of four ways:
+    :meth:`run` / :meth:`arun` (the OpenAI-shaped dict) or :meth:`stream` /
+    :meth:`astream` (its chunks; the last carries ``usage``).
+    :meth:`cancel` may be called from any thread, at any time."""
 
-    def __init__(self, req, stream, result, chunks):
-        self.req, self.stream, self.result, self.chunks = req, stream, result, chunks
+    __slots__ = ("_req", "_result", "_chunks", "streaming", "_used", "_done")
+
+    def __init__(self, req: _Request, result, chunks: _Chunks, streaming: bool):
+        self._req = req
+        self._result = result
+        self._chunks = chunks
+        self.streaming = streaming  # what create_* was asked for: chunks (True) or one dict
+        self._used = False
+        self._done: _Result | None = None
+
+    @property
+    def n_prompt_tokens(self) -> int:
+        """The prompt's length in tokens (what must fit the context)."""
+        return len(self._req.tokens)
+
+    @property
+    def usage(self) -> dict | None:
+        """The usage block, once the request has ended (None before)."""
+        return None if self._done is None else self._done.usage()
+
+    @property
+    def finish_reason(self) -> str | None:
+        """``stop`` or ``length`` once the request has ended (None before)."""
+        return None if self._done is None else self._done.finish_reason
+
+    def _take(self) -> _Request:
+        if self._used:
+            raise InvalidArgumentError("this prepared request has run already: prepare another")
+        self._used = True
+        return self._req
+
+    def _keep(self, res: _Result) -> _Result:
+        self._done = res
+        return res
+
+    def run(self) -> dict:
+        """Run to the end on this thread (the GIL released while it computes)."""
+        return self._result(self._keep(self._take().run()))
+
+    async def arun(self) -> dict:
+        """:meth:`run` without a thread: the event loop is woken by the batcher."""
+        return self._result(self._keep(await self._take().arun()))
+
+    def stream(self) -> Iterator[dict]:
+        """The chunks, as they are generated; stopping early cancels the rest."""
+        return self._chunks.sync(self._kept(self._take().stream()))
+
+    def astream(self):
+        """Async iterator of the chunks (see :meth:`stream`)."""
+        return self._chunks.aio(self._akept(self._take().astream(True)))
+
+    def _kept(self, items):
+        try:
+            for item in items:
+                if isinstance(item, _Result):
+                    self._keep(item)
+                yield item
+        finally:
+            items.close()  # a consumer that stops early ends the request now
+
+    async def _akept(self, items):
+        try:
+            async for item in items:
+                if isinstance(item, _Result):
+                    self._keep(item)
+                yield item
+        finally:
+            await items.aclose()
+
+    def deliver(self):
+        """What ``create_*`` returns: :meth:`stream` or :meth:`run`, as prepared."""
+        return self.stream() if self.streaming else self.run()
+
+    async def adeliver(self):
+        """What ``acreate_*`` returns: :meth:`astream` or :meth:`arun`, as prepared."""
+        return self.astream() if self.streaming else await self.arun()
+
+    def cancel(self) -> None:
+        """Stop the request at its next step (it then raises CancelledError,
+        or its stream ends).  Thread-safe; a no-op once it has ended."""
+        self._req.stop()
+
+    def close(self) -> None:
+        """Let go of a request that will not run (its adapter pins)."""
+        if not self._used:
+            self._used = True
+            self._req._release()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
 
-_PLANNING = threading.local()  # set while an async twin calls its sync endpoint
+class PreparedEmbedding:
+    """Embedding inputs, checked and tokenized, their adapters pinned: what
+    :meth:`Llama.prepare_embedding` returns.  Run it once (:meth:`run` or
+    :meth:`arun`); :meth:`cancel` from any thread aborts its decodes
+    (CancelledError)."""
+
+    __slots__ = ("_run", "_release", "_token", "_used", "n_inputs", "n_tokens")
+
+    def __init__(self, run, release, n_inputs: int, n_tokens: int):
+        self._run = run
+        self._release = release
+        self._token = CancelToken()
+        self._used = False
+        self.n_inputs = n_inputs    # rows of the result
+        self.n_tokens = n_tokens    # tokens embedded (the usage's prompt_tokens)
+
+    def run(self) -> np.ndarray:
+        """The pooled embeddings, float32, shape (n_inputs, n_embd); decoded
+        without the GIL."""
+        if self._used:
+            raise InvalidArgumentError("this prepared embedding has run already: prepare another")
+        self._used = True
+        try:
+            if self._token.cancelled:
+                raise CancelledError("the request was cancelled")
+            return self._run(self._token)
+        finally:
+            self._release()
+
+    async def arun(self) -> np.ndarray:
+        """:meth:`run` in a worker thread."""
+        import asyncio
+        return await asyncio.to_thread(self.run)
+
+    def cancel(self) -> None:
+        self._token.cancel()
+
+    def close(self) -> None:
+        """Let go of an embedding that will not run (its adapter pins)."""
+        if not self._used:
+            self._used = True
+            self._release()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
 
 
-def _deliver(req, stream, result, chunks):
-    if getattr(_PLANNING, "on", False):
-        return _Plan(req, stream, result, chunks)
-    if stream:
-        return chunks.sync(req.stream())
-    return result(req.run())
+@dataclasses.dataclass(frozen=True)
+class Runtime:
+    """What a request needs of the ``Llama`` that made it: its contexts,
+    its adapters' pins, the prompt cache's hooks and the prefix-reuse
+    settings (a narrow view: a request never reaches the ``Llama`` itself)."""
 
-
-def _plan(endpoint, *args, **kwargs) -> _Plan:
-    """Run a sync endpoint only to validate and build its request (on this
-    thread: the server runs it in a worker thread, since naming an on-demand
-    adapter may load it)."""
-    _PLANNING.on = True
-    try:
-        return endpoint(*args, **kwargs)
-    finally:
-        _PLANNING.on = False
-
-
-async def _run_plan(plan: _Plan):
-    """Run a planned request the async way: the result, or an async iterator
-    of chunks."""
-    if plan.stream:
-        return plan.chunks.aio(plan.req.astream(True))
-    return plan.result(await plan.req.arun())
-
-
-async def _adeliver(endpoint, *args, **kwargs):
-    """Plan on the loop's thread (cheap), then run the request the async way."""
-    return await _run_plan(_plan(endpoint, *args, **kwargs))
+    model: Model
+    pool: Any                       # llamax.pool._Pool or _BatchPool
+    release: Any                    # release(names): let go of adapter pins
+    cache_before: Any               # cache_before(slot, req), or None without a prompt cache
+    cache_after: Any                # cache_after(slot), or None
+    prefix_chunk: int
+    prefix_cache: bool
+    prefix_exact: bool
+    draft: Any                      # ((max_ngram, n_pred), adaptive) for the native loop, or None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,6 +276,22 @@ def grammar_text(grammar) -> str | None:
     if not isinstance(text, str):
         raise ArgumentTypeError(f"grammar must be GBNF text or a LlamaGrammar, not {type(grammar).__name__}")
     return text
+
+
+def check_processors(logits_processor, stopping_criteria):
+    if logits_processor is not None and not callable(logits_processor):
+        raise ArgumentTypeError("logits_processor must be a LogitsProcessorList (or a callable)")
+    if stopping_criteria is not None and not callable(stopping_criteria):
+        raise ArgumentTypeError("stopping_criteria must be a StoppingCriteriaList (or a callable)")
+
+
+def apply_processors(processor, input_ids: np.ndarray, row: np.ndarray, n_vocab: int) -> np.ndarray:
+    """Run a logits processor on a private copy of ``row``; check what it returns."""
+    out = processor(input_ids, row)
+    out = np.asarray(out, dtype=np.float32)
+    if out.shape != (n_vocab,):
+        raise InvalidArgumentError(f"a logits processor returned shape {out.shape}, not ({n_vocab},)")
+    return out
 
 
 _WAIT = object()  # _batched_steps: "send me the sequence's next tokens"
@@ -228,10 +380,10 @@ class _Request:
     """One generation: pick a context, apply state, reuse the cached prefix
     (only under the same state), run the C++ loop, assemble text."""
 
-    def __init__(self, llm: Llama, tokens, sampler, max_tokens, stops, logprobs, state, names,
+    def __init__(self, rt: Runtime, tokens, sampler, max_tokens, stops, logprobs, state, names,
                  token: CancelToken | None = None, cache_prompt: bool = True, logits_processor=None,
                  stopping_criteria=None):
-        self.llm = llm
+        self.rt = rt
         self.user_token = token
         self.own_token = CancelToken()  # the stream's consumer going away aborts a long prompt decode
         self.tokens = tokens
@@ -251,10 +403,18 @@ class _Request:
         self._slot = None  # batched requests: the context's slot and the sequence
         self._seq = None
 
+    def stop(self) -> None:
+        """Stop at the next step, whichever way the request runs (thread-safe)."""
+        seq = self._seq
+        if seq is not None:
+            seq.cancel()
+        self.cancel.set()        # the one-context token loop
+        self.own_token.cancel()  # a prompt decode in progress
+
     def _release(self):
         if not self._released:
             self._released = True
-            self.llm._adapters.release(self.names)
+            self.rt.release(self.names)
 
     def __del__(self):
         # a stream that was never iterated still holds its adapter pins
@@ -264,7 +424,7 @@ class _Request:
             pass
 
     def run(self) -> _Result:
-        if isinstance(self.llm._pool, _BatchPool):
+        if isinstance(self.rt.pool, _BatchPool):
             for item in self._batched(False):
                 if isinstance(item, _Result):
                     return item
@@ -275,7 +435,7 @@ class _Request:
         thread (GIL released in C++); the consumer stopping early cancels it.
         With ``n_parallel`` the batcher's thread generates, and the
         consumer reads its tokens directly."""
-        if isinstance(self.llm._pool, _BatchPool):
+        if isinstance(self.rt.pool, _BatchPool):
             yield from self._batched(True)
             return
         q: queue.Queue = queue.Queue()
@@ -312,14 +472,14 @@ class _Request:
         sequence's next tokens (the driver sends them, or throws the
         sequence's error), text pieces when streaming, then the _Result.
         The driver ends the sequence (_end_batched)."""
-        llm = self.llm
-        model = llm._model
+        rt = self.rt
+        model = rt.model
         res = _Result(model)
         res.n_prompt = len(self.tokens)
         pieces: list[str] = []
         maker = _PieceMaker(pieces.append) if streaming and self.logprobs is not None else None
         text = _TextAssembler(model, self.stops, (maker or pieces.append) if streaming else None)
-        self._slot = llm._pool.acquire()
+        self._slot = rt.pool.acquire()
         self._seq = seq = self._slot.batcher.submit(
             self.tokens, self.sampler, max_tokens=self.max_tokens, logprobs=self.logprobs, state=self.state,
             cache_prompt=self.cache_prompt)
@@ -422,7 +582,7 @@ class _Request:
 
         def release():
             if slot is not None:
-                self.llm._pool.release(slot)
+                self.rt.pool.release(slot)
             self._release()
 
         if seq is None or seq.done:
@@ -447,7 +607,7 @@ class _Request:
 
     async def astream(self, streaming: bool = True):
         """Async twin of stream(): text pieces (when streaming), then the _Result."""
-        if isinstance(self.llm._pool, _BatchPool):
+        if isinstance(self.rt.pool, _BatchPool):
             agen = self._abatched(streaming)
             try:
                 async for item in agen:
@@ -495,28 +655,28 @@ class _Request:
                 self.own_token.cancel()  # a prompt decode in progress is aborted
 
     def _execute(self, emit) -> _Result:
-        llm = self.llm
-        model = llm._model
+        rt = self.rt
+        model = rt.model
         res = _Result(model)
         res.n_prompt = len(self.tokens)
         slot = None
         tokens = [t for t in (self.own_token, self.user_token) if t is not None]
         attached = []
         try:
-            slot = llm._pool.acquire(self.key, self.tokens,
+            slot = rt.pool.acquire(self.key, self.tokens,
                                      lambda: self.cancel.is_set() or self.own_token.cancelled)
             ctx = slot.ctx
             for t in tokens:
                 t._attach(ctx)
                 attached.append(t)
-            if llm.cache is not None and self.cache_prompt:
-                llm._cache_before(slot, self)   # a saved state that shares more of the prompt
+            if rt.cache_before is not None and self.cache_prompt:
+                rt.cache_before(slot, self)   # a saved state that shares more of the prompt
             ctx.set_state(self.state)           # a pointer compare when already applied
             # Reuse KV only if it was computed under this very state, and
             # only what a cold run would compute the same way: whole prompt
             # chunks of `chunk` positions (every prompt is decoded in chunks
             # ending at multiples of it), so a cached answer is the cold one.
-            chunk = llm._prefix_chunk
+            chunk = rt.prefix_chunk
             lcp = _lcp(slot.tokens, self.tokens) if slot.key == self.key and self.cache_prompt else 0
             n = len(self.tokens)
             # A repeat whose final logits were saved: sample from them (the
@@ -527,9 +687,9 @@ class _Request:
             saved = lcp == n and slot.logits_n == n and self.logprobs is None and not py_loop
             if saved:
                 n_keep = n
-            elif llm._prefix_cache and self.cache_prompt and llm._prefix_exact:
+            elif rt.prefix_cache and self.cache_prompt and rt.prefix_exact:
                 n_keep = min(lcp, slot.exact_n, n - 1) // chunk * chunk
-            elif llm._prefix_cache and self.cache_prompt:
+            elif rt.prefix_cache and self.cache_prompt:
                 n_keep = min(lcp, n - 1)  # any common prefix (prefix_cache_exact=False)
             else:
                 n_keep = 0  # only an exact repeat reuses the KV (see Llama's prefix_cache)
@@ -558,14 +718,14 @@ class _Request:
                         maker.logprobs = lps
                 return text.add(tok)
 
-            draft = llm._native_draft()
+            draft = rt.draft
             try:
                 if py_loop:
-                    out, finish = self._python_loop(ctx, n_keep, chunk if llm._prefix_exact else 0, on_token)
+                    out, finish = self._python_loop(ctx, n_keep, chunk if rt.prefix_exact else 0, on_token)
                 else:
                     out, finish = ctx.generate(self.tokens[n_keep:], self.sampler, max_tokens=self.max_tokens,
                                                callback=on_token if want_cb else None,
-                                               chunk=chunk if llm._prefix_exact else 0,
+                                               chunk=chunk if rt.prefix_exact else 0,
                                                draft=draft[0] if draft else None,
                                                history=self.tokens[:n_keep] if draft else None,
                                                draft_adaptive=draft[1] if draft else True)
@@ -591,14 +751,14 @@ class _Request:
                 # tokens past the stop string are not part of the answer
                 res.tokens = res.tokens[: text.n_tokens_used]
                 res.logprobs = res.logprobs[: text.n_tokens_used]
-            if llm.cache is not None and self.cache_prompt:
-                llm._cache_after(slot)
+            if rt.cache_after is not None and self.cache_prompt:
+                rt.cache_after(slot)
             return res
         finally:
             for t in attached:
                 t._detach(slot.ctx)
             if slot is not None:
-                llm._pool.release(slot)
+                rt.pool.release(slot)
             self._release()
 
 
@@ -607,14 +767,13 @@ class _Request:
         may change) each token's logits before the sampler does, and
         stopping criteria may end it.  Same results as the native loop
         otherwise (the prompt is decoded by it, in the same chunks)."""
-        model = self.llm._model
+        model = self.rt.model
         n_vocab = model.n_vocab
         ctx.generate(self.tokens[n_keep:], self.sampler, max_tokens=0, chunk=chunk)
         ids = np.asarray(self.tokens, np.intc)
         out: list[int] = []
         max_tokens = self.max_tokens if self.max_tokens >= 0 else 1 << 31
         finish = "length"
-        from llamax._session import apply_processors
         while True:
             rows = ctx.get_logits()
             row = rows[-1].copy()

@@ -43,10 +43,11 @@ LAYERS = [
     # the building blocks of Llama
     ["llamax.pool", "llamax.grammar", "llamax.adapters", "llamax.control_vectors", "llamax.peft",
      "llamax.llama_cache", "llamax.chat", "llamax.templates", "llamax._sandbox", "llamax._session",
-     "llamax.request", "llamax.llama_chat_format", "llamax.llama_tokenizer", "llamax.llama_speculative"],
+     "llamax.request", "llamax.llama_chat_format", "llamax.llama_speculative"],
     ["llamax.llama"],
-    # what stands on a Llama
-    ["llamax.embedder"],
+    # what stands on a Llama (llama_tokenizer: llama-cpp-python's module name for
+    # classes llama.py defines, since a Llama makes a tokenizer and back)
+    ["llamax.embedder", "llamax.llama_tokenizer"],
     # the package's face
     ["llamax"],
     # the server, split by #31 item 2
@@ -64,20 +65,9 @@ LAYERS = [
     ["llamax.server", "llamax.server.run", "llamax.server.ray"],
     ["llamax.server.cli"],
     # entry points: `python -m llamax serve` runs the server's cli; serve_ray is the
-    # Ray deployment today, a compat alias of llamax.server.ray once that exists
+    # old name of llamax.server.ray
     ["llamax.__main__", "llamax.serve_ray"],
 ]
-
-# Arrows that #31 is still removing, in files others are editing right now
-# (llama.py, _session.py). test_no_cycles and test_no_upward_imports are xfail
-# until this is empty; test_nothing_new_* hold every other arrow to the rules
-# meanwhile, and test_pending_is_current drops what has been fixed.
-PENDING = {
-    # LlamaTokenizer.from_ggml_file builds a Llama, Llama.tokenizer() (_session.py) builds a
-    # LlamaTokenizer: both classes have to live in llama.py, or one be handed the other
-    ("llamax.llama_tokenizer", "llamax.llama"),
-}
-
 
 # -- the graph -----------------------------------------------------------------
 
@@ -300,31 +290,12 @@ def test_graph_is_read(graph):
     assert "llamax.llama" in graph["llamax"]
 
 
-def test_pending_is_current(graph):
-    gone = [f"{a} -> {b}" for a, b in sorted(PENDING) if b not in graph.get(a, ())]
-    assert not gone, "fixed: drop from PENDING in tests/test_layers.py:\n" + "\n".join(gone)
-
-
-def test_nothing_new_in_cycles(graph, mods):
-    new = [c for c in find_cycles(graph) if not any((a, b) in PENDING for a, b in zip(c, c[1:]))]
-    assert not new, "import cycles:\n" + _cycle_report(new, graph, mods)
-
-
-def test_nothing_new_upward(graph, mods):
-    new = [where(a, b, graph, mods) for a, b in upward_arrows(graph) if (a, b) not in PENDING]
-    assert not new, "imports from a layer above (see LAYERS):\n" + "\n".join(new)
-
-
-@pytest.mark.xfail(strict=True, reason="#31: cycle llamax._session -> llama_tokenizer -> llama -> _session "
-                   "(llama.py, _session.py: being edited); see PENDING")
 def test_no_cycles(graph, mods):
     cycles = find_cycles(graph)
     print(_cycle_report(cycles, graph, mods))
     assert not cycles, "import cycles:\n" + _cycle_report(cycles, graph, mods)
 
 
-@pytest.mark.xfail(strict=True, reason="#31: llama_tokenizer -> llama (llama.py, _session.py: being edited); "
-                   "see PENDING")
 def test_no_upward_imports(graph, mods):
     up = [where(a, b, graph, mods) for a, b in upward_arrows(graph)]
     print("\n".join(up))
@@ -397,7 +368,6 @@ def test_private_use_reading(tmp_path):
         "llamax._core", "engine.llm._pool (a Llama's private part)", "llm._embed (a Llama's private part)"]
 
 
-@pytest.mark.xfail(strict=True, reason="#31 item 1: in progress")
 def test_server_uses_only_public_names(mods):
     found = []
     for m in sorted(mods):

@@ -4,91 +4,11 @@ Imports only the standard library until it runs, so ``python -m llamax
 --help`` works without the ``server`` extra."""
 from __future__ import annotations
 
-import argparse
-import os
 import sys
-from pathlib import Path
 
+from llamax.server.config import add_arguments, ray_options, server_config
 
-def _named(value: str) -> tuple[str, str]:
-    """NAME=PATH, or a bare PATH named by its file's stem (llama-server's --lora)."""
-    if "=" in value:
-        name, path = value.split("=", 1)
-        if not name:
-            raise argparse.ArgumentTypeError(f"{value!r}: the name before '=' is empty")
-    else:
-        name, path = Path(value).stem, value
-    if not os.path.isfile(path):
-        raise argparse.ArgumentTypeError(f"{path}: no such file")
-    return name, path
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", help="the GGUF model to serve")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8080, help="port (default 8080; 0: any free port)")
-    p.add_argument("--alias", help="the model's name in the API (default: the file's stem)")
-    p.add_argument("--n-contexts", type=int, default=1, help="contexts (each with its own batcher; default 1)")
-    p.add_argument("--parallel", "-np", type=int, default=4,
-                   help="sequences per context, decoded together (default 4)")
-    p.add_argument("--n-ctx", "-c", type=int, default=4096, help="context tokens per request (default 4096)")
-    p.add_argument("--n-batch", type=int, default=512, help="tokens per decode (default 512)")
-    p.add_argument("--threads", "-t", type=int, default=None, help="CPU threads (default: llama.cpp's choice)")
-    p.add_argument("--n-gpu-layers", "-ngl", type=int, default=None,
-                   help="layers on the GPU, -1 for all (default: LLAMAX_N_GPU_LAYERS, else 0; a build or "
-                        "machine without a GPU runs them on the CPU)")
-    p.add_argument("--lora", action="append", type=_named, default=[], metavar="[NAME=]PATH",
-                   help="an adapter, loaded at start (repeatable; a bare PATH is named by its stem)")
-    p.add_argument("--lora-dir", help="the only folder runtime loads may read adapters from")
-    p.add_argument("--max-loaded-adapters", type=int, default=None,
-                   help="adapters in memory at once, and so per request; others load on demand, least "
-                        "recently used unloaded (default: all loaded at start; with --replicas: 8 per replica)")
-    p.add_argument("--prefix-cache", choices=("any", "exact", "off"), default="any",
-                   help="prompt prefix reuse: any common prefix, token by token (default, as llama-server); "
-                        "exact: whole 256-token chunks, a cached answer bit for bit the cold one; off")
-    p.add_argument("--control-vector", action="append", type=_named, default=[], metavar="NAME=PATH",
-                   help="a control vector GGUF, named (repeatable)")
-    p.add_argument("--api-key", action="append", default=[], help="an API key (repeatable; also LLAMAX_API_KEY)")
-    p.add_argument("--api-key-file", help="a file with one API key per line")
-    p.add_argument("--admin-api-key", action="append", default=[],
-                   help="a key for management routes (repeatable; also LLAMAX_ADMIN_API_KEY)")
-    p.add_argument("--allow-runtime-lora", action="store_true",
-                   help="enable /v1/load_lora_adapter and /v1/unload_lora_adapter (admin key, --lora-dir)")
-    p.add_argument("--max-queue", type=int, default=64,
-                   help="requests that may wait beyond the running ones; more get 503 (default 64)")
-    p.add_argument("--metrics", action="store_true", help="enable GET /metrics (Prometheus)")
-    p.add_argument("--max-body-bytes", type=int, default=8 << 20, help="request body limit (default 8 MiB)")
-    p.add_argument("--request-timeout", type=float, default=600.0,
-                   help="seconds a request may run before it is cancelled (default 600)")
-    p.add_argument("--shutdown-timeout", type=float, default=10.0,
-                   help="on SIGINT/SIGTERM, seconds running requests get to finish before they are "
-                        "cancelled (default 10)")
-    p.add_argument("--chat-format", help="a built-in chat format instead of the GGUF's template")
-    p.add_argument("--chat-template", help="a Jinja2 chat template file instead of the GGUF's")
-    p.add_argument("--verbose", action="store_true", help="llama.cpp's log and an access log")
-    g = p.add_argument_group("Ray Serve (extra: ray)")
-    g.add_argument("--replicas", type=int, default=None,
-                   help="serve from R Ray Serve replicas with adapter affinity (each loads the model)")
-    g.add_argument("--max-adapter-sets", type=int, default=None,
-                   help="adapter sets (Ray Serve's multiplexed models) per replica, least recently used "
-                        "evicted (default 4)")
-    g.add_argument("--ray-address", default=None,
-                   help="join this Ray cluster (e.g. auto, or HEAD:6379) instead of starting a local one")
-    g.add_argument("--replica-cpus", type=float, default=1.0,
-                   help="Ray's logical CPUs per replica (scheduling; default 1)")
-
-
-def _keys(args) -> tuple[list[str], list[str]]:
-    keys = list(args.api_key)
-    if os.environ.get("LLAMAX_API_KEY"):
-        keys.append(os.environ["LLAMAX_API_KEY"])
-    if args.api_key_file:
-        with open(args.api_key_file, encoding="utf-8") as f:
-            keys += [line.strip() for line in f if line.strip() and not line.startswith("#")]
-    admin = list(args.admin_api_key)
-    if os.environ.get("LLAMAX_ADMIN_API_KEY"):
-        admin.append(os.environ["LLAMAX_ADMIN_API_KEY"])
-    return keys, admin
+__all__ = ["add_arguments", "run"]
 
 
 def run(args) -> int:
@@ -122,40 +42,5 @@ def run(args) -> int:
     if opts is None:
         from llamax.server.run import serve
         return serve(cfg)
-    from llamax.serve_ray import run as run_ray
+    from llamax.server.ray import run as run_ray
     return run_ray(cfg, opts, args.ray_address)
-
-
-def server_config(args):
-    """The ServerConfig the parsed options describe (ValueError if they don't fit)."""
-    from llamax.server.app import ServerConfig
-    keys, admin = _keys(args)
-    template = None
-    if args.chat_template:
-        with open(args.chat_template, encoding="utf-8") as f:
-            template = f.read()
-    return ServerConfig(model=args.model, host=args.host, port=args.port, alias=args.alias,
-                        n_contexts=args.n_contexts, parallel=args.parallel, n_ctx=args.n_ctx,
-                        n_batch=args.n_batch, threads=args.threads, n_gpu_layers=args.n_gpu_layers, loras=args.lora, lora_dir=args.lora_dir,
-                        max_loaded_adapters=args.max_loaded_adapters, control_vectors=args.control_vector,
-                        prefix_cache=args.prefix_cache,
-                        api_keys=keys, admin_api_keys=admin, allow_runtime_lora=args.allow_runtime_lora,
-                        max_queue=args.max_queue, metrics=args.metrics, max_body_bytes=args.max_body_bytes,
-                        request_timeout=args.request_timeout, shutdown_timeout=args.shutdown_timeout,
-                        chat_format=args.chat_format, chat_template=template, verbose=args.verbose)
-
-
-def ray_options(args):
-    """The RayOptions of the parsed options (ValueError if they don't fit)."""
-    from llamax.serve_ray import RayOptions
-    if args.metrics:
-        raise ValueError("--metrics is for the single-process server; on Ray Serve, use Ray's own Prometheus "
-                         "metrics (they include the multiplexing counters)")
-    opts = RayOptions(replicas=1 if args.replicas is None else args.replicas,
-                      max_sets=4 if args.max_adapter_sets is None else args.max_adapter_sets,
-                      max_adapters=8 if args.max_loaded_adapters is None else args.max_loaded_adapters,
-                      replica_cpus=args.replica_cpus)
-    if opts.replicas < 1 or opts.max_sets < 1 or opts.max_adapters < 1 or opts.replica_cpus <= 0:
-        raise ValueError("--replicas, --max-loaded-adapters, --max-adapter-sets and --replica-cpus must be "
-                         "positive")
-    return opts

@@ -3,7 +3,7 @@ with the status code that fits, and the mapping from llamax's exceptions."""
 from __future__ import annotations
 
 from llamax import _errors as E
-from llamax._fetch import FetchError
+from llamax import FetchError
 from llamax.chat import ChatTemplateError
 
 _TYPES = {

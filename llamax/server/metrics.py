@@ -11,20 +11,18 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 
 class _Collector:
-    def __init__(self, engine):
-        self.engine = engine
+    def __init__(self, backend):
+        self.backend = backend
 
     def collect(self):
-        e = self.engine
+        e = self.backend
         c = e.counters
         stats = {"n_decodes": 0, "n_tokens": 0, "n_switches": 0, "n_cached_tokens": 0, "n_seq_copies": 0,
                  "n_multi_adapter_decodes": 0, "n_seq_decoded": 0}
-        for s in e.llm._pool.slots:
-            b = getattr(s, "batcher", None)
-            if b is not None and not b.closed:
-                for k, v in b.stats().items():
-                    if k in stats:
-                        stats[k] += v
+        for s in e.llm.context_stats():
+            for k, v in s.items():
+                if k in stats:
+                    stats[k] += v
         with c.lock:
             prompt, predicted, cached = c.prompt_tokens, c.predicted_tokens, c.cached_tokens
             requests = dict(c.requests)
@@ -71,10 +69,11 @@ class _Collector:
         yield m
 
 
-def render(engine) -> tuple[bytes, str]:
-    reg = getattr(engine, "_registry", None)
+def render(backend) -> tuple[bytes, str]:
+    """Prometheus text for a LocalBackend (its collector made on first use)."""
+    reg = getattr(backend, "prometheus_registry", None)
     if reg is None:
         reg = CollectorRegistry(auto_describe=False)
-        reg.register(_Collector(engine))
-        engine._registry = reg
+        reg.register(_Collector(backend))
+        backend.prometheus_registry = reg
     return generate_latest(reg), CONTENT_TYPE_LATEST

@@ -19,32 +19,32 @@ MAX_STOP_LEN = 1024
 MAX_LIST_ADAPTERS = 64  # entries of active_loras, lora and control_vectors per request
 
 
-class _Strict(BaseModel):
+class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
-class LoraByName(_Strict):
+class LoraByName(StrictModel):
     name: str = Field(min_length=1)
     scale: float = 1.0
 
 
-class LoraById(_Strict):
+class LoraById(StrictModel):
     """llama-server's per-request ``lora`` entry."""
     id: int = Field(ge=0)
     scale: float = 1.0
 
 
-class ControlVectorByName(_Strict):
+class ControlVectorByName(StrictModel):
     name: str = Field(min_length=1)
     scale: float = 1.0
 
 
-class StreamOptions(_Strict):
+class StreamOptions(StrictModel):
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM: usage in every chunk
 
 
-class _Adapters(_Strict):
+class AdapterFields(StrictModel):
     """The llamax fields every model endpoint takes."""
     model: Optional[str] = None
     # each entry costs work per request (a control vector is summed into the
@@ -55,7 +55,7 @@ class _Adapters(_Strict):
     user: Optional[str] = None  # accepted, no effect
 
 
-class _Sampling(_Adapters):
+class SamplingFields(AdapterFields):
     max_tokens: Optional[int] = Field(default=None, ge=1)
     temperature: Optional[float] = Field(default=None, ge=0.0, le=2.0)
     top_p: Optional[float] = Field(default=None, ge=0.0, le=1.0)
@@ -78,7 +78,7 @@ class _Sampling(_Adapters):
     service_tier: Optional[str] = None                # accepted, no effect
 
 
-class ChatCompletionRequest(_Sampling):
+class ChatCompletionRequest(SamplingFields):
     messages: list[dict[str, Any]] = Field(min_length=1)
     max_completion_tokens: Optional[int] = Field(default=None, ge=1)
     logprobs: bool = False
@@ -90,7 +90,7 @@ class ChatCompletionRequest(_Sampling):
     assistant_prefill: bool = False
 
 
-class CompletionRequest(_Sampling):
+class CompletionRequest(SamplingFields):
     prompt: Union[str, list[str], list[int], list[list[int]]]
     echo: bool = False
     logprobs: Optional[int] = Field(default=None, ge=0, le=20)
@@ -98,36 +98,36 @@ class CompletionRequest(_Sampling):
     best_of: Optional[int] = Field(default=None, ge=1, le=MAX_N)
 
 
-class EmbeddingRequest(_Adapters):
+class EmbeddingRequest(AdapterFields):
     input: Union[str, list[str], list[int], list[list[int]]]
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: Optional[int] = Field(default=None, ge=1)
 
 
-class TokenizeRequest(_Strict):
+class TokenizeRequest(StrictModel):
     content: str
     add_special: bool = False
     parse_special: bool = True
     with_pieces: bool = False
 
 
-class DetokenizeRequest(_Strict):
+class DetokenizeRequest(StrictModel):
     tokens: list[int]
 
 
-class ApplyTemplateRequest(_Strict):
+class ApplyTemplateRequest(StrictModel):
     messages: list[dict[str, Any]] = Field(min_length=1)
     tools: Optional[list[dict[str, Any]]] = None
     add_generation_prompt: bool = True
 
 
-class LoadLoraRequest(_Strict):
+class LoadLoraRequest(StrictModel):
     """vLLM's body."""
     lora_name: str = Field(min_length=1, max_length=256)
     lora_path: str = Field(min_length=1)
     load_inplace: bool = False
 
 
-class UnloadLoraRequest(_Strict):
+class UnloadLoraRequest(StrictModel):
     lora_name: str = Field(min_length=1)
     lora_int_id: Optional[int] = None

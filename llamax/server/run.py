@@ -10,16 +10,18 @@ import sys
 
 import uvicorn
 
-from llamax.server.app import Engine, ServerConfig, build_app
+from llamax.server.app import build_app
+from llamax.server.backends.local import LocalBackend
+from llamax.server.config import ServerConfig
 
 
-async def _announce(server: uvicorn.Server, engine: Engine, cfg: ServerConfig) -> None:
-    while not (server.started and engine.loaded.is_set()):
+async def _announce(server: uvicorn.Server, backend: LocalBackend, cfg: ServerConfig) -> None:
+    while not (server.started and backend.loaded.is_set()):
         if server.should_exit:
             return
         await asyncio.sleep(0.02)
-    if engine.llm is None:
-        print(f"llamax: the model failed to load: {engine.load_error}", file=sys.stderr, flush=True)
+    if backend.llm is None:
+        print(f"llamax: the model failed to load: {backend.load_error}", file=sys.stderr, flush=True)
         server.should_exit = True
         return
     port = cfg.port
@@ -28,13 +30,13 @@ async def _announce(server: uvicorn.Server, engine: Engine, cfg: ServerConfig) -
             port = sock.getsockname()[1]
             break
     print(f"llamax: serving {cfg.alias!r} at http://{cfg.host}:{port}/v1 "
-          f"({cfg.n_contexts} context(s) x {cfg.parallel} sequences, {len(engine.lora_ids)} adapter(s))",
+          f"({cfg.n_contexts} context(s) x {cfg.parallel} sequences, {len(backend.adapters.ids)} adapter(s))",
           flush=True)
 
 
 def serve(cfg: ServerConfig) -> int:
-    engine = Engine(cfg)
-    app = build_app(engine)
+    backend = LocalBackend(cfg)
+    app = build_app(backend)
     if not cfg.verbose:
         logging.getLogger("llamax").setLevel(logging.WARNING)
     ucfg = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="info" if cfg.verbose else "warning",
@@ -43,7 +45,7 @@ def serve(cfg: ServerConfig) -> int:
     server = uvicorn.Server(ucfg)
 
     async def main():
-        watch = asyncio.ensure_future(_announce(server, engine, cfg))
+        watch = asyncio.ensure_future(_announce(server, backend, cfg))
         try:
             await server.serve()
         finally:
@@ -64,7 +66,7 @@ def serve(cfg: ServerConfig) -> int:
     finally:
         for sig, h in previous.items():
             signal.signal(sig, h)
-    if engine.loaded.is_set() and engine.llm is None:
+    if backend.loaded.is_set() and backend.llm is None:
         return 1
     if stops:
         print(f"llamax: stopped ({signal.Signals(stops[0]).name})", flush=True)

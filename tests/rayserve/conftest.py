@@ -42,8 +42,7 @@ def ray_server(smollm2_path, adapters, gen_dir):
     import ray
     from ray import serve
 
-    from llamax.serve_ray import RayOptions, deploy
-    from llamax.server.app import ServerConfig
+    from llamax.server.ray import RayOptions, ServerConfig, deploy
 
     d = gen_dir / "ray"
     d.mkdir(exist_ok=True)

@@ -13,8 +13,9 @@ import pytest
 
 pytest.importorskip("ray.serve")
 
-from llamax import serve_ray  # noqa: E402
-from llamax.server import cli  # noqa: E402
+from llamax.server import config as cli  # noqa: E402  (the command line's options)
+from llamax.server.backends.ray import ingress as ray_ingress  # noqa: E402
+from llamax.server.backends.ray import replica as ray_replica  # noqa: E402
 from llamax.server import protocol as P  # noqa: E402
 from llamax.server.errors import APIError  # noqa: E402
 
@@ -22,9 +23,9 @@ from llamax.server.errors import APIError  # noqa: E402
 class FakeIngress:
     """The Ingress' bookkeeping alone (an Ingress object is Serve's ASGI
     wrapper, made in a replica)."""
-    set_key = serve_ray.Ingress.set_key
-    _cached = serve_ray.Ingress._cached
-    forget = serve_ray.Ingress.forget
+    set_key = ray_ingress.Ingress.set_key
+    _cached = ray_ingress.Ingress._cached
+    forget = ray_ingress.Ingress.forget
 
 
 def ingress(max_adapters=2, max_affinity_sets=3):
@@ -86,9 +87,10 @@ def replica(max_adapters=2, names="abcd"):
     """A LlamaReplica's adapter bookkeeping on a fake model, with a dict for
     Ray's multiplexed cache (it never evicts here: Ray's LRU of sets is the
     Ray tests' part)."""
-    r = object.__new__(serve_ray.LlamaReplica)
+    r = object.__new__(ray_replica.LlamaReplica)
     llm = FakeLlama()
-    r.engine = types.SimpleNamespace(llm=llm, lora_paths={n: f"/{n}.gguf" for n in names}, close=lambda: None)
+    r.backend = types.SimpleNamespace(llm=llm, adapters=types.SimpleNamespace(paths={n: f"/{n}.gguf" for n in names}),
+                                      close=lambda: None)
     r.registry = types.SimpleNamespace(held=types.SimpleNamespace(remote=lambda *a: None))
     r.replica_id = "r0"
     r.max_adapters = max_adapters
@@ -99,7 +101,7 @@ def replica(max_adapters=2, names="abcd"):
 
     async def get_set(key):
         if key not in r.sets:
-            s = serve_ray._AdapterSet(r, key)
+            s = ray_replica._AdapterSet(r, key)
             r._ref(s)
             r.sets[key] = s
         return r.sets[key]
@@ -137,7 +139,7 @@ def test_replica_keeps_at_most_max_adapters_loaded():
 
 
 def test_replica_waits_a_bounded_time_then_503(monkeypatch):
-    monkeypatch.setattr(serve_ray, "MAKE_ROOM_S", 0.2)
+    monkeypatch.setattr(ray_replica, "MAKE_ROOM_S", 0.2)
 
     async def main():
         r, llm = replica(max_adapters=1)

@@ -86,11 +86,15 @@ def test_cli_refuses_what_it_cannot_honour(smollm2_path):
 
 
 def test_app_builder_takes_the_same_options(smollm2_path, adapters):
-    """``serve run llamax.serve_ray:app_builder key=value ...`` and config
-    files: the command line's options by name, refused as it refuses them."""
+    """``serve run llamax.server.ray:app_builder key=value ...`` and config
+    files: the command line's options by name, refused as it refuses them.
+    (``llamax.serve_ray:app_builder``, the old name, is the same function.)"""
     from ray import serve
 
-    from llamax.serve_ray import app_builder
+    from llamax import serve_ray
+    from llamax.server.ray import app_builder
+
+    assert serve_ray.app_builder is app_builder
 
     app = app_builder({"model": str(smollm2_path), "replicas": 3, "max_loaded_adapters": 2,
                        "lora": [f"coder={adapters['coder']}", str(adapters["writer"])], "verbose": "false"})

@@ -15,7 +15,7 @@ import pytest
 import uvicorn
 
 import llamax
-from llamax.server.app import Engine, ServerConfig, build_app
+from llamax.server import LocalBackend, ServerConfig, build_app
 from llamax.server.errors import APIError
 from llamax.server.files import open_inside
 
@@ -252,7 +252,7 @@ def test_open_server_shows_no_paths(http, adapters, smollm2_path):
 class _InThread:
     """build_app on uvicorn in a thread, on a free loopback port."""
 
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: LocalBackend):
         self.server = uvicorn.Server(uvicorn.Config(build_app(engine), host="127.0.0.1", port=0,
                                                     log_level="warning", lifespan="on"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
@@ -275,7 +275,7 @@ def test_health_says_only_that_loading_failed(tmp_path, caplog):
     bad = secret / "model.gguf"
     bad.write_bytes(b"GGUF" + b"\x00" * 64)
     cfg = ServerConfig(model=str(bad), alias="m", api_keys=[KEYS[0]], admin_api_keys=[ADMIN], threads=1)
-    engine = Engine(cfg)
+    engine = LocalBackend(cfg)
     with caplog.at_level("ERROR", logger="llamax.server"):
         engine.load()
     assert engine.llm is None

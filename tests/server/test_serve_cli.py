@@ -45,8 +45,8 @@ def test_health_is_503_until_the_model_has_loaded(smollm2_path):
     thread loads it): /health and the model routes say 503 until then."""
     from starlette.testclient import TestClient
 
-    from llamax.server.app import Engine, ServerConfig, build_app
-    engine = Engine(ServerConfig(model=str(smollm2_path)))
+    from llamax.server import LocalBackend, ServerConfig, build_app
+    engine = LocalBackend(ServerConfig(model=str(smollm2_path)))
     client = TestClient(build_app(engine))  # no lifespan: nothing loads
     r = client.get("/health")
     assert r.status_code == 503 and r.json()["error"]["code"] == "loading" and r.headers["retry-after"] == "1"
@@ -62,10 +62,10 @@ def test_health_is_503_until_the_model_has_loaded(smollm2_path):
 def test_n_gpu_layers_reaches_the_model(smollm2_path, tmp_path):
     import argparse
 
-    from llamax.server import cli
+    from llamax.server import config
     p = argparse.ArgumentParser()
-    cli.add_arguments(p)
-    assert cli.server_config(p.parse_args([str(smollm2_path), "-ngl", "-1"])).n_gpu_layers == -1
-    assert cli.server_config(p.parse_args([str(smollm2_path)])).n_gpu_layers is None  # LLAMAX_N_GPU_LAYERS, else 0
+    config.add_arguments(p)
+    assert config.server_config(p.parse_args([str(smollm2_path), "-ngl", "-1"])).n_gpu_layers == -1
+    assert config.server_config(p.parse_args([str(smollm2_path)])).n_gpu_layers is None  # LLAMAX_N_GPU_LAYERS, else 0
     r = serve(smollm2_path, "--n-gpu-layers", "-5", "--port", "0")
     assert r.returncode == 1 and "n_gpu_layers" in r.stderr, r.stderr[-2000:]

@@ -1,0 +1,262 @@
+"""How answers leave the server: a request's ``n`` choices (and prompts)
+run together, merged into one answer or one SSE stream, bounded by the
+request's deadline and cancelled when the client goes away."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import AsyncIterator, Callable
+
+from fastapi import Request
+from fastapi.responses import Response
+from sse_starlette.sse import EventSourceResponse
+from starlette.background import BackgroundTask
+
+from llamax.request import PreparedRequest
+from llamax.server.errors import APIError, from_exception
+from llamax.server.http import dumps
+
+__all__ = ["ClientGone", "guarded", "merge", "merge_completions", "usage_sum", "respond"]
+
+logger = logging.getLogger("llamax.server")
+
+
+class ClientGone(Exception):
+    """The client disconnected before the answer was ready."""
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while True:
+        msg = await request.receive()
+        if msg["type"] == "http.disconnect":
+            return
+
+
+def _timeout_error(timeout: float) -> APIError:
+    return APIError(408, f"the request took longer than {timeout:g} s (--request-timeout)",
+                    code="request_timeout")
+
+
+async def guarded(request: Request, aw, timeout: float, timeout_s: float | None = None, on_cancel=None):
+    """Await ``aw``, cancelling it when the client disconnects or ``timeout``
+    seconds are up (the error names ``timeout_s``, the configured limit,
+    when given).  ``on_cancel`` stops work that cancelling the task can't
+    (a worker thread's native call)."""
+    task = asyncio.ensure_future(aw)
+    watch = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({task, watch}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            return task.result()
+        task.cancel()
+        if on_cancel is not None:
+            on_cancel()
+        with contextlib.suppress(BaseException):
+            await task
+        if watch in done:
+            raise ClientGone()
+        raise _timeout_error(timeout if timeout_s is None else timeout_s)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+
+
+def usage_sum(usages: list[dict]) -> dict:
+    out = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0,
+           "prompt_tokens_details": {"cached_tokens": 0}}
+    for u in usages:
+        for k in ("prompt_tokens", "completion_tokens", "total_tokens"):
+            out[k] += u.get(k, 0)
+        out["prompt_tokens_details"]["cached_tokens"] += (u.get("prompt_tokens_details") or {}).get(
+            "cached_tokens", 0)
+    return out
+
+
+def merge(results: list[dict], model_name: str) -> dict:
+    """The choices of ``n`` answers to one prompt as one answer (the prompt
+    counted once, as OpenAI does)."""
+    out = dict(results[0])
+    out["model"] = model_name
+    choices = []
+    for i, r in enumerate(results):
+        for c in r["choices"]:
+            choices.append(dict(c, index=i))
+    out["choices"] = choices
+    out["usage"] = usage_sum([r["usage"] for r in results])
+    if len(results) > 1:
+        out["usage"]["prompt_tokens"] = results[0]["usage"]["prompt_tokens"]
+        out["usage"]["total_tokens"] = out["usage"]["prompt_tokens"] + out["usage"]["completion_tokens"]
+    return out
+
+
+def merge_completions(results: list[dict], n_prompts: int, model_name: str) -> dict:
+    """:func:`merge` for several prompts x ``n``: every prompt counts once."""
+    out = merge(results, model_name)
+    per = len(results) // n_prompts
+    prompt_tokens = sum(results[i * per]["usage"]["prompt_tokens"] for i in range(n_prompts))
+    out["usage"]["prompt_tokens"] = prompt_tokens
+    out["usage"]["total_tokens"] = prompt_tokens + out["usage"]["completion_tokens"]
+    return out
+
+
+async def _merged(streams: list) -> AsyncIterator[tuple[int, dict]]:
+    """(choice index, chunk) from every choice's stream, as they come."""
+    if len(streams) == 1:  # no task and no queue per token
+        async for chunk in streams[0]:
+            yield 0, chunk
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    end = object()
+
+    async def pump(i, it):
+        try:
+            async for chunk in it:
+                queue.put_nowait((i, chunk))
+        except BaseException as e:  # handed to the stream
+            queue.put_nowait((i, e))
+        finally:
+            queue.put_nowait((i, end))
+
+    tasks = [asyncio.ensure_future(pump(i, it)) for i, it in enumerate(streams)]
+    try:
+        left = len(tasks)
+        while left:
+            i, item = await queue.get()
+            if item is end:
+                left -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+class _Stream:
+    """One request's SSE events: every choice's chunks under one id, the
+    usage at the end if asked, ``[DONE]``; an error (or the deadline) is
+    the stream's last event.  ``counters`` (endpoint, status) and the
+    usage are reported through ``on_status``/``on_usage``."""
+
+    def __init__(self, prepared: list[PreparedRequest], *, model_name: str, object_name: str,
+                 include_usage: bool, continuous: bool, time_left: float, timeout_s: float,
+                 on_status: Callable[[int], None], on_usage: Callable[[dict], None]):
+        self.prepared = prepared
+        self.model_name = model_name
+        self.object_name = object_name
+        self.include_usage = include_usage
+        self.continuous = continuous
+        self.time_left = time_left
+        self.timeout_s = timeout_s
+        self.on_status = on_status
+        self.on_usage = on_usage
+        self.timed_out = False
+
+    def _time_up(self) -> None:
+        # cancels the sequences at their next step (the stream then ends)
+        self.timed_out = True
+        for p in self.prepared:
+            p.cancel()
+
+    async def events(self):
+        streams = []
+        usages: list[dict] = []
+        cid = None
+        merged = None
+        timer = asyncio.get_running_loop().call_later(self.time_left, self._time_up)
+        try:
+            for p in self.prepared:
+                streams.append(p.astream())
+            merged = _merged(streams)
+            async for i, chunk in merged:
+                if self.timed_out:
+                    break
+                cid = cid or chunk["id"]
+                chunk["id"] = cid
+                chunk["model"] = self.model_name
+                for c in chunk["choices"]:
+                    c["index"] = i
+                u = chunk.pop("usage", None)
+                if u is not None:
+                    usages.append(u)
+                    if self.continuous:
+                        chunk["usage"] = u
+                yield dumps(chunk)
+            if self.timed_out:
+                raise _timeout_error(self.timeout_s)
+            total = usage_sum(usages)
+            self.on_usage(total)
+            if self.include_usage:
+                yield dumps({"id": cid, "object": self.object_name, "created": int(time.time()),
+                             "model": self.model_name, "choices": [], "usage": total})
+            yield "[DONE]"
+            self.on_status(200)
+        except asyncio.CancelledError:
+            self.on_status(499)
+            raise
+        except Exception as exc:
+            if self.timed_out and not isinstance(exc, APIError):
+                exc = _timeout_error(self.timeout_s)
+            err = from_exception(exc)
+            if err is None or err.status == 500:
+                logger.exception("error in a stream", exc_info=exc)
+            if err is None:
+                err = APIError(500, f"internal error: {type(exc).__name__}")
+            self.on_status(err.status)
+            yield dumps(err.body())
+        finally:
+            timer.cancel()
+            if merged is not None:
+                with contextlib.suppress(BaseException):
+                    await merged.aclose()
+            for it in streams:
+                with contextlib.suppress(BaseException):
+                    await it.aclose()
+
+
+async def respond(request: Request, prepared: list[PreparedRequest], *, stream: bool, stream_options,
+                  merge_fn: Callable[[list[dict]], dict], object_name: str, model_name: str, deadline: float,
+                  timeout_s: float, release: Callable[[], None], on_status: Callable[[int], None],
+                  on_usage: Callable[[dict], None]):
+    """Run prepared requests (one per choice) to one answer or one SSE
+    stream; ``release`` (once) when they are over, however they end."""
+    released = False
+
+    def release_once():
+        nonlocal released
+        if not released:
+            released = True
+            release()
+
+    time_left = max(0.0, deadline - time.monotonic())
+    if not stream:
+        try:
+            results = await guarded(request, asyncio.gather(*(p.arun() for p in prepared)), time_left,
+                                    timeout_s, on_cancel=lambda: [p.cancel() for p in prepared])
+        except ClientGone:
+            on_status(499)
+            return Response(status_code=499)
+        finally:
+            release_once()
+        out = merge_fn(results)
+        on_usage(out["usage"])
+        on_status(200)
+        return out
+    s = _Stream(prepared, model_name=model_name, object_name=object_name,
+                include_usage=bool(stream_options and stream_options.include_usage),
+                continuous=bool(stream_options and stream_options.continuous_usage_stats),
+                time_left=time_left, timeout_s=timeout_s, on_status=on_status, on_usage=on_usage)
+
+    async def events():
+        try:
+            async for e in s.events():
+                yield e
+        finally:
+            release_once()
+
+    return EventSourceResponse(events(), send_timeout=30, ping=15, background=BackgroundTask(release_once),
+                               headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

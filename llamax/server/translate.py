@@ -1,0 +1,125 @@
+"""OpenAI request bodies to ``Llama.prepare_*`` keywords: the translation
+layer between the wire (protocol.py) and the library's request interface.
+Pure functions of the body and a few numbers of the model: no I/O."""
+from __future__ import annotations
+
+import numpy as np
+
+from llamax.server import protocol as P
+from llamax.server.errors import APIError
+
+__all__ = ["text_content", "stops", "token_ids", "logit_bias", "sampling", "chat_kwargs", "completion_kwargs",
+           "split_prompts", "completion_merge_order"]
+
+
+def text_content(messages: list[dict]) -> list[dict]:
+    """OpenAI content parts ([{type: text, text}]) joined to one string, for
+    the chat template; a copy (the request's objects are not changed)."""
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m.get("role"), str):
+            raise APIError(400, f"messages[{i}] needs a 'role' string", param="messages")
+        c = m.get("content")
+        if isinstance(c, list):
+            texts = []
+            for j, part in enumerate(c):
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise APIError(400, f"messages[{i}].content[{j}]: only text parts are supported",
+                                   param="messages")
+                texts.append(part["text"])
+            m = dict(m, content="".join(texts))
+        elif c is not None and not isinstance(c, str):
+            raise APIError(400, f"messages[{i}].content must be a string, a list of text parts or null",
+                           param="messages")
+        out.append(m)
+    return out
+
+
+def stops(stop) -> list[str] | None:
+    if stop is None:
+        return None
+    stops = [stop] if isinstance(stop, str) else stop
+    if len(stops) > P.MAX_STOPS or any(len(s) > P.MAX_STOP_LEN for s in stops):
+        raise APIError(400, f"at most {P.MAX_STOPS} stop strings of at most {P.MAX_STOP_LEN} characters",
+                       param="stop")
+    return stops
+
+
+def token_ids(tokens: list, n_vocab: int, param: str, what: str = "a token id") -> np.ndarray:
+    """Token ids from a body as int64, each in [0, n_vocab), else 400 (a
+    JSON int past int64 is numpy's OverflowError, not a 500)."""
+    try:
+        a = np.asarray(tokens, dtype=np.int64)
+    except OverflowError:
+        a = None
+    if a is None or (a.size and (a.min() < 0 or a.max() >= n_vocab)):
+        raise APIError(400, f"{what} is outside [0, {n_vocab})", param=param, code="invalid_token")
+    return a
+
+
+def logit_bias(lb):
+    if lb is None:
+        return None
+    try:
+        return {int(k): float(v) for k, v in lb.items()}
+    except ValueError:
+        raise APIError(400, "logit_bias keys must be token ids (as strings)", param="logit_bias") from None
+
+
+def sampling(body: P.SamplingFields, n_ctx: int, max_tokens) -> dict:
+    """``prepare_*`` keywords from the OpenAI fields; unset ones get
+    llama-server's defaults (temperature 0.8, top_k 40, top_p 0.95, min_p 0.05)."""
+    if max_tokens is not None and max_tokens > n_ctx:
+        raise APIError(400, f"max_tokens={max_tokens} is more than the context of {n_ctx} tokens",
+                       param="max_tokens")
+    d = lambda v, default: default if v is None else v  # noqa: E731
+    return dict(max_tokens=max_tokens, temperature=d(body.temperature, 0.8), top_p=d(body.top_p, 0.95),
+                top_k=d(body.top_k, 40), min_p=d(body.min_p, 0.05), typical_p=d(body.typical_p, 1.0),
+                repeat_penalty=d(body.repeat_penalty, 1.0), frequency_penalty=d(body.frequency_penalty, 0.0),
+                presence_penalty=d(body.presence_penalty, 0.0), stop=stops(body.stop),
+                logit_bias=logit_bias(body.logit_bias), grammar=body.grammar, cache_prompt=body.cache_prompt)
+
+
+def chat_kwargs(body: P.ChatCompletionRequest, n_ctx: int, loras, cvecs) -> dict:
+    """``prepare_chat_completion`` keywords for one choice (the caller sets
+    ``seed`` per choice)."""
+    messages = text_content(body.messages)
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    kw = sampling(body, n_ctx, max_tokens)
+    rf = body.response_format
+    if rf is not None and rf.get("type") == "text":
+        rf = None
+    if body.tool_choice not in (None, "none", "auto"):
+        raise APIError(400, "tool_choice other than 'none' or 'auto' is not supported", param="tool_choice")
+    kw.update(messages=messages, stream=body.stream, logprobs=body.logprobs, top_logprobs=body.top_logprobs,
+              response_format=rf, tools=body.tools, tool_choice=body.tool_choice,
+              active_loras=loras, control_vectors=cvecs, assistant_prefill=body.assistant_prefill)
+    return kw
+
+
+def split_prompts(body: P.CompletionRequest) -> list:
+    """A completion body's prompts: one str or token list, or a list of them."""
+    if body.best_of is not None and body.best_of != body.n:
+        raise APIError(400, "best_of other than n is not supported", param="best_of")
+    pr = body.prompt
+    if isinstance(pr, str) or (pr and isinstance(pr[0], int)):
+        prompts = [pr]
+    else:
+        prompts = list(pr)
+    if not prompts:
+        raise APIError(400, "prompt is empty", param="prompt")
+    return prompts
+
+
+def completion_kwargs(body: P.CompletionRequest, n_ctx: int, loras, cvecs) -> dict:
+    """``prepare_completion`` keywords shared by every prompt and choice (the
+    caller sets ``prompt`` and ``seed``)."""
+    kw = sampling(body, n_ctx, body.max_tokens if body.max_tokens is not None else 16)
+    kw.update(stream=body.stream, echo=body.echo, logprobs=body.logprobs, suffix=body.suffix,
+              active_loras=loras, control_vectors=cvecs)
+    return kw
+
+
+def completion_merge_order(n_prompts: int, n: int) -> list[tuple[int, int]]:
+    """(prompt index, choice index) of each sequence, prompt-major (OpenAI's order)."""
+    return [(pi, j) for pi in range(n_prompts) for j in range(n)]
