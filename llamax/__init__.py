@@ -49,7 +49,7 @@ from llamax.llama_cache import (  # noqa: E402,F401
 from llamax._session import LogitsProcessorList, MinTokensLogitsProcessor, StoppingCriteriaList  # noqa: E402,F401
 from llamax.llama_speculative import LlamaDraftModel, LlamaPromptLookupDecoding  # noqa: E402,F401
 from llamax.llama_tokenizer import LlamaTokenizer  # noqa: E402,F401
-from llamax.chat import ChatTemplate, ChatTemplateError  # noqa: E402,F401
+from llamax.templates import ChatTemplate, ChatTemplateError  # noqa: E402,F401
 from llamax.embedder import Embedder, cos_sim  # noqa: E402,F401
 from llamax._fetch import FetchError  # noqa: E402,F401
 from llamax._sgemm import ensure as sgemm_info  # noqa: E402,F401

@@ -50,7 +50,7 @@ _CHUNK = 1 << 16                     # strings measured piecewise: at most this 
 class ChatTemplateError(LlamaxError, ValueError):
     """A chat template failed to render (syntax, raise_exception, sandbox, limits)."""
 
-    __module__ = "llamax.chat"  # where callers import it from
+    __module__ = "llamax.templates"  # where callers import it from
 
 
 # -- the budget of one render ----------------------------------------------------------------------

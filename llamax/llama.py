@@ -25,7 +25,7 @@ from llamax._errors import (
 )
 from llamax.adapters import AdapterRegistry
 from llamax.cancel import CancelToken
-from llamax.chat import ChatTemplate, ChatTemplateError, _check_messages, prepare_prefill
+from llamax.templates import ChatTemplate, ChatTemplateError, _check_messages, prepare_prefill
 from llamax._session import _SessionMixin
 from llamax._validate import check_bool, check_bools, check_int, is_int
 from llamax.pool import _BatchPool, _BatchSlot, _Pool, _Slot

@@ -24,7 +24,7 @@ from typing import Any, Optional, Protocol, cast
 
 from llamax import llama_types
 from llamax._errors import ArgumentTypeError, InvalidArgumentError
-from llamax.chat import ChatTemplate
+from llamax.templates import ChatTemplate
 
 __all__ = [
     "ChatFormatter", "ChatFormatterResponse", "Jinja2ChatFormatter", "chat_formatter", "get_chat_format",

@@ -42,7 +42,7 @@ LAYERS = [
      "llamax._sgemm"],
     # the building blocks of Llama
     ["llamax.pool", "llamax.grammar", "llamax.adapters", "llamax.control_vectors", "llamax.peft",
-     "llamax.llama_cache", "llamax.chat", "llamax.templates", "llamax._sandbox", "llamax._session",
+     "llamax.llama_cache", "llamax.templates", "llamax._sandbox", "llamax._session",
      "llamax.request", "llamax.llama_chat_format", "llamax.llama_speculative"],
     ["llamax.llama"],
     # what stands on a Llama (llama_tokenizer: llama-cpp-python's module name for

@@ -319,7 +319,7 @@ def main() -> None:
     name = sys.argv[1]
     with atheris.instrument_imports():
         import llamax  # noqa: F401  (the Python layers: coverage for the fuzzer)
-        import llamax.chat  # noqa: F401
+        import llamax.templates  # noqa: F401
     _make_buckets()
     one, seed = TARGETS[name]()
     d = _fuzz_dir(name)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 from fastapi import Request
 
-from llamax.server import protocol as P
+from llamax.server import protocol
 from llamax.server.config import ServerConfig
 from llamax.server.errors import APIError
 from llamax.server.files import OpenedFile, open_inside
@@ -40,7 +40,7 @@ class AdapterTable:
         """Take a Ray registry's snapshot (ids, paths, default set)."""
         self.ids, self.paths, self.default_set = snap["ids"], snap["paths"], snap["default_set"]
 
-    def resolve(self, body: P.AdapterFields, alias: str, control_vectors: set[str]) -> tuple[list[dict] | None, list[dict] | None]:
+    def resolve(self, body: protocol.AdapterFields, alias: str, control_vectors: set[str]) -> tuple[list[dict] | None, list[dict] | None]:
         """(active_loras, control_vectors) for a request: by ``model``, by
         ``active_loras`` or llama-server's ``lora``, else the default set."""
         target = None
@@ -120,7 +120,7 @@ async def read_default_set(request: Request, lora_ids: dict[str, int]) -> list[d
     seen = set()
     for i, item in enumerate(raw):
         try:
-            spec = P.LoraById.model_validate(item)
+            spec = protocol.LoraById.model_validate(item)
         except Exception:
             raise APIError(400, f"[{i}] must be {{'id': int, 'scale': number}}", param=str(i)) from None
         if spec.id not in by_id:
@@ -135,7 +135,7 @@ async def read_default_set(request: Request, lora_ids: dict[str, int]) -> list[d
     return new
 
 
-def check_load_names(cfg: ServerConfig, body: P.LoadLoraRequest, known, *, taken: bool = True) -> None:
+def check_load_names(cfg: ServerConfig, body: protocol.LoadLoraRequest, known, *, taken: bool = True) -> None:
     """What a runtime load is refused for by its name: loads are off, the
     name is the alias, or (``taken``) it is in use without load_inplace."""
     runtime_allowed(cfg)
@@ -148,13 +148,13 @@ def check_load_names(cfg: ServerConfig, body: P.LoadLoraRequest, known, *, taken
                        "pass load_inplace=true)", param="lora_name", code="adapter_exists")
 
 
-def open_runtime_file(cfg: ServerConfig, body: P.LoadLoraRequest) -> OpenedFile:
+def open_runtime_file(cfg: ServerConfig, body: protocol.LoadLoraRequest) -> OpenedFile:
     """The runtime load's file, opened once inside --lora-dir (400/404
     otherwise: llamax.server.files).  (A worker thread.)"""
     return open_inside(cfg.lora_dir, body.lora_path, param="lora_path")
 
 
-def check_runtime_load(cfg: ServerConfig, body: P.LoadLoraRequest, known) -> str:
+def check_runtime_load(cfg: ServerConfig, body: protocol.LoadLoraRequest, known) -> str:
     """Everything a runtime load is refused for before the file is read,
     for a server that can't hand its loader a descriptor (the Ray ingress:
     replicas load by path); the file's real path.  The file is opened as a

@@ -2,9 +2,8 @@
 with the status code that fits, and the mapping from llamax's exceptions."""
 from __future__ import annotations
 
-from llamax import _errors as E
-from llamax import FetchError
-from llamax.chat import ChatTemplateError
+import llamax
+from llamax.templates import ChatTemplateError
 
 _TYPES = {
     400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -37,29 +36,29 @@ class APIError(Exception):
 # LlamaxError subclass has a row of its own, so none falls through to 500
 # by accident.
 BY_CLASS: dict[type, tuple[int, str]] = {
-    E.LlamaxError: (500, "internal_error"),
-    E.UnknownAdapterError: (404, "adapter_not_found"),
-    E.ContextOverflowError: (400, "context_length_exceeded"),
-    E.AdapterInUseError: (503, "adapters_busy"),
-    E.AdapterMismatchError: (400, "adapter_mismatch"),
-    E.InvalidGGUFError: (400, "invalid_file"),
-    E.PeftError: (400, "invalid_adapter"),
-    E.LoadError: (400, "load_failed"),
+    llamax.LlamaxError: (500, "internal_error"),
+    llamax.UnknownAdapterError: (404, "adapter_not_found"),
+    llamax.ContextOverflowError: (400, "context_length_exceeded"),
+    llamax.AdapterInUseError: (503, "adapters_busy"),
+    llamax.AdapterMismatchError: (400, "adapter_mismatch"),
+    llamax.InvalidGGUFError: (400, "invalid_file"),
+    llamax.PeftError: (400, "invalid_adapter"),
+    llamax.LoadError: (400, "load_failed"),
     ChatTemplateError: (400, "chat_template_error"),
-    E.GrammarError: (400, "grammar_error"),
-    E.ControlVectorError: (400, "invalid_control_vector"),
-    E.TokenError: (400, "invalid_token"),
-    E.InvalidUtf8Error: (400, "invalid_utf8"),
-    E.ArgumentTypeError: (400, "invalid_type"),
-    E.InvalidArgumentError: (400, "invalid_value"),
-    E.OutOfMemoryError: (503, "out_of_memory"),
-    E.KVCacheFullError: (503, "kv_cache_full"),
-    E.CancelledError: (503, "cancelled"),       # the server is stopping
-    E.ClosedError: (503, "cancelled"),
-    E.ContextBusyError: (503, "context_busy"),  # a context another thread holds: try again
-    E.DecodeError: (500, "decode_error"),       # llama_decode failed: the server's fault, not the request's
-    E.ViewsExportedError: (500, "internal_error"),
-    FetchError: (500, "fetch_failed"),          # a pinned download (model, data) failed on the server's side
+    llamax.GrammarError: (400, "grammar_error"),
+    llamax.ControlVectorError: (400, "invalid_control_vector"),
+    llamax.TokenError: (400, "invalid_token"),
+    llamax.InvalidUtf8Error: (400, "invalid_utf8"),
+    llamax.ArgumentTypeError: (400, "invalid_type"),
+    llamax.InvalidArgumentError: (400, "invalid_value"),
+    llamax.OutOfMemoryError: (503, "out_of_memory"),
+    llamax.KVCacheFullError: (503, "kv_cache_full"),
+    llamax.CancelledError: (503, "cancelled"),       # the server is stopping
+    llamax.ClosedError: (503, "cancelled"),
+    llamax.ContextBusyError: (503, "context_busy"),  # a context another thread holds: try again
+    llamax.DecodeError: (500, "decode_error"),       # llama_decode failed: the server's fault, not the request's
+    llamax.ViewsExportedError: (500, "internal_error"),
+    llamax.FetchError: (500, "fetch_failed"),          # a pinned download (model, data) failed on the server's side
 }
 
 

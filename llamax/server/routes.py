@@ -9,7 +9,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
-from llamax.server import protocol as P
+from llamax.server import protocol
 from llamax.server.errors import APIError
 from llamax.server.adapters import without_paths
 from llamax.server.http import is_admin, need_admin, need_key
@@ -75,36 +75,36 @@ async def model_card(model_id: str, request: Request, backend=Depends(ready)):
 
 @router.post("/v1/chat/completions", dependencies=user)
 @router.post("/chat/completions", dependencies=user, include_in_schema=False)
-async def chat(body: P.ChatCompletionRequest, request: Request, backend=Depends(ready)):
+async def chat(body: protocol.ChatCompletionRequest, request: Request, backend=Depends(ready)):
     return await backend.chat(body, request)
 
 
 @router.post("/v1/completions", dependencies=user)
 @router.post("/completions", dependencies=user, include_in_schema=False)
-async def completions(body: P.CompletionRequest, request: Request, backend=Depends(ready)):
+async def completions(body: protocol.CompletionRequest, request: Request, backend=Depends(ready)):
     return await backend.completions(body, request)
 
 
 @router.post("/v1/embeddings", dependencies=user)
 @router.post("/embeddings", dependencies=user, include_in_schema=False)
-async def embeddings(body: P.EmbeddingRequest, request: Request, backend=Depends(ready)):
+async def embeddings(body: protocol.EmbeddingRequest, request: Request, backend=Depends(ready)):
     return await backend.embeddings(body, request)
 
 
 # -- llama-server's utility routes --------------------------------------------------------
 
 @router.post("/tokenize", dependencies=user)
-async def tokenize(body: P.TokenizeRequest, request: Request, backend=Depends(ready)):
+async def tokenize(body: protocol.TokenizeRequest, request: Request, backend=Depends(ready)):
     return await backend.tokenize(body, request)
 
 
 @router.post("/detokenize", dependencies=user)
-async def detokenize(body: P.DetokenizeRequest, request: Request, backend=Depends(ready)):
+async def detokenize(body: protocol.DetokenizeRequest, request: Request, backend=Depends(ready)):
     return await backend.detokenize(body, request)
 
 
 @router.post("/apply-template", dependencies=user)
-async def apply_template(body: P.ApplyTemplateRequest, request: Request, backend=Depends(ready)):
+async def apply_template(body: protocol.ApplyTemplateRequest, request: Request, backend=Depends(ready)):
     return await backend.apply_template(body, request)
 
 
@@ -127,13 +127,13 @@ async def set_lora_adapters(request: Request, backend=Depends(ready)):
 
 
 @router.post("/v1/load_lora_adapter", dependencies=admin)
-async def load_lora(body: P.LoadLoraRequest, backend=Depends(ready)):
+async def load_lora(body: protocol.LoadLoraRequest, backend=Depends(ready)):
     await backend.load_lora(body)
     return Response(f"Success: LoRA adapter '{body.lora_name}' added successfully.", media_type="text/plain")
 
 
 @router.post("/v1/unload_lora_adapter", dependencies=admin)
-async def unload_lora(body: P.UnloadLoraRequest, backend=Depends(ready)):
+async def unload_lora(body: protocol.UnloadLoraRequest, backend=Depends(ready)):
     await backend.unload_lora(body)
     return Response(f"Success: LoRA adapter '{body.lora_name}' removed successfully.", media_type="text/plain")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from llamax.server import protocol as P
+from llamax.server import protocol
 from llamax.server.errors import APIError
 
 __all__ = ["text_content", "stops", "token_ids", "logit_bias", "sampling", "chat_kwargs", "completion_kwargs",
@@ -39,8 +39,8 @@ def stops(stop) -> list[str] | None:
     if stop is None:
         return None
     stops = [stop] if isinstance(stop, str) else stop
-    if len(stops) > P.MAX_STOPS or any(len(s) > P.MAX_STOP_LEN for s in stops):
-        raise APIError(400, f"at most {P.MAX_STOPS} stop strings of at most {P.MAX_STOP_LEN} characters",
+    if len(stops) > protocol.MAX_STOPS or any(len(s) > protocol.MAX_STOP_LEN for s in stops):
+        raise APIError(400, f"at most {protocol.MAX_STOPS} stop strings of at most {protocol.MAX_STOP_LEN} characters",
                        param="stop")
     return stops
 
@@ -66,7 +66,7 @@ def logit_bias(lb):
         raise APIError(400, "logit_bias keys must be token ids (as strings)", param="logit_bias") from None
 
 
-def sampling(body: P.SamplingFields, n_ctx: int, max_tokens) -> dict:
+def sampling(body: protocol.SamplingFields, n_ctx: int, max_tokens) -> dict:
     """``prepare_*`` keywords from the OpenAI fields; unset ones get
     llama-server's defaults (temperature 0.8, top_k 40, top_p 0.95, min_p 0.05)."""
     if max_tokens is not None and max_tokens > n_ctx:
@@ -80,7 +80,7 @@ def sampling(body: P.SamplingFields, n_ctx: int, max_tokens) -> dict:
                 logit_bias=logit_bias(body.logit_bias), grammar=body.grammar, cache_prompt=body.cache_prompt)
 
 
-def chat_kwargs(body: P.ChatCompletionRequest, n_ctx: int, loras, cvecs) -> dict:
+def chat_kwargs(body: protocol.ChatCompletionRequest, n_ctx: int, loras, cvecs) -> dict:
     """``prepare_chat_completion`` keywords for one choice (the caller sets
     ``seed`` per choice)."""
     messages = text_content(body.messages)
@@ -97,7 +97,7 @@ def chat_kwargs(body: P.ChatCompletionRequest, n_ctx: int, loras, cvecs) -> dict
     return kw
 
 
-def split_prompts(body: P.CompletionRequest) -> list:
+def split_prompts(body: protocol.CompletionRequest) -> list:
     """A completion body's prompts: one str or token list, or a list of them."""
     if body.best_of is not None and body.best_of != body.n:
         raise APIError(400, "best_of other than n is not supported", param="best_of")
@@ -111,7 +111,7 @@ def split_prompts(body: P.CompletionRequest) -> list:
     return prompts
 
 
-def completion_kwargs(body: P.CompletionRequest, n_ctx: int, loras, cvecs) -> dict:
+def completion_kwargs(body: protocol.CompletionRequest, n_ctx: int, loras, cvecs) -> dict:
     """``prepare_completion`` keywords shared by every prompt and choice (the
     caller sets ``prompt`` and ``seed``)."""
     kw = sampling(body, n_ctx, body.max_tokens if body.max_tokens is not None else 16)

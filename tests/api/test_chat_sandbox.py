@@ -19,7 +19,7 @@ import pytest
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 import llamax._sandbox as sb
-from llamax.chat import CHAT_FORMATS, ChatTemplate, ChatTemplateError
+from llamax.templates import CHAT_FORMATS, ChatTemplate, ChatTemplateError
 
 ROOT = Path(__file__).resolve().parents[2]
 MSGS = [{"role": "user", "content": "hi"}]

@@ -16,7 +16,7 @@ pytest.importorskip("ray.serve")
 from llamax.server import config as cli  # noqa: E402  (the command line's options)
 from llamax.server.backends.ray import ingress as ray_ingress  # noqa: E402
 from llamax.server.backends.ray import replica as ray_replica  # noqa: E402
-from llamax.server import protocol as P  # noqa: E402
+from llamax.server import protocol  # noqa: E402
 from llamax.server.errors import APIError  # noqa: E402
 
 
@@ -40,13 +40,13 @@ def loras(*names):
 
 def test_ingress_refuses_a_set_over_the_cap():
     ing = ingress()
-    body = P.CompletionRequest(prompt="x", active_loras=[{"name": n} for n in "abc"])
+    body = protocol.CompletionRequest(prompt="x", active_loras=[{"name": n} for n in "abc"])
     with pytest.raises(APIError) as e:
         ing.set_key(loras("a", "b", "c"), body)
     err = e.value
     assert err.status == 400 and err.param == "active_loras" and err.code == "invalid_value"
     assert "names 3 adapters but max_loaded_adapters=2" in err.message
-    body = P.CompletionRequest(prompt="x", lora=[{"id": i} for i in range(3)])
+    body = protocol.CompletionRequest(prompt="x", lora=[{"id": i} for i in range(3)])
     with pytest.raises(APIError, match="max_loaded_adapters=2") as e:
         ing.set_key(loras("a", "b", "c"), body)
     assert e.value.param == "lora"
@@ -56,9 +56,9 @@ def test_ingress_refuses_a_set_over_the_cap():
 
 def test_request_lists_are_bounded():
     for field, item in (("active_loras", {"name": "a"}), ("lora", {"id": 0}), ("control_vectors", {"name": "c"})):
-        P.CompletionRequest(prompt="x", **{field: [item] * P.MAX_LIST_ADAPTERS})
-        with pytest.raises(ValueError, match=f"at most {P.MAX_LIST_ADAPTERS} items"):
-            P.CompletionRequest(prompt="x", **{field: [item] * (P.MAX_LIST_ADAPTERS + 1)})
+        protocol.CompletionRequest(prompt="x", **{field: [item] * protocol.MAX_LIST_ADAPTERS})
+        with pytest.raises(ValueError, match=f"at most {protocol.MAX_LIST_ADAPTERS} items"):
+            protocol.CompletionRequest(prompt="x", **{field: [item] * (protocol.MAX_LIST_ADAPTERS + 1)})
 
 
 def test_multiplexed_ids_are_a_bounded_table():

@@ -33,7 +33,7 @@ import httpx
 from hypothesis import strategies as st
 from pydantic import BaseModel
 
-from llamax.server import protocol as P
+from llamax.server import protocol
 
 BOUND = 30.0        # s: every answer, streams read to their end
 N_CTX = 512         # the fuzzed server's --n-ctx (a long input costs a 512-token decode)
@@ -325,20 +325,20 @@ def _routes(**kw) -> dict:
     """route -> the strategy of its bodies (``kw``: from_model's modes)"""
     return {
         "/v1/chat/completions": from_model(
-            P.ChatCompletionRequest, always=("max_tokens",), **_sampling, messages=messages,
+            protocol.ChatCompletionRequest, always=("max_tokens",), **_sampling, messages=messages,
             # max_completion_tokens wins over max_tokens: short ones, or values the server refuses
             max_completion_tokens=MAX_TOKENS, response_format=st.one_of(st.none(), response_formats),
             tools=st.one_of(st.none(), tools), tool_choice=st.one_of(st.none(), tool_choice), **kw),
         "/v1/completions": from_model(
-            P.CompletionRequest, always=("max_tokens",), **_sampling, prompt=prompts,
+            protocol.CompletionRequest, always=("max_tokens",), **_sampling, prompt=prompts,
             best_of=(st.one_of(st.none(), st.integers(1, 3)), st.sampled_from([0, 17, 2**63])), **kw),
-        "/v1/embeddings": from_model(P.EmbeddingRequest, **_adapters, input=prompts, **kw),
-        "/tokenize": from_model(P.TokenizeRequest, **kw),
-        "/detokenize": from_model(P.DetokenizeRequest, tokens=st.lists(TOKENS, max_size=10), **kw),
-        "/apply-template": from_model(P.ApplyTemplateRequest, messages=messages, tools=st.one_of(st.none(), tools),
+        "/v1/embeddings": from_model(protocol.EmbeddingRequest, **_adapters, input=prompts, **kw),
+        "/tokenize": from_model(protocol.TokenizeRequest, **kw),
+        "/detokenize": from_model(protocol.DetokenizeRequest, tokens=st.lists(TOKENS, max_size=10), **kw),
+        "/apply-template": from_model(protocol.ApplyTemplateRequest, messages=messages, tools=st.one_of(st.none(), tools),
                                       **kw),
-        "/v1/load_lora_adapter": from_model(P.LoadLoraRequest, lora_name=ADAPTER_NAMES, lora_path=LORA_PATHS, **kw),
-        "/v1/unload_lora_adapter": from_model(P.UnloadLoraRequest, lora_name=ADAPTER_NAMES, **kw),
+        "/v1/load_lora_adapter": from_model(protocol.LoadLoraRequest, lora_name=ADAPTER_NAMES, lora_path=LORA_PATHS, **kw),
+        "/v1/unload_lora_adapter": from_model(protocol.UnloadLoraRequest, lora_name=ADAPTER_NAMES, **kw),
         # not a pydantic model: the route reads [{id, scale}] itself
         "/lora-adapters": st.lists(st.one_of(st.fixed_dictionaries({"id": ADAPTER_IDS}, optional={"scale": SCALES}),
                                              json_values), max_size=4),

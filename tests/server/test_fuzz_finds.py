@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from . import http_fuzz as H
+from . import http_fuzz
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
 
@@ -58,12 +58,12 @@ FINDS = [
 @pytest.mark.parametrize("route, body, status, code, holds", [f[1:] for f in FINDS], ids=[f[0] for f in FINDS])
 def test_find(server, route, body, status, code, holds):
     seen = len(server.err)
-    with httpx.Client(base_url=server.url, timeout=H.BOUND + 5) as c:
+    with httpx.Client(base_url=server.url, timeout=http_fuzz.BOUND + 5) as c:
         t0 = time.monotonic()
         r = c.post(route, content=json.dumps(body), headers={"Content-Type": "application/json"})
-        H.check_answer(r, time.monotonic() - t0)
+        http_fuzz.check_answer(r, time.monotonic() - t0)
         assert r.status_code == status, r.text
-        answer = H.strict_json(r.content.decode())
+        answer = http_fuzz.strict_json(r.content.decode())
         if code is not None:
             assert answer["error"]["code"] == code, answer
         if holds is not None:
@@ -84,10 +84,10 @@ def test_deeply_nested_json_is_a_400(server, locked, route):
     srv, headers = (locked, {"Authorization": f"Bearer {ADMIN}"}) if route == "/lora-adapters" else (server, {})
     seen = len(srv.err)
     deep = "[" * 20_000 + "]" * 20_000  # 40 KB: under the locked server's 64 KiB body limit
-    with httpx.Client(base_url=srv.url, timeout=H.BOUND + 5, headers=headers) as c:
+    with httpx.Client(base_url=srv.url, timeout=http_fuzz.BOUND + 5, headers=headers) as c:
         r = c.post(route, content=deep, headers={"Content-Type": "application/json"})
         assert r.status_code == 400, r.text
-        assert "error" in H.strict_json(r.content.decode())
+        assert "error" in http_fuzz.strict_json(r.content.decode())
         assert c.get("/health").status_code == 200
     time.sleep(0.2)
     log = "".join(srv.err[seen:])

@@ -29,7 +29,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from . import http_fuzz as H
+from . import http_fuzz
 from .conftest import Server
 
 # examples per route in the default tier (the generation routes cost the most)
@@ -46,18 +46,18 @@ GET_PATHS = ["/health", "/v1/models", "/models", "/lora-adapters", "/slots", "/m
 def probe(smollm2_path, adapters):
     """A server of its own (the fuzz loads and unloads adapters): every
     feature on, keys for users and an admin, runtime loads from a folder."""
-    s = Server([smollm2_path, "--alias", "smol", "--parallel", "2", "--n-ctx", str(H.N_CTX),
+    s = Server([smollm2_path, "--alias", "smol", "--parallel", "2", "--n-ctx", str(http_fuzz.N_CTX),
                 "--lora", f"coder={adapters['coder']}", "--lora", adapters["writer"],
                 "--control-vector", f"calm={adapters['calm']}", "--metrics",
-                "--api-key", H.USER, "--admin-api-key", H.ADMIN, "--allow-runtime-lora",
+                "--api-key", http_fuzz.USER, "--admin-api-key", http_fuzz.ADMIN, "--allow-runtime-lora",
                 "--lora-dir", adapters["lora_dir"], "--max-body-bytes", str(1 << 20), "--request-timeout", "20"])
     try:
         with httpx.Client(base_url=s.url) as c:
-            probe = H.Probe(s, c)
+            probe = http_fuzz.Probe(s, c)
             yield probe
             report = os.environ.get("LLAMAX_HTTP_FUZZ_REPORT")
             if report:  # what the bodies got: status and code counts per route, the slowest
-                H.report(probe, report)
+                http_fuzz.report(probe, report)
     finally:
         rc = s.stop()
         assert rc == 0, f"the server exited with {rc}; its stderr ends:\n{''.join(s.err)[-4000:]}"
@@ -71,18 +71,18 @@ def _keys(route: str):
     return st.sampled_from([main, main, main, main, "admin" if main == "user" else "user", None, "wrong-key"])
 
 
-def _fuzz(probe: H.Probe, route: str, n: int, fixed: bool) -> None:
+def _fuzz(probe: http_fuzz.Probe, route: str, n: int, fixed: bool) -> None:
     @settings(max_examples=n, deadline=None, derandomize=fixed, database=None, print_blob=not fixed,
               suppress_health_check=list(HealthCheck))
-    @given(body=H.bodies(route), key=_keys(route))
+    @given(body=http_fuzz.bodies(route), key=_keys(route))
     def run(body, key):
         probe.send("POST", route, body, key)
 
     run()
 
 
-def _fuzz_get(probe: H.Probe, n: int, fixed: bool) -> None:
-    ids = st.one_of(st.text(H.CHARS, max_size=20), st.sampled_from(H.ODD + ["smol", "coder", "smol:coder", "..", "%00",
+def _fuzz_get(probe: http_fuzz.Probe, n: int, fixed: bool) -> None:
+    ids = st.one_of(st.text(http_fuzz.CHARS, max_size=20), st.sampled_from(http_fuzz.ODD + ["smol", "coder", "smol:coder", "..", "%00",
                                                                             "a/b", "x" * 5000]))
     paths = st.one_of(st.sampled_from(GET_PATHS),
                       ids.map(lambda i: "/v1/models/" + urllib.parse.quote(i.encode("utf-8", "surrogatepass"))))

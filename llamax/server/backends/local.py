@@ -19,7 +19,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 import llamax
-from llamax.server import protocol as P
+from llamax.server import protocol
 from llamax.server import translate
 from llamax.server.adapters import AdapterTable, check_load_names, open_runtime_file, read_default_set, runtime_allowed
 from llamax.server.config import ServerConfig
@@ -198,7 +198,7 @@ class LocalBackend:
             return set(self.llm.list_control_vectors())
         return {n for n, _ in self.cfg.control_vectors}
 
-    def resolve(self, body: P.AdapterFields) -> tuple[list[dict] | None, list[dict] | None]:
+    def resolve(self, body: protocol.AdapterFields) -> tuple[list[dict] | None, list[dict] | None]:
         return self.adapters.resolve(body, self.cfg.alias, self.control_vector_names())
 
     async def listing(self) -> list[dict]:
@@ -217,7 +217,7 @@ class LocalBackend:
         self.adapters.default_set = await read_default_set(request, self.adapters.ids)
         return await self.listing()
 
-    async def load_lora(self, body: P.LoadLoraRequest) -> None:
+    async def load_lora(self, body: protocol.LoadLoraRequest) -> None:
         cfg, llm, table = self.cfg, self.llm, self.adapters
         name = body.lora_name
         check_load_names(cfg, body, table.ids)
@@ -262,7 +262,7 @@ class LocalBackend:
             elif f is not None:
                 f.close()
 
-    async def unload_lora(self, body: P.UnloadLoraRequest) -> None:
+    async def unload_lora(self, body: protocol.UnloadLoraRequest) -> None:
         runtime_allowed(self.cfg)
         name = body.lora_name
         if name not in self.adapters.ids:
@@ -318,7 +318,7 @@ class LocalBackend:
             timeout_s=self.cfg.request_timeout, release=lambda: self.done(len(prepared)),
             on_status=lambda status: self.counters.request(endpoint, status), on_usage=self.counters.usage)
 
-    async def chat(self, body: P.ChatCompletionRequest, request: Request):
+    async def chat(self, body: protocol.ChatCompletionRequest, request: Request):
         loras, cvecs = self.resolve(body)
         base = translate.chat_kwargs(body, self.cfg.n_ctx, loras, cvecs)
         request.state.model_name = model_name = body.model or self.cfg.alias
@@ -327,7 +327,7 @@ class LocalBackend:
                                        lambda i: dict(base, seed=None if seed is None else seed + i))
         return await self._respond(request, "chat", prepared, body, lambda rs: merge(rs, model_name))
 
-    async def completions(self, body: P.CompletionRequest, request: Request):
+    async def completions(self, body: protocol.CompletionRequest, request: Request):
         loras, cvecs = self.resolve(body)
         prompts = translate.split_prompts(body)
         model = self.llm.model
@@ -356,7 +356,7 @@ class LocalBackend:
         return await self._respond(request, "completions", prepared, body,
                                    lambda rs: merge_completions(rs, len(token_prompts), model_name))
 
-    async def embeddings(self, body: P.EmbeddingRequest, request: Request):
+    async def embeddings(self, body: protocol.EmbeddingRequest, request: Request):
         loras, cvecs = self.resolve(body)
         llm = self.llm
         if body.dimensions is not None and body.dimensions != llm.n_embd():
@@ -412,7 +412,7 @@ class LocalBackend:
 
     # -- llama-server's utility routes ------------------------------------------------
 
-    async def tokenize(self, body: P.TokenizeRequest, request: Request):
+    async def tokenize(self, body: protocol.TokenizeRequest, request: Request):
         model = self.llm.model
 
         def work() -> bytes:
@@ -433,7 +433,7 @@ class LocalBackend:
 
         return Response(await asyncio.to_thread(work), media_type="application/json")
 
-    async def detokenize(self, body: P.DetokenizeRequest, request: Request):
+    async def detokenize(self, body: protocol.DetokenizeRequest, request: Request):
         model = self.llm.model
 
         def work() -> bytes:
@@ -442,7 +442,7 @@ class LocalBackend:
 
         return Response(await asyncio.to_thread(work), media_type="application/json")
 
-    async def apply_template(self, body: P.ApplyTemplateRequest, request: Request):
+    async def apply_template(self, body: protocol.ApplyTemplateRequest, request: Request):
         text = await asyncio.to_thread(self.llm.apply_chat_template, translate.text_content(body.messages),
                                        add_generation_prompt=body.add_generation_prompt, tools=body.tools)
         return {"prompt": text}

@@ -20,7 +20,7 @@ from ray import serve
 from ray.exceptions import RayError, RayTaskError
 from ray.serve.exceptions import BackPressureError
 
-from llamax.server import protocol as P
+from llamax.server import protocol
 from llamax.server.adapters import AdapterTable, check_runtime_load, read_default_set, runtime_allowed
 from llamax.server.app import build_app
 from llamax.server.backends.ray.registry import set_key, set_names
@@ -69,7 +69,7 @@ class Ingress:
 
     # -- the adapter table -----------------------------------------------------
 
-    def set_key(self, loras: list[dict] | None, body: P.AdapterFields) -> str:
+    def set_key(self, loras: list[dict] | None, body: protocol.AdapterFields) -> str:
         """The request's set key, once the set is known to fit a replica."""
         key = set_key(loras)
         n = len(set_names(key))
@@ -101,7 +101,7 @@ class Ingress:
         self.snapshot_id = tuple(snap["id"])
         self.refreshed = time.monotonic()
 
-    def _key_of(self, body: P.AdapterFields) -> str:
+    def _key_of(self, body: protocol.AdapterFields) -> str:
         control_vectors = {n for n, _ in self.cfg.control_vectors}
         return self.set_key(self.adapters.resolve(body, self.cfg.alias, control_vectors)[0], body)
 
@@ -164,22 +164,22 @@ class Ingress:
     async def health(self, request: Request):
         return {"status": "ok"}
 
-    async def chat(self, body: P.ChatCompletionRequest, request: Request):
+    async def chat(self, body: protocol.ChatCompletionRequest, request: Request):
         return await self._forward(request, self._key_of(body), body.stream)
 
-    async def completions(self, body: P.CompletionRequest, request: Request):
+    async def completions(self, body: protocol.CompletionRequest, request: Request):
         return await self._forward(request, self._key_of(body), body.stream)
 
-    async def embeddings(self, body: P.EmbeddingRequest, request: Request):
+    async def embeddings(self, body: protocol.EmbeddingRequest, request: Request):
         return await self._forward(request, self._key_of(body))
 
-    async def tokenize(self, body: P.TokenizeRequest, request: Request):
+    async def tokenize(self, body: protocol.TokenizeRequest, request: Request):
         return await self._forward(request, "")
 
-    async def detokenize(self, body: P.DetokenizeRequest, request: Request):
+    async def detokenize(self, body: protocol.DetokenizeRequest, request: Request):
         return await self._forward(request, "")
 
-    async def apply_template(self, body: P.ApplyTemplateRequest, request: Request):
+    async def apply_template(self, body: protocol.ApplyTemplateRequest, request: Request):
         return await self._forward(request, "")
 
     async def slots(self):
@@ -212,7 +212,7 @@ class Ingress:
         await self._refresh(await self.registry.set_default.remote(new))
         return await self.listing()
 
-    async def load_lora(self, body: P.LoadLoraRequest) -> None:
+    async def load_lora(self, body: protocol.LoadLoraRequest) -> None:
         cfg = self.cfg
         name = body.lora_name
         # (path checks touch the filesystem: a worker thread, not the loop)
@@ -229,7 +229,7 @@ class Ingress:
                 raise APIError(status, message, param="lora_path", code=code)
             await self._refresh(await self.registry.register.remote(name, path))
 
-    async def unload_lora(self, body: P.UnloadLoraRequest) -> None:
+    async def unload_lora(self, body: protocol.UnloadLoraRequest) -> None:
         runtime_allowed(self.cfg)
         name = body.lora_name
         async with self.admin_lock:
