@@ -99,17 +99,21 @@ def _bench(args) -> int:
     if args.model:
         extra += ["--model", args.model]
     extra += ["--threads", str(args.threads), "--runs", str(args.runs)] + (["--quick"] if args.quick else [])
+    # the scripts import the checkout's dev helpers (tools/llamax_dev), which an
+    # editable install provides and a wheel does not
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        p for p in (str(repo / "tools"), os.environ.get("PYTHONPATH", "")) if p))
     rc = subprocess.call([sys.executable, str(repo / "benchmarks" / "bench_engine.py")] + extra, cwd=str(repo),
-                         env=dict(os.environ))
+                         env=env)
     serving = extra + (["--peers"] if args.peers else [])
     rc |= subprocess.call([sys.executable, str(repo / "benchmarks" / "bench_serving.py")] + serving,
-                          cwd=str(repo), env=dict(os.environ))
+                          cwd=str(repo), env=env)
     # embeddings: all-MiniLM-L6-v2, its own model (--model is for the generative runs)
     emb = ["--threads", str(args.threads), "--runs", str(args.runs), "--scale", "0.5"] \
         + (["--quick"] if args.quick else []) \
         + ([] if args.peers else ["--no-peers"])
     rc |= subprocess.call([sys.executable, str(repo / "benchmarks" / "bench_embeddings.py")] + emb,
-                          cwd=str(repo), env=dict(os.environ))
+                          cwd=str(repo), env=env)
     return rc
 
 

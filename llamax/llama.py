@@ -64,8 +64,8 @@ def _compat_keywords(given: dict) -> None:
     for name, value in given.items():
         if not any(value is d or (type(value) is type(d) and value == d) for d in _COMPAT_DEFAULTS[name]):
             raise InvalidArgumentError(f"Llama({name}={value!r}) is not supported by llamax (only the default, "
-                                       f"{_COMPAT_DEFAULTS[name][0]!r}); see the README's differences from "
-                                       "llama-cpp-python")
+                                       f"{_COMPAT_DEFAULTS[name][0]!r}); see docs/guide.md, 'Deliberate "
+                                       "differences' from llama-cpp-python")
 
 
 EMBED_SEQS = 64  # inputs per embedding decode (llama.cpp's n_seq_max)
