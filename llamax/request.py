@@ -399,17 +399,24 @@ class _Request:
         self.logits_processor = logits_processor
         self.stopping_criteria = stopping_criteria
         self.cancel = threading.Event()
+        self.stopped = False  # stop() was called: the request raises CancelledError
         self._released = False
         self._slot = None  # batched requests: the context's slot and the sequence
         self._seq = None
 
     def stop(self) -> None:
-        """Stop at the next step, whichever way the request runs (thread-safe)."""
+        """Stop at the next step, whichever way the request runs (thread-safe);
+        the request then raises CancelledError."""
+        self.stopped = True
         seq = self._seq
         if seq is not None:
             seq.cancel()
         self.cancel.set()        # the one-context token loop
         self.own_token.cancel()  # a prompt decode in progress
+
+    def _check_stopped(self) -> None:
+        if self.stopped or (self.user_token is not None and self.user_token.cancelled):
+            raise CancelledError("the request was cancelled")
 
     def _release(self):
         if not self._released:
@@ -479,10 +486,13 @@ class _Request:
         pieces: list[str] = []
         maker = _PieceMaker(pieces.append) if streaming and self.logprobs is not None else None
         text = _TextAssembler(model, self.stops, (maker or pieces.append) if streaming else None)
+        self._check_stopped()
         self._slot = rt.pool.acquire()
         self._seq = seq = self._slot.batcher.submit(
             self.tokens, self.sampler, max_tokens=self.max_tokens, logprobs=self.logprobs, state=self.state,
             cache_prompt=self.cache_prompt)
+        if self.stopped:  # stop() came while it was submitted
+            seq.cancel()
         attached = []
         try:
             if self.user_token is not None:
@@ -506,8 +516,7 @@ class _Request:
                 if pieces:
                     yield from pieces
                     pieces.clear()
-            if self.user_token is not None and self.user_token.cancelled:
-                raise CancelledError("the request was cancelled")
+            self._check_stopped()
             res.n_cached = seq.n_cached
             if self.logprobs is not None:
                 res.logprobs = seq.logprobs[: len(res.tokens)]
@@ -663,6 +672,7 @@ class _Request:
         tokens = [t for t in (self.own_token, self.user_token) if t is not None]
         attached = []
         try:
+            self._check_stopped()
             slot = rt.pool.acquire(self.key, self.tokens,
                                      lambda: self.cancel.is_set() or self.own_token.cancelled)
             ctx = slot.ctx
@@ -753,6 +763,7 @@ class _Request:
                 res.logprobs = res.logprobs[: text.n_tokens_used]
             if rt.cache_after is not None and self.cache_prompt:
                 rt.cache_after(slot)
+            self._check_stopped()
             return res
         finally:
             for t in attached:
