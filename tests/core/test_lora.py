@@ -197,7 +197,8 @@ def test_bad_adapters(gen_dir, smollm2_path, case):
     else:
         p.write_bytes(b"not a gguf file at all")
     r = run_py(f"""
-        import llamax, data
+        import llamax
+        from llamax_dev import data
         m = llamax.Model(str(data.smollm2()))
         try:
             llamax.LoraAdapter(m, {str(p)!r})

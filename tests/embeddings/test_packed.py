@@ -330,7 +330,8 @@ def test_contexts_of_one_model_pack_it_together(sentences):
 ])
 def test_bad_setting_is_refused_at_the_first_embedding_context(name, value, says):
     r = run_py("""
-        import llamax, data
+        import llamax
+        from llamax_dev import data
         try:
             llamax.Embedder(data.minilm("f32"))
         except llamax.InvalidArgumentError as e:
@@ -369,7 +370,8 @@ def test_bf16_weights_pack_as_bf16_where_the_cpu_multiplies_them(sentences, st_r
 def test_packed_bf16_setting_widens_bf16_weights():
     """LLAMAX_PACKED_BF16=0: BF16 weights go to float panels on every CPU."""
     r = run_py("""
-        import llamax, data
+        import llamax
+        from llamax_dev import data
         with llamax.Embedder(data.minilm("bf16"), n_threads=2) as e:
             print("bf16:", llamax.sgemm_info()["packed"]["bf16"], e.llama._model.packed_weight_bytes)
     """, timeout=120, env={"LLAMAX_PACKED_BF16": "0"})
@@ -384,7 +386,8 @@ def test_packed_isa_avx2_runs_an_avx2_cpus_kernels():
     kernels only, no BF16 kernels (a BF16 file is widened to float panels),
     whatever this CPU has."""
     r = run_py("""
-        import json, llamax, data
+        import json, llamax
+        from llamax_dev import data
         from llamax import _core
         e = llamax.Embedder(data.minilm("bf16"))
         v = e.encode(["a cat sat on the mat"])
