@@ -415,7 +415,7 @@ class _Request:
         self.own_token.cancel()  # a prompt decode in progress
 
     def _check_stopped(self) -> None:
-        if self.stopped or (self.user_token is not None and self.user_token.cancelled):
+        if self.stopped:
             raise CancelledError("the request was cancelled")
 
     def _release(self):
@@ -517,6 +517,8 @@ class _Request:
                     yield from pieces
                     pieces.clear()
             self._check_stopped()
+            if self.user_token is not None and self.user_token.cancelled:
+                raise CancelledError("the request was cancelled")
             res.n_cached = seq.n_cached
             if self.logprobs is not None:
                 res.logprobs = seq.logprobs[: len(res.tokens)]
