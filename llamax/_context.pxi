@@ -51,6 +51,72 @@ cdef bint _watch_sigint():
             and signal.getsignal(signal.SIGINT) is signal.default_int_handler)
 
 
+# What --cache-type-k/-v accept in llama.cpp's own tools: the types its
+# KV cache code paths (copy into the cache, flash attention, mul_mat on
+# the cache) support on every backend.
+_KV_TYPE_NAMES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
+_KV_TYPES = {}
+_ROPE_SCALING = {"unspecified": LLAMA_ROPE_SCALING_TYPE_UNSPECIFIED, "none": LLAMA_ROPE_SCALING_TYPE_NONE,
+                 "linear": LLAMA_ROPE_SCALING_TYPE_LINEAR, "yarn": LLAMA_ROPE_SCALING_TYPE_YARN,
+                 "longrope": LLAMA_ROPE_SCALING_TYPE_LONGROPE}
+_ATTENTION = {"unspecified": LLAMA_ATTENTION_TYPE_UNSPECIFIED, "causal": LLAMA_ATTENTION_TYPE_CAUSAL,
+              "non_causal": LLAMA_ATTENTION_TYPE_NON_CAUSAL}
+
+
+def kv_cache_types():
+    """The KV cache types a Context takes (``type_k``/``type_v``): name -> ggml type id."""
+    if not _KV_TYPES:
+        for t in range(GGML_TYPE_COUNT):
+            name = ggml_type_name(<ggml_type> t)
+            if name != NULL and name.decode() in _KV_TYPE_NAMES:
+                _KV_TYPES[name.decode()] = t
+    return dict(_KV_TYPES)
+
+
+cdef int _kv_type(object value, str name, Model model) except -1:
+    """A KV cache type by name ("q8_0") or ggml type id (llama-cpp-python's
+    GGML_TYPE_* ints), checked against the model's head sizes."""
+    cdef const llama_model * m = model._ptr()
+    types = kv_cache_types()
+    if isinstance(value, str):
+        t = types.get(value.lower())
+    elif isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_)):
+        t = int(value) if int(value) in types.values() else None
+    else:
+        raise ArgumentTypeError(f"{name} must be a cache type name or a ggml type id, not {type(value).__name__}")
+    if t is None:
+        raise InvalidArgumentError(f"{name}={value!r}: expected one of {', '.join(_KV_TYPE_NAMES)} (or their ggml "
+                                   "type ids)")
+    if ggml_is_quantized(<ggml_type> t):
+        block = ggml_blck_size(<ggml_type> t)
+        meta = model.metadata
+        arch = meta.get("general.architecture", "")
+        n_head = max(1, llama_model_n_head(m))
+        which = "key_length" if name == "type_k" else "value_length"
+        head = meta.get(f"{arch}.attention.{which}", "")
+        head = int(head) if head.isdigit() else llama_model_n_embd(m) // n_head
+        if head % block:
+            raise InvalidArgumentError(f"{name}={value!r}: its block of {block} values does not divide the model's "
+                                       f"head size {head}; use f16, bf16 or f32")
+    return t
+
+
+cdef int _enum_value(object value, str name, dict table) except? -9:
+    if isinstance(value, str) and value.lower() in table:
+        return table[value.lower()]
+    if isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_)) and \
+            int(value) in table.values():
+        return int(value)
+    raise InvalidArgumentError(f"{name}={value!r}: expected one of {', '.join(table)} (or llama.cpp's values "
+                               f"{sorted(table.values())})")
+
+
+cdef bint _bool_arg(object value, str name) except -1:
+    if not isinstance(value, (bool, np.bool_)):
+        raise ArgumentTypeError(f"{name} must be True or False, not {type(value).__name__}")
+    return bool(value)
+
+
 cdef class Context:
     """An inference context on a model: KV cache, adapter set, control vector.
 
@@ -65,7 +131,10 @@ cdef class Context:
 
     def __init__(self, model, *, n_ctx=512, n_batch=512, n_ubatch=512, n_seq_max=1,
                  n_threads=None, n_threads_batch=None, embeddings=False, pooling=None,
-                 flash_attn=None, kv_unified=True):
+                 flash_attn=None, kv_unified=True, type_k=None, type_v=None, rope_scaling_type=None,
+                 rope_freq_base=None, rope_freq_scale=None, yarn_ext_factor=None, yarn_attn_factor=None,
+                 yarn_beta_fast=None, yarn_beta_slow=None, yarn_orig_ctx=None, attention_type=None,
+                 swa_full=None, op_offload=None, offload_kqv=None):
         cdef Model _mo_t = _typed(model, Model, "model")
         cdef llama_model * m = _mo_t._ptr()
         if model.vocab_only:
@@ -103,6 +172,50 @@ cdef class Context:
         p.kv_unified = bool(kv_unified)
         if flash_attn is not None:
             p.flash_attn_type = LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else LLAMA_FLASH_ATTN_TYPE_DISABLED
+        # KV cache types, RoPE/YaRN, attention: None keeps llama.cpp's default (the model's value)
+        if type_k is not None:
+            p.type_k = <ggml_type> _kv_type(type_k, "type_k", _mo_t)
+        if type_v is not None:
+            p.type_v = <ggml_type> _kv_type(type_v, "type_v", _mo_t)
+            if ggml_is_quantized(p.type_v) and flash_attn is not None and not flash_attn:
+                raise InvalidArgumentError(f"type_v={type_v!r} (a quantized V cache) needs flash attention: "
+                                           "pass flash_attn=True (or leave it None)")
+        if rope_scaling_type is not None:
+            p.rope_scaling_type = <llama_rope_scaling_type> _enum_value(
+                rope_scaling_type, "rope_scaling_type", _ROPE_SCALING)
+        if attention_type is not None:
+            p.attention_type = <llama_attention_type> _enum_value(attention_type, "attention_type", _ATTENTION)
+        if rope_freq_base is not None:
+            _check_float(rope_freq_base, "rope_freq_base")
+            if rope_freq_base < 0:
+                raise InvalidArgumentError(f"rope_freq_base={rope_freq_base} must be >= 0 (0: the model's)")
+            p.rope_freq_base = rope_freq_base
+        if rope_freq_scale is not None:
+            _check_float(rope_freq_scale, "rope_freq_scale")
+            if rope_freq_scale < 0:
+                raise InvalidArgumentError(f"rope_freq_scale={rope_freq_scale} must be >= 0 (0: the model's)")
+            p.rope_freq_scale = rope_freq_scale
+        if yarn_ext_factor is not None:
+            _check_float(yarn_ext_factor, "yarn_ext_factor")
+            p.yarn_ext_factor = yarn_ext_factor
+        if yarn_attn_factor is not None:
+            _check_float(yarn_attn_factor, "yarn_attn_factor")
+            p.yarn_attn_factor = yarn_attn_factor
+        if yarn_beta_fast is not None:
+            _check_float(yarn_beta_fast, "yarn_beta_fast")
+            p.yarn_beta_fast = yarn_beta_fast
+        if yarn_beta_slow is not None:
+            _check_float(yarn_beta_slow, "yarn_beta_slow")
+            p.yarn_beta_slow = yarn_beta_slow
+        if yarn_orig_ctx is not None:
+            _check_int(yarn_orig_ctx, "yarn_orig_ctx", 0, 1 << 24)
+            p.yarn_orig_ctx = yarn_orig_ctx
+        if swa_full is not None:
+            p.swa_full = _bool_arg(swa_full, "swa_full")
+        if op_offload is not None:
+            p.op_offload = _bool_arg(op_offload, "op_offload")
+        if offload_kqv is not None:
+            p.offload_kqv = _bool_arg(offload_kqv, "offload_kqv")
         cdef CContext * c = NULL
         cdef int32_t max_pos = _mo_t._max_positions
         if _shutting_down:

@@ -74,6 +74,8 @@ def set_log_level(level: int | str) -> None: ...
 def system_info() -> str: ...
 def supports_gpu_offload() -> bool: ...
 def gpu_devices() -> list[dict[str, Any]]: ...
+def kv_cache_types() -> dict[str, int]: ...
+def numa_init(numa: bool | int) -> None: ...
 
 # -- Model -------------------------------------------------------------------
 
@@ -86,6 +88,11 @@ class Model:
         n_gpu_layers: int | None = None,
         use_mmap: bool = True,
         vocab_only: bool = False,
+        use_mlock: bool = False,
+        kv_overrides: dict[str, int | float | bool | str] | None = None,
+        split_mode: int | str | None = None,
+        main_gpu: int | None = None,
+        tensor_split: Sequence[float] | None = None,
     ) -> None: ...
     @property
     def path(self) -> str: ...
@@ -311,6 +318,20 @@ class Context:
         pooling: str | None = None,  # one of _Pooling, checked at run time
         flash_attn: bool | None = None,
         kv_unified: bool = True,
+        type_k: int | str | None = None,
+        type_v: int | str | None = None,
+        rope_scaling_type: int | str | None = None,
+        rope_freq_base: float | None = None,
+        rope_freq_scale: float | None = None,
+        yarn_ext_factor: float | None = None,
+        yarn_attn_factor: float | None = None,
+        yarn_beta_fast: float | None = None,
+        yarn_beta_slow: float | None = None,
+        yarn_orig_ctx: int | None = None,
+        attention_type: int | str | None = None,
+        swa_full: bool | None = None,
+        op_offload: bool | None = None,
+        offload_kqv: bool | None = None,
     ) -> None: ...
     @property
     def model(self) -> Model: ...

@@ -25,7 +25,7 @@ from cpython.exc cimport PyErr_CheckSignals, PyErr_SetInterrupt
 from cpython.ref cimport Py_DECREF, Py_INCREF, PyObject
 from cpython.pythread cimport PyThread_get_thread_ident
 from libc.stdint cimport INT32_MAX, INT32_MIN, int8_t, int32_t, int64_t, uint8_t, uint32_t
-from libc.string cimport memcpy
+from libc.string cimport memcpy, memset
 from libcpp cimport bool as cbool
 from libcpp.memory cimport shared_ptr
 from libcpp.string cimport string

@@ -32,6 +32,121 @@ cdef class _ModelUse:
         self.model._busy -= 1
 
 
+_SPLIT_MODES = {"none": LLAMA_SPLIT_MODE_NONE, "layer": LLAMA_SPLIT_MODE_LAYER, "row": LLAMA_SPLIT_MODE_ROW,
+                "tensor": LLAMA_SPLIT_MODE_TENSOR}
+
+
+# The GGUF keys kv_overrides may change, and what each takes.  llama.cpp
+# trusts the values: a shape key (embedding_length, head_count, ...) that
+# disagrees with the tensors, a negative norm epsilon or more experts used
+# than there are abort the process, so only keys whose every allowed value
+# is safe are taken ("*" is the architecture's prefix).
+_OVERRIDABLE = {
+    "tokenizer.ggml.add_bos_token": "bool", "tokenizer.ggml.add_eos_token": "bool",
+    "tokenizer.ggml.add_sep_token": "bool", "tokenizer.ggml.add_space_prefix": "bool",
+    "*.context_length": "count", "*.rope.freq_base": "positive", "*.rope.scaling.factor": "positive",
+    "*.rope.scaling.original_context_length": "count", "*.rope.scaling.type": "rope",
+    "*.attention.layer_norm_rms_epsilon": "positive", "*.attention.layer_norm_epsilon": "positive",
+    "*.expert_used_count": "experts",
+}
+
+
+def _override_kind(key):
+    if key in _OVERRIDABLE:
+        return _OVERRIDABLE[key]
+    head, _, rest = key.partition(".")
+    return _OVERRIDABLE.get("*." + rest) if head and rest and not head.startswith("tokenizer") else None
+
+
+def _check_override(path, key, value):
+    kind = _override_kind(key)
+    if kind is None:
+        raise InvalidArgumentError(
+            f"kv_overrides: {key[:80]!r} is not a key llamax lets you override (llama.cpp trusts the values, "
+            f"and a shape key that disagrees with the tensors aborts the process); allowed: "
+            f"{', '.join(_OVERRIDABLE)} ('*': the architecture)")
+    is_bool = isinstance(value, (bool, np.bool_))
+    is_int = isinstance(value, (int, np.integer)) and not is_bool
+    ok = (kind == "bool" and is_bool) or (kind == "count" and is_int and 0 <= value <= (1 << 24)) \
+        or (kind == "positive" and not is_bool and isinstance(value, (int, float, np.integer, np.floating))
+            and 0 < value < float("inf")) \
+        or (kind == "rope" and value in ("none", "linear", "yarn", "longrope")) \
+        or (kind == "experts" and is_int and value >= 1)
+    if not ok:
+        want = {"bool": "True or False", "count": "an int in [0, 16777216]", "positive": "a finite number > 0",
+                "rope": "'none', 'linear', 'yarn' or 'longrope'", "experts": "an int >= 1"}[kind]
+        raise InvalidArgumentError(f"kv_overrides[{key!r}] must be {want}, not {value!r}")
+    if kind == "experts":
+        from gguf import GGUFReader
+        field = GGUFReader(path).get_field(key.replace("expert_used_count", "expert_count"))
+        n_expert = int(field.contents()) if field is not None else 0
+        if value > n_expert:
+            raise InvalidArgumentError(f"kv_overrides[{key!r}]={value}: the model has {n_expert} experts")
+    return kind
+
+
+cdef int _kv_overrides(object path, object given, vector[llama_model_kv_override] & out) except -1:
+    """GGUF metadata overrides, {key: int | float | bool | str}, as llama.cpp's
+    array (ended by an entry with an empty key)."""
+    if not isinstance(given, dict):
+        raise ArgumentTypeError(f"kv_overrides must be a dict of key -> int, float, bool or str, not "
+                                f"{type(given).__name__}")
+    cdef llama_model_kv_override o
+    for key, value in given.items():
+        if not isinstance(key, str):
+            raise ArgumentTypeError(f"kv_overrides keys must be str, not {type(key).__name__}")
+        k = key.encode("utf-8")
+        if not k or len(k) > 127 or b"\0" in k:
+            raise InvalidArgumentError(f"kv_overrides key {key[:80]!r}: 1 to 127 UTF-8 bytes, no NUL")
+        kind = _check_override(path, key, value)
+        memset(&o, 0, sizeof(o))
+        memcpy(o.key, <const char *> k, len(k))
+        if kind == "bool":
+            o.tag = LLAMA_KV_OVERRIDE_TYPE_BOOL
+            o.val_bool = bool(value)
+        elif kind in ("count", "experts"):
+            o.tag = LLAMA_KV_OVERRIDE_TYPE_INT
+            o.val_i64 = int(value)
+        elif kind == "positive":
+            o.tag = LLAMA_KV_OVERRIDE_TYPE_FLOAT
+            o.val_f64 = float(value)
+        else:
+            v = value.encode("utf-8")
+            o.tag = LLAMA_KV_OVERRIDE_TYPE_STR
+            memcpy(o.val_str, <const char *> v, len(v))
+        out.push_back(o)
+    memset(&o, 0, sizeof(o))
+    out.push_back(o)  # the end: an empty key
+    return 0
+
+
+_NUMA = [None]  # the policy this process runs under, once set
+
+
+def numa_init(numa):
+    """llama.cpp's NUMA policy for this process (llama-cpp-python's
+    ``Llama(numa=...)``): False or 0 (off), True (distribute), or one of
+    ggml's strategy numbers 1-4 (distribute, isolate, numactl, mirror).  It
+    is set once per process: asking again for another policy raises."""
+    if isinstance(numa, (bool, np.bool_)):
+        strategy = GGML_NUMA_STRATEGY_DISTRIBUTE if numa else GGML_NUMA_STRATEGY_DISABLED
+    elif isinstance(numa, (int, np.integer)) and 0 <= numa < GGML_NUMA_STRATEGY_COUNT:
+        strategy = int(numa)
+    else:
+        raise InvalidArgumentError(f"numa={numa!r}: expected True/False or a strategy number in "
+                                   f"[0, {GGML_NUMA_STRATEGY_COUNT - 1}]")
+    if _NUMA[0] is not None:
+        if _NUMA[0] != strategy:
+            raise InvalidArgumentError(f"numa: this process already runs under NUMA strategy {_NUMA[0]} "
+                                       f"(llama.cpp sets it once per process), not {strategy}")
+        return
+    cdef int c_strategy = strategy
+    if c_strategy != GGML_NUMA_STRATEGY_DISABLED:
+        with nogil:
+            llama_numa_init(<ggml_numa_strategy> c_strategy)
+    _NUMA[0] = strategy
+
+
 def _default_gpu_layers(n_gpu_layers):
     """``n_gpu_layers`` checked, None taken from LLAMAX_N_GPU_LAYERS (else 0)."""
     if n_gpu_layers is None:
@@ -64,14 +179,45 @@ cdef class Model:
         self._vocab = NULL
         self._children = weakref.WeakSet()
 
-    def __init__(self, path, *, n_gpu_layers=None, use_mmap=True, vocab_only=False):
+    def __init__(self, path, *, n_gpu_layers=None, use_mmap=True, vocab_only=False, use_mlock=False,
+                 kv_overrides=None, split_mode=None, main_gpu=None, tensor_split=None):
         self.path = _fspath(path)
         n_gpu_layers = _default_gpu_layers(n_gpu_layers)
         self.n_gpu_layers = n_gpu_layers
         cdef llama_model_params params = llama_model_default_params()
         params.n_gpu_layers = n_gpu_layers
-        params.load_mode = LLAMA_LOAD_MODE_MMAP if use_mmap else LLAMA_LOAD_MODE_NONE
+        mlock = _bool_arg(use_mlock, "use_mlock")
+        if use_mmap:
+            params.load_mode = LLAMA_LOAD_MODE_MMAP_MLOCK if mlock else LLAMA_LOAD_MODE_MMAP
+        else:
+            params.load_mode = LLAMA_LOAD_MODE_MLOCK if mlock else LLAMA_LOAD_MODE_NONE
         params.vocab_only = bool(vocab_only)
+        # the overrides and the split are read while the model loads: kept here until then
+        cdef vector[llama_model_kv_override] overrides
+        cdef vector[float] split
+        if kv_overrides is not None:
+            _kv_overrides(self.path, kv_overrides, overrides)
+            params.kv_overrides = overrides.data()
+        if split_mode is not None:
+            params.split_mode = <llama_split_mode> _enum_value(split_mode, "split_mode", _SPLIT_MODES)
+        n_dev = llama_max_devices()
+        if main_gpu is not None:
+            _check_int(main_gpu, "main_gpu", 0, max(0, <long> n_dev - 1))
+            params.main_gpu = main_gpu
+        if tensor_split is not None:
+            if isinstance(tensor_split, (str, bytes)) or not hasattr(tensor_split, "__len__"):
+                raise ArgumentTypeError(f"tensor_split must be a list of numbers, not {type(tensor_split).__name__}")
+            if len(tensor_split) > n_dev:
+                raise InvalidArgumentError(f"tensor_split has {len(tensor_split)} entries; this build has at most "
+                                           f"{n_dev} device(s)")
+            split.assign(n_dev, 0.0)
+            for i, v in enumerate(tensor_split):
+                _check_float(v, f"tensor_split[{i}]")
+                if v < 0:
+                    raise InvalidArgumentError(f"tensor_split[{i}]={v} must be >= 0 (a proportion)")
+                split[i] = v
+            if tensor_split and sum(tensor_split) > 0:
+                params.tensor_split = split.data()
         self.vocab_only = bool(vocab_only)
         cdef string cpath = self.path.encode("utf-8", "surrogateescape")
         cdef llama_model * m = NULL

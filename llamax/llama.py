@@ -19,7 +19,7 @@ from typing import Optional
 
 import numpy as np
 
-from llamax._core import Batcher, Context, ControlVector, Model, Sampler, State
+from llamax._core import Batcher, Context, ControlVector, Model, Sampler, State, numa_init
 from llamax._errors import (
     ArgumentTypeError, ContextBusyError, ContextOverflowError, ControlVectorError, InvalidArgumentError, TokenError, UnknownAdapterError,
 )
@@ -51,12 +51,16 @@ _POOLING_TYPES = {-1: None, 0: "none", 1: "mean", 2: "cls", 3: "last", 4: "rank"
 # llama-cpp-python keywords llamax takes only at their defaults: each value
 # here is what they do by default; anything else is refused, not ignored.
 _COMPAT_DEFAULTS = {
-    "split_mode": (1,), "main_gpu": (0,), "tensor_split": (None,), "use_mlock": (False,),
-    "kv_overrides": (None, {}), "rope_scaling_type": (-1,), "attention_type": (-1,), "rope_freq_base": (0.0,),
-    "rope_freq_scale": (0.0,), "yarn_ext_factor": (-1.0,), "yarn_attn_factor": (1.0,), "yarn_beta_fast": (32.0,),
-    "yarn_beta_slow": (1.0,), "yarn_orig_ctx": (0,), "op_offload": (None, True), "swa_full": (None,),
-    "numa": (False, 0), "chat_handler": (None,), "tokenizer": (None,), "type_k": (None,), "type_v": (None,),
-    "spm_infill": (False,),
+    "chat_handler": (None,), "tokenizer": (None,), "spm_infill": (False,),
+}
+
+# llama-cpp-python's defaults of the context keywords passed on to llama.cpp:
+# a keyword at this value is left to llama.cpp (which takes the model's own
+# RoPE/YaRN settings), so a model runs as it does without the keyword.
+_CONTEXT_DEFAULTS = {
+    "rope_scaling_type": -1, "rope_freq_base": 0.0, "rope_freq_scale": 0.0, "yarn_ext_factor": -1.0,
+    "yarn_attn_factor": 1.0, "yarn_beta_fast": 32.0, "yarn_beta_slow": 1.0, "yarn_orig_ctx": 0,
+    "attention_type": -1, "type_k": None, "type_v": None, "swa_full": None, "op_offload": None,
 }
 
 
@@ -241,13 +245,17 @@ class Llama(_SessionMixin):
         for name, value in (("lora_path", lora_path), ("lora_scale", lora_scale), ("lora_base", lora_base)):
             if value is not None:
                 raise ArgumentTypeError(f"Llama() no longer takes {name}: {_REMOVED[name]}")
-        _compat_keywords(dict(
-            split_mode=split_mode, main_gpu=main_gpu, tensor_split=tensor_split, use_mlock=use_mlock,
-            kv_overrides=kv_overrides, rope_scaling_type=rope_scaling_type, attention_type=attention_type,
-            rope_freq_base=rope_freq_base, rope_freq_scale=rope_freq_scale, yarn_ext_factor=yarn_ext_factor,
-            yarn_attn_factor=yarn_attn_factor, yarn_beta_fast=yarn_beta_fast, yarn_beta_slow=yarn_beta_slow,
-            yarn_orig_ctx=yarn_orig_ctx, op_offload=op_offload, swa_full=swa_full, numa=numa,
-            chat_handler=chat_handler, tokenizer=tokenizer, type_k=type_k, type_v=type_v, spm_infill=spm_infill))
+        _compat_keywords(dict(chat_handler=chat_handler, tokenizer=tokenizer, spm_infill=spm_infill))
+        # llama.cpp's context keywords, passed on unless at llama-cpp-python's default
+        given = dict(rope_scaling_type=rope_scaling_type, rope_freq_base=rope_freq_base,
+                     rope_freq_scale=rope_freq_scale, yarn_ext_factor=yarn_ext_factor,
+                     yarn_attn_factor=yarn_attn_factor, yarn_beta_fast=yarn_beta_fast, yarn_beta_slow=yarn_beta_slow,
+                     yarn_orig_ctx=yarn_orig_ctx, attention_type=attention_type, type_k=type_k, type_v=type_v,
+                     swa_full=swa_full, op_offload=op_offload)
+        ctx_extra = {k: v for k, v in given.items()
+                     if not (v is _CONTEXT_DEFAULTS[k] or (type(v) is type(_CONTEXT_DEFAULTS[k])
+                                                          and v == _CONTEXT_DEFAULTS[k]))}
+        ctx_extra["offload_kqv"] = offload_kqv
         check_bools(logits_all=logits_all, offload_kqv=offload_kqv, no_perf=no_perf)
         last_n_tokens_size = check_int(
             last_n_tokens_size, "last_n_tokens_size", 0, error=InvalidArgumentError,
@@ -284,10 +292,15 @@ class Llama(_SessionMixin):
             raise ArgumentTypeError(f"model_path must be str or os.PathLike, not {type(model_path).__name__}")
         self.model_path = os.fsdecode(model_path)
         self.verbose = verbose
-        self._model = Model(self.model_path, n_gpu_layers=n_gpu_layers, use_mmap=use_mmap, vocab_only=vocab_only)
+        if numa is not False and numa != 0:
+            numa_init(numa)
+        self._model = Model(self.model_path, n_gpu_layers=n_gpu_layers, use_mmap=use_mmap, vocab_only=vocab_only,
+                            use_mlock=use_mlock, kv_overrides=kv_overrides, split_mode=split_mode,
+                            main_gpu=main_gpu, tensor_split=tensor_split)
         self.n_batch = n_batch
         self._ctx_kwargs = dict(n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, n_threads=n_threads,
-                                n_threads_batch=n_threads_batch, flash_attn=flash_attn)
+                                n_threads_batch=n_threads_batch, flash_attn=flash_attn, **ctx_extra)
+        self._ctx_extra = ctx_extra  # (the embedding context's too: RoPE, attention type, cache types)
         self._seed = seed
         self._rng = random.Random(None if seed == _DEFAULT_SEED else seed)
         self._rng_lock = threading.Lock()
@@ -870,7 +883,7 @@ class Llama(_SessionMixin):
                                       n_seq_max=EMBED_SEQS, n_threads=self._ctx_kwargs["n_threads"],
                                       n_threads_batch=self._ctx_kwargs["n_threads_batch"],
                                       flash_attn=self._ctx_kwargs["flash_attn"], embeddings=True,
-                                      pooling=pooling)
+                                      pooling=pooling, **self._ctx_extra)
         return self._embed_ctx
 
     def _embed_limit(self) -> int:

@@ -7,6 +7,22 @@ from libc.stdio cimport FILE
 cdef extern from "ggml.h" nogil:
     ctypedef bint (*ggml_abort_callback)(void * data)
 
+    cdef enum ggml_type:
+        GGML_TYPE_F32
+        GGML_TYPE_F16
+        GGML_TYPE_COUNT
+    const char * ggml_type_name(ggml_type t)
+    bint ggml_is_quantized(ggml_type t)
+    int64_t ggml_blck_size(ggml_type t)
+
+    cdef enum ggml_numa_strategy:
+        GGML_NUMA_STRATEGY_DISABLED
+        GGML_NUMA_STRATEGY_DISTRIBUTE
+        GGML_NUMA_STRATEGY_ISOLATE
+        GGML_NUMA_STRATEGY_NUMACTL
+        GGML_NUMA_STRATEGY_MIRROR
+        GGML_NUMA_STRATEGY_COUNT
+
     cdef enum ggml_log_level:
         GGML_LOG_LEVEL_NONE
         GGML_LOG_LEVEL_DEBUG
@@ -58,6 +74,41 @@ cdef extern from "llama.h" nogil:
         LLAMA_LOAD_MODE_AUTO
         LLAMA_LOAD_MODE_NONE
         LLAMA_LOAD_MODE_MMAP
+        LLAMA_LOAD_MODE_MLOCK
+        LLAMA_LOAD_MODE_MMAP_MLOCK
+
+    cdef enum llama_split_mode:
+        LLAMA_SPLIT_MODE_NONE
+        LLAMA_SPLIT_MODE_LAYER
+        LLAMA_SPLIT_MODE_ROW
+        LLAMA_SPLIT_MODE_TENSOR
+
+    cdef enum llama_rope_scaling_type:
+        LLAMA_ROPE_SCALING_TYPE_UNSPECIFIED
+        LLAMA_ROPE_SCALING_TYPE_NONE
+        LLAMA_ROPE_SCALING_TYPE_LINEAR
+        LLAMA_ROPE_SCALING_TYPE_YARN
+        LLAMA_ROPE_SCALING_TYPE_LONGROPE
+
+    cdef enum llama_attention_type:
+        LLAMA_ATTENTION_TYPE_UNSPECIFIED
+        LLAMA_ATTENTION_TYPE_CAUSAL
+        LLAMA_ATTENTION_TYPE_NON_CAUSAL
+
+    cdef enum llama_model_kv_override_type:
+        LLAMA_KV_OVERRIDE_TYPE_INT
+        LLAMA_KV_OVERRIDE_TYPE_FLOAT
+        LLAMA_KV_OVERRIDE_TYPE_BOOL
+        LLAMA_KV_OVERRIDE_TYPE_STR
+
+    cdef struct llama_model_kv_override:
+        llama_model_kv_override_type tag
+        char key[128]
+        # (members of an anonymous union in llama.h)
+        int64_t val_i64
+        double val_f64
+        bint val_bool
+        char val_str[128]
 
     cdef enum llama_flash_attn_type:
         LLAMA_FLASH_ATTN_TYPE_AUTO
@@ -81,8 +132,11 @@ cdef extern from "llama.h" nogil:
 
     cdef struct llama_model_params:
         int32_t n_gpu_layers
+        llama_split_mode split_mode
         llama_load_mode load_mode
         int32_t main_gpu
+        const float * tensor_split
+        const llama_model_kv_override * kv_overrides
         bint vocab_only
         bint check_tensors
 
@@ -93,13 +147,26 @@ cdef extern from "llama.h" nogil:
         uint32_t n_seq_max
         int32_t n_threads
         int32_t n_threads_batch
+        llama_rope_scaling_type rope_scaling_type
         llama_pooling_type pooling_type
+        llama_attention_type attention_type
         llama_flash_attn_type flash_attn_type
+        float rope_freq_base
+        float rope_freq_scale
+        float yarn_ext_factor
+        float yarn_attn_factor
+        float yarn_beta_fast
+        float yarn_beta_slow
+        uint32_t yarn_orig_ctx
+        ggml_type type_k
+        ggml_type type_v
         ggml_abort_callback abort_callback
         void * abort_callback_data
         bint embeddings
         bint offload_kqv
         bint no_perf
+        bint op_offload
+        bint swa_full
         bint kv_unified
 
     ctypedef struct llama_sampler_chain_params:
@@ -110,6 +177,8 @@ cdef extern from "llama.h" nogil:
     llama_sampler_chain_params llama_sampler_chain_default_params()
 
     void llama_backend_init()
+    void llama_numa_init(ggml_numa_strategy numa)
+    size_t llama_max_devices()
     const char * llama_print_system_info()
     bint llama_supports_gpu_offload()
 

@@ -461,8 +461,8 @@ def test_constructor_keywords(smollm2_path):
                       last_n_tokens_size=32, split_mode=1, main_gpu=0, numa=False, op_offload=None,
                       pooling_type=-1, rope_freq_base=0.0, yarn_ext_factor=-1.0, type_k=None) as m:
         assert m.last_n_tokens_size == 32
-    for kw in ({"rope_freq_base": 10000.0}, {"tensor_split": [0.5, 0.5]}, {"use_mlock": True},
-               {"kv_overrides": {"x": 1}}, {"chat_handler": object()}, {"type_k": 1}):
+    # (the keywords llama.cpp takes are honoured: tests/api/test_llama_keywords.py)
+    for kw in ({"chat_handler": object()}, {"spm_infill": True}):
         with pytest.raises(llamax.InvalidArgumentError, match="not supported"):
             llamax.Llama(str(smollm2_path), n_ctx=64, n_threads=1, **kw)
     with pytest.raises(TypeError):

@@ -1,0 +1,140 @@
+"""llama-cpp-python's ``Llama`` keywords that are llama.cpp parameters reach
+llama.cpp (issue #36 item 1): each changes what it should, leaves alone what
+it should not, and bad values are refused with a message, never passed on
+to an assert.  Effects are compared within one run, on this CPU's kernels."""
+import numpy as np
+import pytest
+
+import llamax
+from llamax._core import kv_cache_types
+
+from conftest import run_py
+from .conftest import make_llama
+
+PROMPT = "The capital of France is"
+
+
+def last_logits(llm, prompt=PROMPT) -> np.ndarray:
+    """The logits after the prompt (one context, decoded cold)."""
+    llm.reset()
+    llm.eval(llm.tokenize(prompt.encode()))
+    return np.array(llm.scores[llm.n_tokens - 1])
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2_path):
+    with make_llama(smollm2_path, n_ctx=256) as m:
+        yield last_logits(m)
+
+
+def logits_with(smollm2_path, **kw) -> np.ndarray:
+    with make_llama(smollm2_path, n_ctx=256, **kw) as m:
+        return last_logits(m)
+
+
+def cosine(a, b) -> float:
+    return float(a @ b / np.linalg.norm(a) / np.linalg.norm(b))
+
+
+@pytest.mark.parametrize("kw", [dict(type_k="q8_0", type_v="q8_0"), dict(type_k=8), dict(type_k="q4_0", type_v="q4_0")],
+                         ids=["q8_0", "q8_0-by-id", "q4_0"])
+def test_kv_cache_types_reach_the_cache(smollm2_path, reference, kw):
+    """A quantized KV cache changes the numbers a little (it is not the f16
+    cache), not the answer's meaning (the rows stay close)."""
+    got = logits_with(smollm2_path, **kw)
+    assert not np.array_equal(got, reference)
+    assert cosine(got, reference) > 0.95
+
+
+def test_kv_cache_type_names_and_refusals(smollm2_path):
+    assert {"f16", "q8_0", "q4_0"} <= set(kv_cache_types())
+    with pytest.raises(llamax.InvalidArgumentError, match="expected one of f32, f16"):
+        make_llama(smollm2_path, type_k="q4_K")
+    with pytest.raises(llamax.ArgumentTypeError, match="type_k"):
+        make_llama(smollm2_path, type_k=True)
+    with pytest.raises(llamax.InvalidArgumentError, match="needs flash attention"):
+        make_llama(smollm2_path, type_v="q8_0", flash_attn=False)
+
+
+@pytest.mark.parametrize("kw", [dict(rope_freq_base=20000.0), dict(rope_freq_scale=0.5),
+                                dict(attention_type=1)], ids=["rope_freq_base", "rope_freq_scale", "non-causal"])
+def test_rope_and_attention_keywords_change_the_numbers(smollm2_path, reference, kw):
+    assert not np.array_equal(logits_with(smollm2_path, **kw), reference)
+
+
+@pytest.mark.parametrize("kw", [
+    dict(rope_freq_base=0.0, rope_freq_scale=0.0, yarn_ext_factor=-1.0, yarn_attn_factor=1.0, yarn_beta_fast=32.0,
+         yarn_beta_slow=1.0, yarn_orig_ctx=0, rope_scaling_type=-1, attention_type=-1),
+    dict(use_mlock=True), dict(swa_full=False, op_offload=False), dict(split_mode=0, main_gpu=0),
+    dict(tensor_split=[1.0]),
+], ids=["llama-cpp-python-defaults", "use_mlock", "swa_full-op_offload", "split_mode", "tensor_split"])
+def test_keywords_that_leave_this_model_alone(smollm2_path, reference, kw):
+    """llama-cpp-python's defaults are the model's own settings; mlock, the
+    SWA cache (SmolLM2 has no sliding window), offload and the GPU split
+    change nothing on a CPU."""
+    assert np.array_equal(logits_with(smollm2_path, **kw), reference)
+
+
+@pytest.mark.parametrize("kw, err, match", [
+    (dict(rope_freq_base=-1.0), llamax.InvalidArgumentError, "rope_freq_base"),
+    (dict(yarn_ext_factor=float("nan")), llamax.InvalidArgumentError, "finite"),
+    (dict(attention_type=5), llamax.InvalidArgumentError, "attention_type"),
+    (dict(rope_scaling_type="spline"), llamax.InvalidArgumentError, "rope_scaling_type"),
+    (dict(yarn_orig_ctx=-1), llamax.InvalidArgumentError, "yarn_orig_ctx"),
+    (dict(swa_full=1), llamax.ArgumentTypeError, "swa_full"),
+    (dict(use_mlock="yes"), llamax.ArgumentTypeError, "use_mlock"),
+    (dict(split_mode=9), llamax.InvalidArgumentError, "split_mode"),
+    (dict(main_gpu=-1), llamax.InvalidArgumentError, "main_gpu"),
+    (dict(tensor_split=[-1.0]), llamax.InvalidArgumentError, "tensor_split"),
+    (dict(tensor_split="1,2"), llamax.ArgumentTypeError, "tensor_split"),
+    (dict(numa="all"), llamax.InvalidArgumentError, "numa"),
+], ids=lambda v: str(v) if isinstance(v, str) else None)
+def test_bad_keyword_values_are_refused(smollm2_path, kw, err, match):
+    with pytest.raises(err, match=match):
+        make_llama(smollm2_path, **kw)
+
+
+def test_kv_overrides(smollm2_path, reference):
+    with make_llama(smollm2_path, n_ctx=256) as plain, \
+            make_llama(smollm2_path, n_ctx=256, kv_overrides={"tokenizer.ggml.add_bos_token": True}) as bos:
+        assert bos.tokenize(b"hi") == [plain.token_bos(), *plain.tokenize(b"hi")]
+        trained = plain.model.n_ctx_train
+    with make_llama(smollm2_path, n_ctx=128, kv_overrides={"llama.context_length": 128}) as m:
+        assert m.model.n_ctx_train == 128 != trained
+    # (the metadata listing stays the file's; what llama.cpp runs with changes)
+    given = {"llama.rope.freq_base": 50000}
+    assert not np.array_equal(logits_with(smollm2_path, kv_overrides=given), reference)
+    assert given == {"llama.rope.freq_base": 50000}  # the caller's dict is not changed
+
+
+@pytest.mark.parametrize("overrides, err, match", [
+    # keys that shape tensors or whose values llama.cpp asserts on are refused, not passed on
+    ({"llama.block_count": 100}, llamax.InvalidArgumentError, "not a key llamax lets you override"),
+    ({"llama.attention.layer_norm_rms_epsilon": -1.0}, llamax.InvalidArgumentError, "finite number > 0"),
+    ({"llama.expert_used_count": 2}, llamax.InvalidArgumentError, "0 experts"),
+    ({"tokenizer.ggml.add_bos_token": 1}, llamax.InvalidArgumentError, "True or False"),
+    ({"llama.rope.scaling.type": "spline"}, llamax.InvalidArgumentError, "yarn"),
+    ({"k" * 200: 1}, llamax.InvalidArgumentError, "127 UTF-8 bytes"),
+    ({1: 1}, llamax.ArgumentTypeError, "keys must be str"),
+    ([("llama.context_length", 1)], llamax.ArgumentTypeError, "must be a dict"),
+])
+def test_bad_kv_overrides_are_refused(smollm2_path, overrides, err, match):
+    with pytest.raises(err, match=match):
+        make_llama(smollm2_path, kv_overrides=overrides)
+
+
+def test_numa_is_set_once_per_process(smollm2_path):
+    """(In a child: the policy is the whole process's.)"""
+    r = run_py(f"""
+        import llamax
+        m = llamax.Llama({str(smollm2_path)!r}, n_ctx=64, n_threads=1, numa=True)
+        print(m("Hi", max_tokens=2, temperature=0.0)["usage"]["completion_tokens"])
+        llamax.Llama({str(smollm2_path)!r}, n_ctx=64, n_threads=1, numa=True).close()  # the same: fine
+        try:
+            llamax.Llama({str(smollm2_path)!r}, n_ctx=64, n_threads=1, numa=3)
+        except llamax.InvalidArgumentError as e:
+            print("refused:", e)
+    """)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines()[0] == "2"
+    assert "refused: numa: this process already runs under NUMA strategy 1" in r.stdout
