@@ -15,6 +15,7 @@ import random
 import threading
 import time
 import uuid
+from pathlib import Path
 from typing import Optional
 
 import numpy as np
@@ -27,7 +28,7 @@ from llamax.adapters import AdapterRegistry
 from llamax.cancel import CancelToken
 from llamax.templates import ChatTemplate, ChatTemplateError, _check_messages, prepare_prefill
 from llamax._session import _SessionMixin
-from llamax._validate import check_bool, check_bools, check_int, is_int
+from llamax._validate import check_bool, check_bools, check_float, check_int, is_int
 from llamax.pool import _BatchPool, _BatchSlot, _Pool, _Slot
 from llamax.request import (
     PreparedEmbedding, PreparedRequest, RequestParams, Runtime, _Chunks, _Request, chat_logprobs, check_processors,
@@ -38,11 +39,6 @@ __all__ = ["Llama"]
 
 logger = logging.getLogger("llamax")
 
-_REMOVED = {
-    "lora_path": "per-request adapters replace it: llm.load_lora(name, path), then active_loras=[{'name': name, 'scale': 1.0}]",
-    "lora_scale": "the scale is per request: llm.load_lora(name, path), then active_loras=[{'name': name, 'scale': s}]",
-    "lora_base": "adapters apply to the loaded base model; load them with llm.load_lora(name, path)",
-}
 _DEFAULT_SEED = 0xFFFFFFFF
 
 # llama.cpp's LLAMA_POOLING_TYPE_* (llama-cpp-python's pooling_type=)
@@ -242,9 +238,10 @@ class Llama(_SessionMixin):
                  yarn_attn_factor: float = 1.0, yarn_beta_fast: float = 32.0, yarn_beta_slow: float = 1.0,
                  yarn_orig_ctx: int = 0, op_offload=None, swa_full=None, numa=False, chat_handler=None,
                  tokenizer=None, type_k=None, type_v=None, spm_infill: bool = False):
-        for name, value in (("lora_path", lora_path), ("lora_scale", lora_scale), ("lora_base", lora_base)):
-            if value is not None:
-                raise ArgumentTypeError(f"Llama() no longer takes {name}: {_REMOVED[name]}")
+        if lora_path is None and (lora_scale is not None or lora_base is not None):
+            raise InvalidArgumentError("lora_scale and lora_base go with lora_path (the adapter they are for)")
+        if lora_scale is not None:
+            lora_scale = check_float(lora_scale, "lora_scale")
         _compat_keywords(dict(chat_handler=chat_handler, tokenizer=tokenizer, spm_infill=spm_infill))
         # llama.cpp's context keywords, passed on unless at llama-cpp-python's default
         given = dict(rope_scaling_type=rope_scaling_type, rope_freq_base=rope_freq_base,
@@ -350,6 +347,14 @@ class Llama(_SessionMixin):
         self.chat_format = chat_format
         self._template = self._make_template(chat_format, chat_template)
         self._session_init(logits_all, draft_model)
+        self._default_loras: list[dict] | None = None
+        self._default_pins: list[str] = []
+        if lora_path is not None:
+            try:
+                self._set_default_lora(lora_path, 1.0 if lora_scale is None else lora_scale, lora_base)
+            except BaseException:
+                self.close()
+                raise
         if embedding and not vocab_only:
             self._embedding_context()
 
@@ -498,12 +503,41 @@ class Llama(_SessionMixin):
     def unload_lora(self, name: str) -> None:
         """Unload ``name`` now.  Requests running with it finish with it: the
         adapter's memory is freed when the last of them ends (and a context
-        that still has it applied applies another state)."""
+        that still has it applied applies another state).  Unloading the
+        default adapter (``lora_path``) makes the base model the default."""
         self._check_open()
+        if self._default_loras is not None and name in self._default_pins:
+            self._adapters.release(self._default_pins)
+            self._default_pins = []
+            self._default_loras = None
+            self._base_state = State(self._model)
         self._adapters.unload(name)
 
     def list_loras(self) -> list[dict]:
         return self._adapters.list()
+
+    @property
+    def default_loras(self) -> list[dict] | None:
+        """The adapter set of requests that name none (``active_loras=None``)
+        and of the session API (``eval``/``generate``): ``lora_path``'s
+        adapter, else None (the base model).  ``active_loras=[]`` asks for
+        the base model whatever the default."""
+        return None if self._default_loras is None else [dict(s) for s in self._default_loras]
+
+    def _set_default_lora(self, path, scale: float, base) -> None:
+        """llama-cpp-python's ``lora_path``/``lora_scale``: the adapter,
+        loaded under its file's stem, is the default set."""
+        if base is not None:
+            # llama-cpp-python 0.3 stores lora_base and never reads it; so does llamax, out loud
+            logger.warning("lora_base has no effect (llama.cpp applies adapters to the loaded model, as "
+                           "llama-cpp-python 0.3 does): %s", base)
+        name = Path(os.fsdecode(path)).stem or "default"
+        self.load_lora(name, path)
+        spec = [{"name": name, "scale": scale}]
+        adapters, names = self._adapters.acquire(spec)
+        self._default_pins = names  # held while it is the default: the session's state uses it
+        self._default_loras = spec
+        self._base_state = State(self._model, adapters, None)
 
     # -- control vectors ------------------------------------------------------
 
@@ -585,6 +619,8 @@ class Llama(_SessionMixin):
         and the adapter names pinned for it (release them).  Unknown names
         raise before anything runs."""
         cv = self._resolve_cvec(control_vector, control_vectors)
+        if active_loras is None:
+            active_loras = self._default_loras  # lora_path's adapter, or the base model
         adapters, names = self._adapters.acquire(active_loras)
         try:
             return State(self._model, adapters, cv), names

@@ -138,3 +138,41 @@ def test_numa_is_set_once_per_process(smollm2_path):
     assert r.returncode == 0, r.stderr
     assert r.stdout.splitlines()[0] == "2"
     assert "refused: numa: this process already runs under NUMA strategy 1" in r.stdout
+
+
+# -- lora_path / lora_scale: llama-cpp-python's one adapter, as the default set ---------------
+
+def test_lora_path_is_the_default_set(smollm2_path, api_loras):
+    G = dict(max_tokens=6, temperature=0.0, cache_prompt=False)
+    with make_llama(smollm2_path, n_ctx=256, lora_path=str(api_loras["coder"]), lora_scale=0.7) as m:
+        assert m.default_loras == [{"name": "coder", "scale": 0.7}]
+        default = m(PROMPT, **G)
+        named = m(PROMPT, active_loras=[{"name": "coder", "scale": 0.7}], **G)
+        base = m(PROMPT, active_loras=[], **G)   # [] asks for the base model
+        assert default["choices"][0]["text"] == named["choices"][0]["text"]
+        with_lora = last_logits(m)               # the session API runs with it too
+        m.unload_lora("coder")                   # the base model is the default again
+        assert m.default_loras is None
+        assert m(PROMPT, **G)["choices"][0]["text"] == base["choices"][0]["text"]
+        plain = last_logits(m)
+    assert not np.array_equal(with_lora, plain)
+    with make_llama(smollm2_path, n_ctx=256, lora_path=str(api_loras["coder"])) as m:
+        m.reset()
+        m.eval(m.tokenize(PROMPT.encode()))
+        full = np.array(m.scores[m.n_tokens - 1])
+        assert m.default_loras == [{"name": "coder", "scale": 1.0}]
+    with make_llama(smollm2_path, n_ctx=256, lora_path=str(api_loras["coder"]), lora_scale=0.0) as m:
+        assert np.array_equal(last_logits(m), plain)  # scale 0: the base model's numbers
+    assert not np.array_equal(full, with_lora)        # the scale reaches the adapter
+
+
+def test_lora_path_refusals(smollm2_path, tmp_path, caplog, api_loras):
+    with pytest.raises(llamax.InvalidArgumentError, match="go with lora_path"):
+        make_llama(smollm2_path, lora_scale=0.5)
+    with pytest.raises(llamax.InvalidArgumentError, match="finite"):
+        make_llama(smollm2_path, lora_path=str(api_loras["coder"]), lora_scale=float("inf"))
+    with pytest.raises(llamax.LlamaxError):
+        make_llama(smollm2_path, lora_path=str(tmp_path / "missing.gguf"))
+    with caplog.at_level("WARNING", logger="llamax"):
+        make_llama(smollm2_path, n_ctx=64, lora_path=str(api_loras["coder"]), lora_base="/base.gguf").close()
+    assert "lora_base has no effect" in caplog.text
