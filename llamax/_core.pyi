@@ -58,6 +58,9 @@ class _SamplerParams(TypedDict):
     seed: int
     grammar: str | None
     logit_bias: dict[int, float] | dict[str, float] | None
+    mirostat: int
+    mirostat_tau: float
+    mirostat_eta: float
 
 # -- module ------------------------------------------------------------------
 
@@ -287,6 +290,9 @@ class Sampler:
         grammar: str | None = None,
         grammar_root: str = "root",
         logit_bias: dict[int, float] | dict[str, float] | None = None,
+        mirostat: int = 0,
+        mirostat_tau: float = 5.0,
+        mirostat_eta: float = 0.1,
     ) -> None: ...
     @property
     def model(self) -> Model: ...

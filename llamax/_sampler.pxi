@@ -17,7 +17,8 @@ cdef class Sampler:
 
     def __init__(self, model, *, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0,
                  typical_p=1.0, repeat_penalty=1.0, frequency_penalty=0.0, presence_penalty=0.0,
-                 penalty_last_n=64, seed=None, grammar=None, grammar_root="root", logit_bias=None):
+                 penalty_last_n=64, seed=None, grammar=None, grammar_root="root", logit_bias=None,
+                 mirostat=0, mirostat_tau=5.0, mirostat_eta=0.1):
         cdef Model _mo_t = _typed(model, Model, "model")
         _mo_t._ptr()
         self.model = model
@@ -38,6 +39,11 @@ cdef class Sampler:
             raise InvalidArgumentError(f"typical_p={typical_p} must be in [0, 1] (1.0 disables it)")
         if repeat_penalty <= 0:
             raise InvalidArgumentError(f"repeat_penalty={repeat_penalty} must be > 0 (1.0 disables it)")
+        _check_int(mirostat, "mirostat", 0, 2)
+        _check_float(mirostat_tau, "mirostat_tau")
+        _check_float(mirostat_eta, "mirostat_eta")
+        if mirostat_tau < 0 or mirostat_eta < 0:
+            raise InvalidArgumentError(f"mirostat_tau={mirostat_tau} and mirostat_eta={mirostat_eta} must be >= 0")
         if seed is None:
             seed = int.from_bytes(os.urandom(4), "little") & 0xFFFFFFFE
         _check_int(seed, "seed", 0, 0xFFFFFFFF)
@@ -66,7 +72,8 @@ cdef class Sampler:
                            typical_p=typical_p, repeat_penalty=repeat_penalty,
                            frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
                            penalty_last_n=penalty_last_n, seed=seed, grammar=grammar,
-                           logit_bias=dict(logit_bias) if logit_bias else None)
+                           logit_bias=dict(logit_bias) if logit_bias else None, mirostat=mirostat,
+                           mirostat_tau=mirostat_tau, mirostat_eta=mirostat_eta)
         cdef llama_sampler_chain_params cp = llama_sampler_chain_default_params()
         cp.no_perf = True
         cdef llama_sampler * chain = llama_sampler_chain_init(cp)
@@ -101,6 +108,16 @@ cdef class Sampler:
         if temperature <= 0:
             llama_sampler_chain_add(chain, llama_sampler_init_greedy())
             self._plain_greedy = llama_sampler_chain_n(chain) == 1
+        elif mirostat == 1:
+            # llama.cpp's (and llama-cpp-python's) mirostat: it picks the token and
+            # tunes its target surprise as it goes; top-k/p/min-p/typical do not apply
+            llama_sampler_chain_add(chain, llama_sampler_init_temp(temperature))
+            llama_sampler_chain_add(chain, llama_sampler_init_mirostat(n_vocab, <uint32_t> seed, mirostat_tau,
+                                                                      mirostat_eta, 100))
+        elif mirostat == 2:
+            llama_sampler_chain_add(chain, llama_sampler_init_temp(temperature))
+            llama_sampler_chain_add(chain, llama_sampler_init_mirostat_v2(<uint32_t> seed, mirostat_tau,
+                                                                         mirostat_eta))
         else:
             if top_k > 0:
                 llama_sampler_chain_add(chain, llama_sampler_init_top_k(top_k))

@@ -285,9 +285,8 @@ class _SessionMixin:
                 self._requires_eval = False
 
     def _make_sampler(self, *, top_k=40, top_p=0.95, min_p=0.05, typical_p=1.0, temp=0.80, repeat_penalty=1.0,
-                      frequency_penalty=0.0, presence_penalty=0.0, mirostat_mode=0, grammar=None) -> Sampler:
-        if mirostat_mode not in (0, None):
-            raise InvalidArgumentError("mirostat sampling is not supported by llamax (mirostat_mode must be 0)")
+                      frequency_penalty=0.0, presence_penalty=0.0, mirostat_mode=0, mirostat_tau=5.0,
+                      mirostat_eta=0.1, grammar=None) -> Sampler:
         if temp is None:
             temp = 0.8
         if temp < 0:  # llama-cpp-python: a plain draw from the softmax
@@ -296,7 +295,8 @@ class _SessionMixin:
                        repeat_penalty=repeat_penalty, frequency_penalty=frequency_penalty,
                        presence_penalty=presence_penalty, penalty_last_n=self.last_n_tokens_size,
                        seed=None if self._seed == _DEFAULT_SEED else self._seed & 0xFFFFFFFF,
-                       grammar=grammar_text(grammar))
+                       grammar=grammar_text(grammar), mirostat=0 if mirostat_mode is None else mirostat_mode,
+                       mirostat_tau=mirostat_tau, mirostat_eta=mirostat_eta)
 
     def _row(self, idx: int) -> np.ndarray:
         n = self.n_tokens
@@ -327,7 +327,8 @@ class _SessionMixin:
         check_processors(logits_processor, None)
         sampler = self._make_sampler(top_k=top_k, top_p=top_p, min_p=min_p, typical_p=typical_p, temp=temp,
                                      repeat_penalty=repeat_penalty, frequency_penalty=frequency_penalty,
-                                     presence_penalty=presence_penalty, mirostat_mode=mirostat_mode, grammar=grammar)
+                                     presence_penalty=presence_penalty, mirostat_mode=mirostat_mode,
+                                     mirostat_tau=mirostat_tau, mirostat_eta=mirostat_eta, grammar=grammar)
         try:
             return self._sample_with(sampler, self.n_tokens - 1 if idx is None else idx, logits_processor)
         finally:
@@ -352,7 +353,8 @@ class _SessionMixin:
         check_processors(logits_processor, stopping_criteria)
         sampler = self._make_sampler(top_k=top_k, top_p=top_p, min_p=min_p, typical_p=typical_p, temp=temp,
                                      repeat_penalty=repeat_penalty, frequency_penalty=frequency_penalty,
-                                     presence_penalty=presence_penalty, mirostat_mode=mirostat_mode, grammar=grammar)
+                                     presence_penalty=presence_penalty, mirostat_mode=mirostat_mode,
+                                     mirostat_tau=mirostat_tau, mirostat_eta=mirostat_eta, grammar=grammar)
         return self._generate(toks, sampler, reset, logits_processor, stopping_criteria)
 
     def _generate(self, toks, sampler, reset, logits_processor, stopping_criteria):

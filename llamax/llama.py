@@ -104,11 +104,6 @@ def _merge_stops(stop, extra):
     return stop  # the wrong type: _request says so
 
 
-def _no_mirostat(mode):
-    if mode not in (0, None):
-        raise InvalidArgumentError("mirostat sampling is not supported by llamax (mirostat_mode must be 0)")
-
-
 def _response_format_grammar(rf) -> str | None:
     """GBNF for an OpenAI ``response_format`` (None for ``{"type": "text"}``)."""
     from llamax.grammar import JSON_OBJECT_GBNF, json_schema_to_gbnf
@@ -703,10 +698,11 @@ class Llama(_SessionMixin):
         ``stopping_criteria`` (llama-cpp-python's lists) run Python per
         token; without them the token loop is native.  ``tfs_z`` is
         accepted and has no effect, as in llama-cpp-python 0.3;
-        ``mirostat_mode`` must be 0.
+        ``mirostat_mode`` 1 or 2 samples with llama.cpp's mirostat (v1/v2,
+        ``mirostat_tau``, ``mirostat_eta``) instead of top-k/p, as
+        llama-cpp-python does (at a temperature above 0).
         """
         self._check_open()
-        _no_mirostat(mirostat_mode)
         check_bools(stream=stream, echo=echo, cache_prompt=cache_prompt)
         if suffix is not None:
             raise InvalidArgumentError("suffix (fill-in-the-middle) is not supported")
@@ -720,7 +716,8 @@ class Llama(_SessionMixin):
             presence_penalty=presence_penalty, stop=stop, seed=seed, logit_bias=logit_bias, grammar=grammar,
             active_loras=active_loras, control_vector=control_vector, control_vectors=control_vectors,
             cancel=cancel, cache_prompt=cache_prompt, logits_processor=logits_processor,
-            stopping_criteria=stopping_criteria))
+            stopping_criteria=stopping_criteria, mirostat_mode=mirostat_mode, mirostat_tau=mirostat_tau,
+            mirostat_eta=mirostat_eta))
         cid = f"cmpl-{uuid.uuid4()}"
         created = int(time.time())
         name = model or self.model_path
@@ -796,7 +793,6 @@ class Llama(_SessionMixin):
         grammar made from the schema (not with ``grammar=`` too).
         """
         self._check_open()
-        _no_mirostat(mirostat_mode)
         check_bools(stream=stream, assistant_prefill=assistant_prefill, cache_prompt=cache_prompt)
         if functions is not None or function_call is not None:
             raise InvalidArgumentError("functions/function_call are not supported; pass tools= to the template")
@@ -822,7 +818,8 @@ class Llama(_SessionMixin):
             presence_penalty=presence_penalty, stop=stop, seed=seed, logit_bias=logit_bias, grammar=grammar,
             active_loras=active_loras, control_vector=control_vector, control_vectors=control_vectors,
             cancel=cancel, cache_prompt=cache_prompt, logits_processor=logits_processor,
-            stopping_criteria=stopping_criteria))
+            stopping_criteria=stopping_criteria, mirostat_mode=mirostat_mode, mirostat_tau=mirostat_tau,
+            mirostat_eta=mirostat_eta))
         cid = f"chatcmpl-{uuid.uuid4()}"
         created = int(time.time())
         name = model or self.model_path
@@ -1092,7 +1089,9 @@ class Llama(_SessionMixin):
                           typical_p=p.typical_p, repeat_penalty=p.repeat_penalty,
                           frequency_penalty=p.frequency_penalty, presence_penalty=p.presence_penalty,
                           penalty_last_n=self.last_n_tokens_size,
-                          seed=self._next_seed(p.seed), grammar=grammar, logit_bias=p.logit_bias)
+                          seed=self._next_seed(p.seed), grammar=grammar, logit_bias=p.logit_bias,
+                          mirostat=0 if p.mirostat_mode is None else p.mirostat_mode, mirostat_tau=p.mirostat_tau,
+                          mirostat_eta=p.mirostat_eta)
         # Resolved last: it pins adapters, which the request must release.
         state, names = self._state(p.active_loras, p.control_vector, p.control_vectors)
         rt = Runtime(model=self._model, pool=self._pool, release=self._adapters.release,

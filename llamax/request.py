@@ -264,6 +264,9 @@ class RequestParams:
     cache_prompt: bool
     logits_processor: Any
     stopping_criteria: Any
+    mirostat_mode: Any
+    mirostat_tau: Any
+    mirostat_eta: Any
 
 
 def grammar_text(grammar) -> str | None:

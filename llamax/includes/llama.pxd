@@ -259,6 +259,8 @@ cdef extern from "llama.h" nogil:
     llama_sampler * llama_sampler_init_min_p(float p, size_t min_keep)
     llama_sampler * llama_sampler_init_typical(float p, size_t min_keep)
     llama_sampler * llama_sampler_init_temp(float t)
+    llama_sampler * llama_sampler_init_mirostat(int32_t n_vocab, uint32_t seed, float tau, float eta, int32_t m)
+    llama_sampler * llama_sampler_init_mirostat_v2(uint32_t seed, float tau, float eta)
     llama_sampler * llama_sampler_init_grammar(const llama_vocab * vocab, const char * grammar_str,
                                                const char * grammar_root)
     llama_sampler * llama_sampler_init_penalties(int32_t n_vocab, int32_t penalty_last_n, float penalty_repeat,

@@ -72,6 +72,9 @@ class SamplingFields(AdapterFields):
     stream_options: Optional[StreamOptions] = None
     logit_bias: Optional[dict[str, float]] = None
     grammar: Optional[str] = None
+    mirostat: int = Field(default=0, ge=0, le=2)     # llama-server's: 1, 2 = mirostat v1, v2
+    mirostat_tau: float = Field(default=5.0, ge=0.0, allow_inf_nan=False)
+    mirostat_eta: float = Field(default=0.1, ge=0.0, allow_inf_nan=False)
     cache_prompt: bool = True
     metadata: Optional[dict[str, Any]] = None        # accepted, no effect
     store: Optional[bool] = None                      # accepted, no effect

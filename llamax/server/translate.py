@@ -77,7 +77,8 @@ def sampling(body: protocol.SamplingFields, n_ctx: int, max_tokens) -> dict:
                 top_k=d(body.top_k, 40), min_p=d(body.min_p, 0.05), typical_p=d(body.typical_p, 1.0),
                 repeat_penalty=d(body.repeat_penalty, 1.0), frequency_penalty=d(body.frequency_penalty, 0.0),
                 presence_penalty=d(body.presence_penalty, 0.0), stop=stops(body.stop),
-                logit_bias=logit_bias(body.logit_bias), grammar=body.grammar, cache_prompt=body.cache_prompt)
+                logit_bias=logit_bias(body.logit_bias), grammar=body.grammar, cache_prompt=body.cache_prompt,
+                mirostat_mode=body.mirostat, mirostat_tau=body.mirostat_tau, mirostat_eta=body.mirostat_eta)
 
 
 def chat_kwargs(body: protocol.ChatCompletionRequest, n_ctx: int, loras, cvecs) -> dict:

@@ -136,7 +136,7 @@ def test_sample_errors(llm):
     with pytest.raises(llamax.InvalidArgumentError, match="logits_all"):
         llm.sample(idx=0)
     with pytest.raises(llamax.InvalidArgumentError, match="mirostat"):
-        llm.sample(mirostat_mode=2)
+        llm.sample(mirostat_mode=3)  # (1 and 2 are mirostat v1 and v2)
     with pytest.raises(llamax.TokenError):
         llm.eval([llm.n_vocab()])
     with pytest.raises(llamax.ArgumentTypeError):

@@ -176,3 +176,29 @@ def test_lora_path_refusals(smollm2_path, tmp_path, caplog, api_loras):
     with caplog.at_level("WARNING", logger="llamax"):
         make_llama(smollm2_path, n_ctx=64, lora_path=str(api_loras["coder"]), lora_base="/base.gguf").close()
     assert "lora_base has no effect" in caplog.text
+
+
+# -- mirostat (llama.cpp's samplers, as llama-cpp-python builds them) ----------------------
+
+@pytest.mark.parametrize("n_parallel", [1, 2], ids=["one-context", "batcher"])
+def test_mirostat(smollm2_path, n_parallel):
+    """A target surprise of 0 keeps only the likeliest token: greedy
+    decoding, whatever the temperature; with a real target it samples,
+    reproducibly for a seed."""
+    G = dict(max_tokens=12, cache_prompt=False)
+    with make_llama(smollm2_path, n_ctx=256, n_parallel=n_parallel) as m:
+        greedy = m(PROMPT, temperature=0.0, **G)["choices"][0]["text"]
+        for mode in (1, 2):
+            zero = m(PROMPT, temperature=1.0, mirostat_mode=mode, mirostat_tau=0.0, mirostat_eta=0.0, **G)
+            assert zero["choices"][0]["text"] == greedy
+            runs = [m(PROMPT, temperature=1.0, mirostat_mode=mode, mirostat_tau=8.0, seed=7, **G)["choices"][0]["text"]
+                    for _ in range(2)]
+            assert runs[0] == runs[1]
+        chat = m.create_chat_completion([{"role": "user", "content": "Hi"}], mirostat_mode=2, seed=3, max_tokens=4)
+        assert chat["usage"]["completion_tokens"] >= 1
+        for kw, err in ((dict(mirostat_mode=3), llamax.InvalidArgumentError),
+                        (dict(mirostat_mode=2, mirostat_tau=-1.0), llamax.InvalidArgumentError),
+                        (dict(mirostat_mode=1, mirostat_eta=float("nan")), llamax.InvalidArgumentError),
+                        (dict(mirostat_mode="2"), llamax.ArgumentTypeError)):
+            with pytest.raises(err, match="mirostat"):
+                m(PROMPT, temperature=1.0, **kw, **G)

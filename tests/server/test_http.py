@@ -66,10 +66,25 @@ def test_malformed_json(http):
     ({"top_logprobs": 50, "logprobs": True}, "top_logprobs"),
     ({"active_loras": [{"name": "coder", "scale": "big"}]}, "active_loras.0.scale"),
     ({"activ_loras": []}, "activ_loras"),                # unknown field: refused, named
+    ({"mirostat": 3}, "mirostat"),
+    ({"mirostat_tau": -1.0}, "mirostat_tau"),
 ])
 def test_bad_fields(http, patch, param):
     body = err(http.post("/v1/chat/completions", json=dict(CHAT, **patch)), 400)
     assert body["param"] == param
+
+
+def test_mirostat_reaches_the_sampler(http):
+    """llama-server's mirostat fields: a target surprise of 0 keeps only the
+    likeliest token, so the answer is the greedy one at any temperature.
+    (Cold prompts: a cached prefix may change the numbers, see #33.)"""
+    cold = dict(CHAT, cache_prompt=False)
+    greedy = http.post("/v1/chat/completions", json=cold).json()["choices"][0]["message"]["content"]
+    for mode in (1, 2):
+        r = http.post("/v1/chat/completions", json=dict(cold, temperature=1.0, mirostat=mode, mirostat_tau=0.0,
+                                                        mirostat_eta=0.0))
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"]["content"] == greedy
 
 
 def test_semantic_errors(http):
