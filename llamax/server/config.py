@@ -43,10 +43,18 @@ class ServerConfig:
     chat_format: str | None = None
     chat_template: str | None = None
     verbose: bool = False
+    # adapters in the default set (what requests naming none get): name -> scale (--lora-scaled)
+    lora_scales: dict[str, float] = dataclasses.field(default_factory=dict)
+    # llama.cpp's model and context keywords, passed to llamax.Llama as they are
+    # (type_k/type_v, flash_attn, rope_*, yarn_*, kv_overrides), checked there
+    llama_options: dict = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
         if self.alias is None:
             self.alias = Path(self.model).stem
+        unknown = set(self.lora_scales) - {n for n, _ in self.loras}
+        if unknown:
+            raise ValueError(f"default scales for adapters that are not loaded: {sorted(unknown)}")
         if self.allow_runtime_lora and not self.admin_api_keys:
             raise ValueError("--allow-runtime-lora needs --admin-api-key: loading files at runtime is an "
                              "admin action, never open to anyone who can reach the port")
@@ -90,6 +98,62 @@ def _named(value: str) -> tuple[str, str]:
     return name, path
 
 
+def _override(value: str) -> tuple[str, object]:
+    """llama-server's --override-kv KEY=TYPE:VALUE."""
+    key, eq, rest = value.partition("=")
+    kind, colon, raw = rest.partition(":")
+    if not key or not eq or not colon:
+        raise argparse.ArgumentTypeError(f"{value!r}: expected KEY=TYPE:VALUE (TYPE: int, float, bool, str)")
+    try:
+        if kind == "int":
+            return key, int(raw)
+        if kind == "float":
+            return key, float(raw)
+        if kind == "bool" and raw in ("true", "false"):
+            return key, raw == "true"
+        if kind == "str":
+            return key, raw
+    except ValueError:
+        pass
+    raise argparse.ArgumentTypeError(f"{value!r}: {raw!r} is not a {kind} (TYPE: int, float, bool true/false, str)")
+
+
+def _scaled(pairs) -> tuple[list[tuple[str, str]], dict[str, float]]:
+    loras, scales = [], {}
+    for spec, scale in pairs:
+        name, path = _named(spec)
+        try:
+            scales[name] = float(scale)
+        except ValueError:
+            raise ValueError(f"--lora-scaled {spec} {scale}: the scale is not a number") from None
+        loras.append((name, path))
+    return loras, scales
+
+
+def llama_options(args) -> dict:
+    """The llama.cpp keywords the llama-server flags ask for (only those given)."""
+    out: dict = {}
+    if args.cache_type_k:
+        out["type_k"] = args.cache_type_k
+    if args.cache_type_v:
+        out["type_v"] = args.cache_type_v
+    if args.flash_attn != "auto":
+        out["flash_attn"] = args.flash_attn == "on"
+    if args.rope_scaling:
+        out["rope_scaling_type"] = args.rope_scaling
+    if args.rope_scale is not None:
+        if not args.rope_scale > 0:
+            raise ValueError("--rope-scale must be > 0")
+        out["rope_freq_scale"] = 1.0 / args.rope_scale
+    for flag in ("rope_freq_base", "rope_freq_scale", "yarn_orig_ctx", "yarn_ext_factor", "yarn_attn_factor",
+                 "yarn_beta_slow", "yarn_beta_fast"):
+        if getattr(args, flag) is not None:
+            out[flag] = getattr(args, flag)
+    if args.override_kv:
+        out["kv_overrides"] = dict(args.override_kv)
+    return out
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="the GGUF model to serve")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
@@ -113,6 +177,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefix-cache", choices=("any", "exact", "off"), default="any",
                    help="prompt prefix reuse: any common prefix, token by token (default, as llama-server); "
                         "exact: whole 256-token chunks, a cached answer bit for bit the cold one; off")
+    p.add_argument("--lora-scaled", action="append", nargs=2, default=[], metavar=("[NAME=]PATH", "SCALE"),
+                   help="an adapter loaded at start and in the default set with SCALE: requests that name no "
+                        "adapter get it (llama-server's --lora-scaled; repeatable)")
     p.add_argument("--control-vector", action="append", type=_named, default=[], metavar="NAME=PATH",
                    help="a control vector GGUF, named (repeatable)")
     p.add_argument("--api-key", action="append", default=[], help="an API key (repeatable; also LLAMAX_API_KEY)")
@@ -133,6 +200,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat-format", help="a built-in chat format instead of the GGUF's template")
     p.add_argument("--chat-template", help="a Jinja2 chat template file instead of the GGUF's")
     p.add_argument("--verbose", action="store_true", help="llama.cpp's log and an access log")
+    m = p.add_argument_group("llama.cpp (llama-server's flags)")
+    m.add_argument("--cache-type-k", "-ctk", help="KV cache type for K: f16 (default), bf16, f32, q8_0, q5_1, "
+                   "q5_0, q4_1, q4_0, iq4_nl")
+    m.add_argument("--cache-type-v", "-ctv", help="KV cache type for V (a quantized one needs flash attention)")
+    m.add_argument("--flash-attn", "-fa", choices=("on", "off", "auto"), default="auto",
+                   help="flash attention (default auto: llama.cpp decides)")
+    m.add_argument("--rope-scaling", choices=("none", "linear", "yarn"), help="RoPE scaling (default: the model's)")
+    m.add_argument("--rope-scale", type=float, help="RoPE context scaling factor: --rope-freq-scale 1/N")
+    m.add_argument("--rope-freq-base", type=float, help="RoPE base frequency (default: the model's)")
+    m.add_argument("--rope-freq-scale", type=float, help="RoPE frequency scaling factor (default: the model's)")
+    m.add_argument("--yarn-orig-ctx", type=int, help="YaRN: the model's original context size")
+    m.add_argument("--yarn-ext-factor", type=float, help="YaRN: extrapolation mix factor")
+    m.add_argument("--yarn-attn-factor", type=float, help="YaRN: magnitude scaling factor")
+    m.add_argument("--yarn-beta-slow", type=float, help="YaRN: high correction dim")
+    m.add_argument("--yarn-beta-fast", type=float, help="YaRN: low correction dim")
+    m.add_argument("--override-kv", action="append", type=_override, default=[], metavar="KEY=TYPE:VALUE",
+                   help="override model metadata (TYPE: int, float, bool, str; the keys llamax allows are "
+                        "listed in docs/guide.md); repeatable")
     g = p.add_argument_group("Ray Serve (extra: ray)")
     g.add_argument("--replicas", type=int, default=None,
                    help="serve from R Ray Serve replicas with adapter affinity (each loads the model)")
@@ -161,19 +246,21 @@ def _keys(args) -> tuple[list[str], list[str]]:
 def server_config(args):
     """The ServerConfig the parsed options describe (ValueError if they don't fit)."""
     keys, admin = _keys(args)
+    scaled, scales = _scaled(args.lora_scaled)
     template = None
     if args.chat_template:
         with open(args.chat_template, encoding="utf-8") as f:
             template = f.read()
     return ServerConfig(model=args.model, host=args.host, port=args.port, alias=args.alias,
                         n_contexts=args.n_contexts, parallel=args.parallel, n_ctx=args.n_ctx,
-                        n_batch=args.n_batch, threads=args.threads, n_gpu_layers=args.n_gpu_layers, loras=args.lora, lora_dir=args.lora_dir,
+                        n_batch=args.n_batch, threads=args.threads, n_gpu_layers=args.n_gpu_layers, loras=args.lora + scaled, lora_dir=args.lora_dir,
                         max_loaded_adapters=args.max_loaded_adapters, control_vectors=args.control_vector,
                         prefix_cache=args.prefix_cache,
                         api_keys=keys, admin_api_keys=admin, allow_runtime_lora=args.allow_runtime_lora,
                         max_queue=args.max_queue, metrics=args.metrics, max_body_bytes=args.max_body_bytes,
                         request_timeout=args.request_timeout, shutdown_timeout=args.shutdown_timeout,
-                        chat_format=args.chat_format, chat_template=template, verbose=args.verbose)
+                        chat_format=args.chat_format, chat_template=template, verbose=args.verbose,
+                        lora_scales=scales, llama_options=llama_options(args))
 
 
 def ray_options(args):

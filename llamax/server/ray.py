@@ -65,9 +65,13 @@ def build(cfg: ServerConfig, opts: RayOptions):
     # a replica serves what the ingress has checked: no keys, no body limit
     # of its own, its adapters from the registry, loaded by Ray's multiplexing
     threads = cfg.threads or max(1, (os.cpu_count() or 1) // opts.replicas)
+    if sum(1 for v in cfg.lora_scales.values() if v != 0.0) > opts.max_adapters:
+        raise ValueError(f"--lora-scaled puts {len(cfg.lora_scales)} adapters in the default set but "
+                         f"--max-loaded-adapters is {opts.max_adapters}")
     inner = dict(public, api_keys=[], admin_api_keys=[], allow_runtime_lora=False, lora_dir=None, loras=[],
-                 max_loaded_adapters=None, metrics=False, max_body_bytes=1 << 62, threads=threads)
-    registry = AdapterDirectory.bind(list(cfg.loras))
+                 lora_scales={}, max_loaded_adapters=None, metrics=False, max_body_bytes=1 << 62, threads=threads)
+    registry = AdapterDirectory.bind(list(cfg.loras), [{"name": n, "scale": s} for n, s in cfg.lora_scales.items()
+                                                      if s != 0.0])
     ongoing = opts.max_ongoing_requests or cfg.n_contexts * cfg.parallel + cfg.max_queue
     # past the running requests, --max-queue wait at the ingress (then 503
     # queue_full), as in the single-process server, not an unbounded queue

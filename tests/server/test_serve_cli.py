@@ -69,3 +69,44 @@ def test_n_gpu_layers_reaches_the_model(smollm2_path, tmp_path):
     assert config.server_config(p.parse_args([str(smollm2_path)])).n_gpu_layers is None  # LLAMAX_N_GPU_LAYERS, else 0
     r = serve(smollm2_path, "--n-gpu-layers", "-5", "--port", "0")
     assert r.returncode == 1 and "n_gpu_layers" in r.stderr, r.stderr[-2000:]
+
+
+# -- llama-server's llama.cpp flags (#36 item 2) --------------------------------------------------
+
+def test_llama_cpp_flags_reach_the_model(smollm2_path, adapters):
+    """--cache-type-k/-v, --override-kv and --lora-scaled on a real server:
+    the override changes tokenization, the scaled adapter is the default set
+    (a request naming no adapter gets it, one naming [] the base model), and
+    a quantized cache still answers."""
+    import httpx
+
+    from .conftest import Server
+    coder = adapters["coder"]
+    s = Server([smollm2_path, "--cache-type-k", "q8_0", "--cache-type-v", "q8_0", "--flash-attn", "on",
+                "--override-kv", "tokenizer.ggml.add_bos_token=bool:true", "--lora-scaled", f"coder={coder}", "0.75",
+                "--parallel", "2"])
+    try:
+        with httpx.Client(base_url=s.url, timeout=60) as c:
+            toks = c.post("/tokenize", json={"content": "hi", "add_special": True}).json()["tokens"]
+            plain = c.post("/tokenize", json={"content": "hi", "add_special": False}).json()["tokens"]
+            assert toks == [1, *plain]   # SmolLM2's BOS, added because of the override
+            listing = {e["name"]: e for e in c.get("/lora-adapters").json()}
+            assert listing["coder"]["scale"] == 0.75
+            body = {"prompt": "The capital of France is", "max_tokens": 6, "temperature": 0.0, "cache_prompt": False}
+            default = c.post("/v1/completions", json=body).json()["choices"][0]["text"]
+            named = c.post("/v1/completions", json=dict(body, active_loras=[{"name": "coder", "scale": 0.75}]))
+            assert named.json()["choices"][0]["text"] == default
+            assert c.post("/v1/completions", json=dict(body, active_loras=[])).status_code == 200
+    finally:
+        assert s.stop() == 0
+
+
+def test_bad_llama_cpp_flags(smollm2_path, adapters):
+    r = serve(smollm2_path, "--override-kv", "llama.block_count=int:4", "--port", "0")
+    assert r.returncode == 1 and "not a key llamax lets you override" in r.stderr, r.stderr[-2000:]
+    r = serve(smollm2_path, "--cache-type-v", "q8_0", "--flash-attn", "off", "--port", "0")
+    assert r.returncode == 1 and "needs flash attention" in r.stderr, r.stderr[-2000:]
+    r = serve(smollm2_path, "--override-kv", "llama.context_length=int:x")
+    assert r.returncode == 2 and "'x' is not a int" in r.stderr
+    r = serve(smollm2_path, "--lora-scaled", str(adapters["coder"]), "big")
+    assert r.returncode == 2 and "the scale is not a number" in r.stderr

@@ -101,13 +101,14 @@ class LocalBackend:
                                n_parallel=cfg.parallel, max_loaded_adapters=cfg.max_loaded_adapters,
                                chat_format=cfg.chat_format, prefix_cache=cfg.prefix_cache != "off",
                                prefix_cache_exact=cfg.prefix_cache == "exact", chat_template=cfg.chat_template,
-                               verbose=cfg.verbose)
+                               verbose=cfg.verbose, **cfg.llama_options)
             try:
                 for name, path in cfg.loras:
                     self._load_lora_file(llm, name, path)
                     self.adapters.record(name, path)
                 for name, path in cfg.control_vectors:
                     llm.load_control_vector(name, path)
+                self.adapters.default_set = [{"name": n, "scale": s} for n, s in cfg.lora_scales.items() if s != 0.0]
             except BaseException:
                 llm.close()
                 raise

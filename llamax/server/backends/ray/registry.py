@@ -30,7 +30,7 @@ class AdapterDirectory:
     identified by (epoch, version): the epoch changes when this actor is
     restarted (its table is rebuilt from the command line then)."""
 
-    def __init__(self, loras: list[tuple[str, str]]):
+    def __init__(self, loras: list[tuple[str, str]], default_set: list[dict] | None = None):
         self.epoch = secrets.token_hex(4)
         self.version = 0
         self.ids: dict[str, int] = {}
@@ -41,6 +41,7 @@ class AdapterDirectory:
         self.loads: dict[str, int] = {}          # adapter -> loads, over all replicas, ever
         for name, path in loras:
             self._add(name, path)
+        self.default_set = list(default_set or [])
 
     def _add(self, name: str, path: str) -> None:
         if name not in self.ids:
