@@ -328,28 +328,6 @@ def _copy_prompt():
     return f"<|im_start|>user\nRepeat this code exactly:\n{CODE}<|im_end|>\n<|im_start|>assistant\n"
 
 
-@pytest.mark.slow  # slow tier: ~7 s of CPU speculative decoding
-def test_prompt_lookup_decoding_is_greedy_decoding(smollm2_path):
-    """The draft changes how many decodes run, not what greedy decoding picks
-    (up to near-ties: a batch's arithmetic differs slightly from one token's)."""
-    prompt = _copy_prompt()
-    with llamax.Llama(str(smollm2_path), n_ctx=1024, n_threads=1) as plain, \
-            llamax.Llama(str(smollm2_path), n_ctx=1024, n_threads=1,
-                         draft_model=LlamaPromptLookupDecoding(num_pred_tokens=5, adaptive=False)) as spec:
-        a = plain.create_completion(prompt, max_tokens=64, **GREEDY)
-        b = spec.create_completion(prompt, max_tokens=64, **GREEDY)
-        stats = spec._pool.slots[0].ctx.draft_stats
-        assert stats["accepted"] > 10 and stats["decodes"] < 50
-        assert b["usage"]["completion_tokens"] == a["usage"]["completion_tokens"]
-        ta = plain.tokenize(a["choices"][0]["text"].encode(), add_bos=False)
-        tb = spec.tokenize(b["choices"][0]["text"].encode(), add_bos=False)
-        if ta != tb:
-            i = next(k for k, (x, y) in enumerate(zip(ta, tb)) if x != y)
-            # where they part, the two picks were a near-tie for the model
-            row = _logits_after(plain, plain.tokenize(prompt.encode(), special=True) + ta[:i])
-            assert abs(row[ta[i]] - row[tb[i]]) < 0.5, "speculative decoding changed a greedy pick"
-
-
 def _logits_after(m, tokens):
     m.reset()
     m.eval(tokens)
@@ -370,19 +348,86 @@ def test_speculative_drafts_cut_at_stops_and_limits(smollm2_path):
         assert "def" not in r["choices"][0]["text"]
 
 
+def _copy_prompts() -> list[str]:
+    """20 prompts whose answers copy text from the prompt (what prompt lookup drafts from)."""
+    names = ["merge", "total", "scale", "pairs", "clamp"]
+    code = [f"def {n}(xs, k):\n    out = []\n    for x in xs:\n        out.append(x * k + {i})\n    return out\n"
+            for i, n in enumerate(names)]
+    subjects = ["the harbour", "a glass of water", "the old library", "winter roads", "a small garden",
+                "the night train", "a violin lesson", "the market square", "a mountain lake", "the first snow"]
+    prose = [f"Every morning {s} looked the same, and every evening {s} looked different. People who knew "
+             f"{s} said it was the quietest place in town." for s in subjects]
+    lists = [", ".join(f"item {j} is {w}" for j, w in enumerate(ws)) for ws in
+             (["red", "green", "blue"], ["north", "south"], ["one", "two", "three", "four"], ["salt", "pepper"],
+              ["spring", "summer", "autumn"])]
+    texts = code + prose + lists
+    assert len(texts) == 20
+    return [f"<|im_start|>user\nRepeat this text exactly:\n{t}<|im_end|>\n<|im_start|>assistant\n"
+            for t in texts]
+
+
+def _first_difference(a: list[int], b: list[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+@pytest.mark.slow  # slow tier: 20 prompts, plain and two draft modes (~30 s of CPU)
+@pytest.mark.parametrize("adaptive", [True, False], ids=["adaptive", "always-verified"])
+def test_greedy_speculative_decoding_is_greedy_decoding(smollm2_path, adaptive):
+    """Over 20 prompts, greedy decoding with prompt-lookup drafts gives the
+    plain greedy tokens.  Where they part, the two picks must be a near-tie
+    of the cold logits (top-2 logprob gap < 0.05: a verify batch's
+    arithmetic breaks it differently from one token's), printed here."""
+    near_ties = []
+    with llamax.Llama(str(smollm2_path), n_ctx=1024, n_threads=1) as plain, \
+            llamax.Llama(str(smollm2_path), n_ctx=1024, n_threads=1,
+                         draft_model=LlamaPromptLookupDecoding(num_pred_tokens=8, adaptive=adaptive)) as spec:
+        accepted = 0
+        for prompt in _copy_prompts():
+            a = plain.create_completion(prompt, max_tokens=48, cache_prompt=False, **GREEDY)
+            b = spec.create_completion(prompt, max_tokens=48, cache_prompt=False, **GREEDY)
+            accepted += spec._pool.slots[0].ctx.draft_stats["accepted"]
+            ta = plain.tokenize(a["choices"][0]["text"].encode(), add_bos=False, special=True)
+            tb = plain.tokenize(b["choices"][0]["text"].encode(), add_bos=False, special=True)
+            i = _first_difference(ta, tb)
+            if i is None:
+                continue
+            row = plain.logits_to_logprobs(_logits_after(plain, plain.tokenize(prompt.encode(), special=True)
+                                                         + ta[:i]))
+            top2 = np.sort(row)[-2:]
+            picks = {ta[i] if i < len(ta) else None, tb[i] if i < len(tb) else None}
+            gap = float(top2[1] - top2[0])
+            near_ties.append((prompt[40:70], i, gap))
+            assert gap < 0.05 and picks <= set(np.argsort(row)[-2:].tolist()) | {None}, \
+                f"speculative decoding changed a greedy pick at token {i} (top-2 gap {gap:.4f})"
+        if not adaptive:  # (adaptive: how many drafts run depends on timing)
+            assert accepted > 20  # drafts were kept: the verify path ran
+    print("near-ties where the answers part:", near_ties)
+
+
 def test_adaptive_drafting_keeps_the_answer(smollm2_path):
     """With adaptive drafting (the default) how many verify decodes run
-    depends on timing; what comes out does not (up to near-ties)."""
+    depends on timing; what comes out is plain greedy decoding's answer
+    (the slow tier's test above allows near-ties, shown; none here)."""
     prompt = _copy_prompt()
-    with llamax.Llama(str(smollm2_path), n_ctx=1024, n_threads=1,
-                      draft_model=LlamaPromptLookupDecoding(num_pred_tokens=8)) as spec:
-        r = spec.create_completion(prompt, max_tokens=48, **GREEDY)
+    with llamax.Llama(str(smollm2_path), n_ctx=1024, n_threads=1) as plain, \
+            llamax.Llama(str(smollm2_path), n_ctx=1024, n_threads=1,
+                         draft_model=LlamaPromptLookupDecoding(num_pred_tokens=8)) as spec:
+        want = plain.create_completion(prompt, max_tokens=48, cache_prompt=False, **GREEDY)
+        r = spec.create_completion(prompt, max_tokens=48, cache_prompt=False, **GREEDY)
         stats = spec._pool.slots[0].ctx.draft_stats
         n = r["usage"]["completion_tokens"]
-        # (which near-ties a verify batch breaks depends on which decodes ran, so the answer may end
-        # earlier; every token still comes from a decode's row or a kept draft)
-        assert 1 <= n <= 48 and r["choices"][0]["finish_reason"] == ("length" if n == 48 else "stop")
         assert stats["accepted"] <= stats["drafted"] and stats["decodes"] + stats["accepted"] in (n - 1, n)
+        ta = plain.tokenize(want["choices"][0]["text"].encode(), add_bos=False, special=True)
+        tb = plain.tokenize(r["choices"][0]["text"].encode(), add_bos=False, special=True)
+        i = _first_difference(ta, tb)
+        if i is not None:  # only a near-tie may part them (see the slow tier's test)
+            row = plain.logits_to_logprobs(_logits_after(plain, plain.tokenize(prompt.encode(), special=True)
+                                                         + ta[:i]))
+            top2 = np.sort(row)[-2:]
+            assert top2[1] - top2[0] < 0.05, f"adaptive drafting changed a greedy pick at token {i}"
     with pytest.raises(llamax.ArgumentTypeError):
         LlamaPromptLookupDecoding(adaptive="yes")
 
