@@ -19,6 +19,7 @@
 #  5. The greedy continuation of "The quick brown fox jumps over the lazy dog. The quick brown
 #     fox" (2 places) is the local model's, FOX_CONTINUATION: llama-cpp-python 0.3.36 gives the
 #     same on SmolLM2 (tools/compat/peer_tests.py checks), not the hub model's " jumps over the lazy dog.".
+#  6. test_llama_cpp_version asserts a version string (PEP 440-like "X.Y.Z..."), not only a truthy one.
 
 import ctypes
 import itertools
@@ -38,7 +39,9 @@ MODEL = MODEL_LLAMA_SPM  # the same file, from the fetched sdist
 
 
 def test_llama_cpp_version():
-    assert llama_cpp.__version__
+    # (edit 6: llama-cpp-python's test asserted only that __version__ is truthy)
+    import re
+    assert re.fullmatch(r"\d+\.\d+\.\d+([.+-]?\w+)*", llama_cpp.__version__), llama_cpp.__version__
 
 
 def test_llama_cpp_tokenization():
