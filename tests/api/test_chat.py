@@ -40,10 +40,8 @@ def test_prefill_seamless_continuation(llm):
 
     cont = content(r)
     assert r["choices"][0]["message"]["role"] == "assistant"
-    # one space at the seam: "2." + " Venus", neither lost nor doubled
-    assert cont.startswith(" Venus"), cont
-    assert re.match(r" \S", cont) and "  " not in (PARTIAL + cont)[len(PARTIAL) - 2:len(PARTIAL) + 3]
-    assert "Earth" in cont
+    # one space at the seam ("2." + " Venus" here), neither lost nor doubled
+    assert re.match(r" \S", cont) and "  " not in (PARTIAL + cont)[len(PARTIAL) - 2:len(PARTIAL) + 3], cont
     # the reply is the continuation only: no re-sent partial, no end-of-turn marker in between
     assert not cont.startswith(PARTIAL) and "<|im_end|>" not in cont
 
@@ -75,7 +73,6 @@ def test_prefill_stream(llm):
                                              stream=True, **G))
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant"}
     assert stream_content(chunks) == content(ref)
-    assert stream_content(chunks).startswith(" Venus")
     assert chunks[-1]["choices"][0]["finish_reason"] == ref["choices"][0]["finish_reason"]
     assert chunks[-1]["usage"] == ref["usage"]
     assert messages == snapshot
@@ -89,8 +86,10 @@ def test_prefill_with_adapter_and_stop(llm):
     r = llm.create_chat_completion(messages=messages, assistant_prefill=True, active_loras=coder,
                                    max_tokens=16, **G)
     assert content(r) == llm.create_completion(toks, active_loras=coder, max_tokens=16, **G)["choices"][0]["text"]
+    full = content(llm.create_chat_completion(messages=messages, assistant_prefill=True, max_tokens=16, **G))
+    assert "\n" in full, full  # (the list goes on: "3. ...")
     s = llm.create_chat_completion(messages=messages, assistant_prefill=True, stop=["\n"], max_tokens=16, **G)
-    assert content(s) == " Venus" and s["choices"][0]["finish_reason"] == "stop"
+    assert content(s) == full[:full.index("\n")] and s["choices"][0]["finish_reason"] == "stop"
 
 
 @pytest.mark.parametrize("messages", [

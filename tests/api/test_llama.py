@@ -86,7 +86,10 @@ def test_seed_example(smollm2_path, api_loras):
         check_chat(r, smollm2_path)
     assert len({r["id"] for r in (resp_a, resp_b, resp_c, resp_d, resp_e)}) == 5
     assert messages == before
-    assert content(resp_d).startswith(" Venus")
+    # the prefill's continuation is the model's greedy text after the rendered prompt + partial
+    rendered = llm.apply_chat_template(messages[:1], add_generation_prompt=True) + messages[1]["content"]
+    toks = llm.tokenize(rendered.encode(), add_bos=False, special=True)
+    assert content(resp_d) == llm.create_completion(toks, max_tokens=16, **G)["choices"][0]["text"]
 
     # user C's answer is a fresh base model's answer (no state leaked from A, B)
     fresh = Llama(model_path=str(smollm2_path), n_threads=N_THREADS)
@@ -97,7 +100,6 @@ def test_seed_example(smollm2_path, api_loras):
         base_c = base("What is the capital of Japan?", 16)
         assert content(resp_c) == content(base_c)
         assert resp_c["choices"][0]["logprobs"] == base_c["choices"][0]["logprobs"]
-        assert "Tokyo" in content(resp_c)
         # the adapters and the vector change what the model computes
         assert_changed(resp_a, base("Write a quicksort in Python.", 32))
         assert_changed(resp_b, base("Explain gravity.", 16))
@@ -148,20 +150,25 @@ def test_completion_stream(llm):
 
 
 def test_stop_strings(llm):
+    """Stop strings taken from the greedy text itself (computed in this run:
+    no literal from one CPU's kernels)."""
     full = text(llm(PROMPT, max_tokens=16, **G))
-    assert full.startswith(" Paris.") and "United" in full
-    r = llm(PROMPT, max_tokens=16, stop=["."], **G)
-    assert text(r) == " Paris" and r["choices"][0]["finish_reason"] == "stop"
+    words = full.split()
+    assert len(words) >= 4, full
+    early, late = words[1], words[-2]
+    cut_early, cut_late = full.index(early), full.index(late)
+    assert cut_early < cut_late
+    r = llm(PROMPT, max_tokens=16, stop=[late], **G)
+    assert text(r) == full[:cut_late] and r["choices"][0]["finish_reason"] == "stop"
     assert r["usage"]["completion_tokens"] < 16
-    cut = full.index("United")
-    r = llm(PROMPT, max_tokens=16, stop="United", **G)
-    assert text(r) == full[:cut] and r["choices"][0]["finish_reason"] == "stop"
     # the earliest of several stop strings wins; streaming cuts at the same place
-    r = llm(PROMPT, max_tokens=16, stop=["United", "."], **G)
-    assert text(r) == " Paris"
-    chunks = list(llm(PROMPT, max_tokens=16, stop=["United"], stream=True, **G))
-    assert "".join(c["choices"][0]["text"] for c in chunks) == full[:cut]
+    r = llm(PROMPT, max_tokens=16, stop=[late, early], **G)
+    assert text(r) == full[:cut_early]
+    chunks = list(llm(PROMPT, max_tokens=16, stop=[late], stream=True, **G))
+    assert "".join(c["choices"][0]["text"] for c in chunks) == full[:cut_late]
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    r = llm(PROMPT, max_tokens=16, stop=late, **G)  # a str, not a list
+    assert text(r) == full[:cut_late]
     # a stop string that never occurs changes nothing
     r = llm(PROMPT, max_tokens=16, stop=["@@@"], **G)
     assert text(r) == full and r["choices"][0]["finish_reason"] == "length"
@@ -294,10 +301,16 @@ def test_unknown_keywords_raise_type_error(smollm2_path, llm):
         llm.create_embedding("x", no_such_option=1)
 
 
-@pytest.mark.parametrize("kw,value", [("lora_path", "x.gguf"), ("lora_scale", 0.5), ("lora_base", "base.gguf")])
-def test_removed_lora_options_point_at_load_lora(smollm2_path, kw, value):
-    with pytest.raises(TypeError, match="load_lora"):
+@pytest.mark.parametrize("kw,value", [("lora_scale", 0.5), ("lora_base", "base.gguf")])
+def test_lora_options_need_lora_path(smollm2_path, kw, value):
+    """(lora_path itself: tests/api/test_llama_keywords.py)"""
+    with pytest.raises(llamax.InvalidArgumentError, match="go with lora_path"):
         llamax.Llama(str(smollm2_path), **{kw: value})
+
+
+def test_lora_path_names_a_missing_file(smollm2_path, tmp_path):
+    with pytest.raises(llamax.LlamaxError, match="missing.gguf"):
+        llamax.Llama(str(smollm2_path), n_ctx=64, n_threads=1, lora_path=str(tmp_path / "missing.gguf"))
 
 
 # -- 3. active_loras on every path -------------------------------------------------------------

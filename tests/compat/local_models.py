@@ -42,7 +42,22 @@ def hf_hub_download(repo_id: str, filename: str) -> str:
 # a plain str, as the tests' own constant was (llama-cpp-python encodes it)
 MODEL_LLAMA_SPM = str(Path(_paths()["vocab_dir"]) / "ggml-vocab-llama-spm.gguf")
 
-# SmolLM2-135M-Instruct's greedy 6 tokens after "The quick brown fox jumps over
-# the lazy dog. The quick brown fox" (llama-cpp-python 0.3.36 gives the same:
-# tools/compat/peer_tests.py runs these tests on it too)
-FOX_CONTINUATION = " is a classic example of a"
+def greedy_continuation(model, prompt: str, n: int) -> str:
+    """The greedy ``n`` tokens after ``prompt``, decoded one by one through the
+    session API (eval + the argmax of the scores): the reference the copied
+    tests compare completions with, computed in the same run on the same
+    CPU's kernels (the hub model's literal continuation does not apply to the
+    local model, and a literal from one CPU need not hold on another)."""
+    import numpy as np
+    model.reset()
+    toks = model.tokenize(prompt.encode("utf-8"))
+    model.eval(toks)
+    out = []
+    for _ in range(n):
+        tok = int(np.argmax(model.scores[model.n_tokens - 1]))
+        if tok == model.token_eos():
+            break
+        out.append(tok)
+        model.eval([tok])
+    model.reset()
+    return model.detokenize(out, prev_tokens=toks).decode("utf-8", "replace")
