@@ -104,6 +104,22 @@ def _merge_stops(stop, extra):
     return stop  # the wrong type: _request says so
 
 
+def _legacy_functions(functions, function_call, tools, tool_choice):
+    """OpenAI's legacy ``functions``/``function_call`` as ``tools``/``tool_choice``
+    (what llama-cpp-python's handlers do): each function becomes a tool."""
+    if tools is not None or tool_choice is not None:
+        raise InvalidArgumentError("pass functions/function_call or tools/tool_choice, not both")
+    if functions is not None:
+        if not isinstance(functions, (list, tuple)) or not all(
+                isinstance(f, dict) and isinstance(f.get("name"), str) for f in functions):
+            raise ArgumentTypeError("functions must be a list of {'name': str, 'parameters': {...}, ...}")
+        tools = [{"type": "function", "function": dict(f)} for f in functions]
+    if function_call is None or function_call in ("none", "auto"):
+        return tools, function_call
+    raise InvalidArgumentError("function_call naming a function is not supported yet (#35); pass 'none' or "
+                               "'auto'")
+
+
 def _response_format_grammar(rf) -> str | None:
     """GBNF for an OpenAI ``response_format`` (None for ``{"type": "text"}``)."""
     from llamax.grammar import JSON_OBJECT_GBNF, json_schema_to_gbnf
@@ -795,7 +811,7 @@ class Llama(_SessionMixin):
         self._check_open()
         check_bools(stream=stream, assistant_prefill=assistant_prefill, cache_prompt=cache_prompt)
         if functions is not None or function_call is not None:
-            raise InvalidArgumentError("functions/function_call are not supported; pass tools= to the template")
+            tools, tool_choice = _legacy_functions(functions, function_call, tools, tool_choice)
         if tool_choice not in (None, "none", "auto"):
             raise InvalidArgumentError("tool_choice other than 'none'/'auto' is not supported")
         if response_format is not None:

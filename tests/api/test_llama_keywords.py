@@ -202,3 +202,30 @@ def test_mirostat(smollm2_path, n_parallel):
                         (dict(mirostat_mode="2"), llamax.ArgumentTypeError)):
             with pytest.raises(err, match="mirostat"):
                 m(PROMPT, temperature=1.0, **kw, **G)
+
+
+# -- functions / function_call: OpenAI's legacy names for tools / tool_choice ------------------
+
+def test_functions_reach_the_template_as_tools(smollm2_path):
+    fn = {"name": "get_weather", "description": "Weather in a city",
+          "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}
+    template = ("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+                "{% if tools %}tools: {% for t in tools %}{{ t.function.name }} {% endfor %}\n{% endif %}"
+                "assistant:")
+    msgs = [{"role": "user", "content": "Weather in Paris?"}]
+    G = dict(max_tokens=4, temperature=0.0, cache_prompt=False)
+    with make_llama(smollm2_path, n_ctx=256, chat_template=template) as m:
+        with_tools = m.create_chat_completion(msgs, tools=[{"type": "function", "function": fn}], **G)
+        with_functions = m.create_chat_completion(msgs, functions=[fn], function_call="auto", **G)
+        plain = m.create_chat_completion(msgs, **G)
+        assert with_functions["usage"] == with_tools["usage"]
+        assert with_functions["usage"]["prompt_tokens"] > plain["usage"]["prompt_tokens"]
+        assert with_functions["choices"][0]["message"] == with_tools["choices"][0]["message"]
+        given = [fn]
+        m.create_chat_completion(msgs, functions=given, **G)
+        assert given == [fn] and "type" not in given[0]   # the caller's list is not changed
+        for kw, err in ((dict(functions=[fn], tools=[]), llamax.InvalidArgumentError),
+                        (dict(functions="get_weather"), llamax.ArgumentTypeError),
+                        (dict(functions=[fn], function_call={"name": "get_weather"}), llamax.InvalidArgumentError)):
+            with pytest.raises(err):
+                m.create_chat_completion(msgs, **kw, **G)
