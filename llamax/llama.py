@@ -47,7 +47,7 @@ _POOLING_TYPES = {-1: None, 0: "none", 1: "mean", 2: "cls", 3: "last", 4: "rank"
 # llama-cpp-python keywords llamax takes only at their defaults: each value
 # here is what they do by default; anything else is refused, not ignored.
 _COMPAT_DEFAULTS = {
-    "chat_handler": (None,), "tokenizer": (None,), "spm_infill": (False,),
+    "chat_handler": (None,), "spm_infill": (False,),
 }
 
 # llama-cpp-python's defaults of the context keywords passed on to llama.cpp:
@@ -253,7 +253,12 @@ class Llama(_SessionMixin):
             raise InvalidArgumentError("lora_scale and lora_base go with lora_path (the adapter they are for)")
         if lora_scale is not None:
             lora_scale = check_float(lora_scale, "lora_scale")
-        _compat_keywords(dict(chat_handler=chat_handler, tokenizer=tokenizer, spm_infill=spm_infill))
+        _compat_keywords(dict(chat_handler=chat_handler, spm_infill=spm_infill))
+        if tokenizer is not None and not (callable(getattr(tokenizer, "tokenize", None))
+                                          and callable(getattr(tokenizer, "detokenize", None))):
+            raise ArgumentTypeError("tokenizer must have llama-cpp-python's BaseLlamaTokenizer methods: "
+                                    "tokenize(text: bytes, add_bos, special) and detokenize(tokens, prev_tokens, "
+                                    f"special), not {type(tokenizer).__name__}")
         # llama.cpp's context keywords, passed on unless at llama-cpp-python's default
         given = dict(rope_scaling_type=rope_scaling_type, rope_freq_base=rope_freq_base,
                      rope_freq_scale=rope_freq_scale, yarn_ext_factor=yarn_ext_factor,
@@ -358,6 +363,7 @@ class Llama(_SessionMixin):
         self.chat_format = chat_format
         self._template = self._make_template(chat_format, chat_template)
         self._session_init(logits_all, draft_model)
+        self._tokenizer = tokenizer  # (None: the model's own vocabulary)
         self._default_loras: list[dict] | None = None
         self._default_pins: list[str] = []
         if lora_path is not None:
@@ -399,9 +405,10 @@ class Llama(_SessionMixin):
         return (not self._closed and (self._model.busy or any(s.busy for s in self._pool.slots)
                                       or self._embed_lock.locked()))
 
-    def tokenizer(self) -> LlamaTokenizer:
-        """A :class:`llamax.llama_tokenizer.LlamaTokenizer` over this Llama's vocabulary."""
-        return LlamaTokenizer(self)
+    def tokenizer(self):
+        """``tokenizer=``'s object, else a :class:`llamax.llama_tokenizer.LlamaTokenizer`
+        over this Llama's vocabulary."""
+        return self._tokenizer if self._tokenizer is not None else LlamaTokenizer(self)
 
     def context_stats(self) -> list[dict]:
         """Per generation context: ``busy`` (a request runs on it) and, with
@@ -465,15 +472,43 @@ class Llama(_SessionMixin):
         return self._model.token_eos
 
     def tokenize(self, text: bytes | str, add_bos: bool = True, special: bool = False) -> list[int]:
+        if self._tokenizer is not None:
+            return self._own_tokens(text, add_bos, special).tolist()
         return self._model.tokenize(text, add_special=add_bos, parse_special=special).tolist()
 
+    def _own_tokens(self, text, add_bos: bool, special: bool) -> np.ndarray:
+        """``tokenizer=``'s tokens for ``text``, checked (ints in the model's vocabulary)."""
+        if isinstance(text, str):
+            text = text.encode("utf-8")
+        if not isinstance(text, bytes):
+            raise ArgumentTypeError(f"text must be bytes or str, not {type(text).__name__}")
+        out = self._tokenizer.tokenize(text, add_bos=add_bos, special=special)
+        try:
+            toks = [int(t) for t in out if is_int(t)] if isinstance(out, (list, tuple, np.ndarray)) else None
+        except (TypeError, ValueError):
+            toks = None
+        if toks is None or len(toks) != len(out):
+            raise ArgumentTypeError(f"tokenizer.tokenize() returned {type(out).__name__}, not a list of ints")
+        n = self._model.n_vocab
+        bad = [t for t in toks if not 0 <= t < n]
+        if bad:
+            raise TokenError(f"tokenizer.tokenize() returned token id {bad[0]}, outside the model's vocabulary "
+                             f"[0, {n})")
+        return np.asarray(toks, np.int32)
+
     def detokenize(self, tokens, prev_tokens=None, special: bool = False) -> bytes:
-        """Token pieces joined, as llama-cpp-python does it: each token's
+        """Token pieces joined, as llama-cpp-python does it (with
+        ``tokenizer=``, that tokenizer's ``detokenize``): each token's
         text as the vocabulary has it (SentencePiece tokens keep their
         leading space), less one leading space after a BOS that opens the
         list (``[1, 15043, 2787]`` is ``b"Hello World"``, ``[15043, 2787]``
         ``b" Hello World"`` on Llama's SPM vocabulary).  With
         ``prev_tokens``: the bytes ``tokens`` add after them."""
+        if self._tokenizer is not None:
+            out = self._tokenizer.detokenize(list(tokens), prev_tokens=prev_tokens, special=special)
+            if not isinstance(out, bytes):
+                raise ArgumentTypeError(f"tokenizer.detokenize() returned {type(out).__name__}, not bytes")
+            return out
         if prev_tokens:
             prev = list(prev_tokens)
             both = self._detok(prev + list(tokens), special)
@@ -675,7 +710,10 @@ class Llama(_SessionMixin):
         else:
             # the template writes the BOS (if any) and the special tokens as text
             text, stops, add_bos = self._template.render(messages, add_generation_prompt=True, tools=tools), [], False
-        tokens = self._model.tokenize(text + partial, add_special=add_bos, parse_special=True)
+        if self._tokenizer is not None:
+            tokens = self._own_tokens(text + partial, add_bos, True)
+        else:
+            tokens = self._model.tokenize(text + partial, add_special=add_bos, parse_special=True)
         return tokens, stops
 
     def _token_str(self, tok):
@@ -997,7 +1035,11 @@ class Llama(_SessionMixin):
                 raise InvalidArgumentError(f"max_tokens={max_tokens} must be in [1, {limit}] (n_ctx, and the "
                                            f"model's trained length for learned positions)")
             limit = max_tokens
-        if _is_token_input(texts):
+        if self._tokenizer is not None and not _is_token_input(texts):
+            # llama-cpp-python's embed tokenizes each input with its tokenizer
+            tokens, offsets = self._token_inputs([self._own_tokens(t, True, False).tolist() for t in texts],
+                                                 limit, truncate)
+        elif _is_token_input(texts):
             tokens, offsets = self._token_inputs(texts, limit, truncate)
         else:
             # Tokenized without the GIL and before any lock: the vocabulary is read-only.
@@ -1048,7 +1090,9 @@ class Llama(_SessionMixin):
     # -- the request engine ---------------------------------------------------------
 
     def _prompt_tokens(self, prompt) -> np.ndarray:
-        if isinstance(prompt, (str, bytes)):
+        if isinstance(prompt, (str, bytes)) and self._tokenizer is not None:
+            tokens = self._own_tokens(prompt, True, True)
+        elif isinstance(prompt, (str, bytes)):
             # special tokens in the text are parsed (<|im_start|> is one
             # token), as llama-cpp-python does for a prompt without suffix
             tokens = self._model.tokenize(prompt, add_special=True, parse_special=True)

@@ -229,3 +229,64 @@ def test_functions_reach_the_template_as_tools(smollm2_path):
                         (dict(functions=[fn], function_call={"name": "get_weather"}), llamax.InvalidArgumentError)):
             with pytest.raises(err):
                 m.create_chat_completion(msgs, **kw, **G)
+
+
+# -- tokenizer=: llama-cpp-python's BaseLlamaTokenizer in place of the vocabulary's ----------------
+
+class _Lowercase:
+    """A tokenizer with llama-cpp-python's interface that lowercases text
+    first: where it is used shows in the tokens."""
+
+    def __init__(self, model):
+        self.model = model
+        self.calls = 0
+
+    def tokenize(self, text: bytes, add_bos: bool = True, special: bool = True):
+        self.calls += 1
+        return self.model.tokenize(text.lower(), add_special=add_bos, parse_special=special).tolist()
+
+    def detokenize(self, tokens, prev_tokens=None, special=False) -> bytes:
+        return b"|".join(self.model.token_to_piece(t) for t in tokens)
+
+
+def test_tokenizer_keyword(smollm2_path):
+    G = dict(max_tokens=6, temperature=0.0, cache_prompt=False)
+    model = llamax.Model(str(smollm2_path), vocab_only=True)
+    tok = _Lowercase(model)
+    with make_llama(smollm2_path, n_ctx=256) as plain, make_llama(smollm2_path, n_ctx=256, tokenizer=tok) as m:
+        assert m.tokenizer() is tok
+        assert m.tokenize(b"PARIS") == plain.tokenize(b"paris") != plain.tokenize(b"PARIS")
+        assert m.detokenize(m.tokenize(b"a b", add_bos=False)) == b"a| b"
+        # prompts: completions, chat and embeddings go through it
+        assert m("THE CAPITAL OF FRANCE IS", **G)["choices"][0]["text"] == \
+            plain("the capital of france is", **G)["choices"][0]["text"]
+        msgs = [{"role": "user", "content": "HI THERE"}]
+        assert m.create_chat_completion(msgs, **G)["usage"] == \
+            plain.create_chat_completion([{"role": "user", "content": "hi there"}], **G)["usage"]
+        calls = tok.calls
+        assert np.array_equal(m.embed_array("HELLO"), plain.embed_array("hello"))
+        assert tok.calls > calls
+
+
+def test_bad_tokenizers(smollm2_path):
+    with pytest.raises(llamax.ArgumentTypeError, match="BaseLlamaTokenizer"):
+        make_llama(smollm2_path, tokenizer=object())
+
+    class Wrong:
+        def __init__(self, out):
+            self.out = out
+
+        def tokenize(self, text, add_bos=True, special=True):
+            return self.out
+
+        def detokenize(self, tokens, prev_tokens=None, special=False):
+            return "text"
+
+    with make_llama(smollm2_path, n_ctx=64, tokenizer=Wrong([10 ** 9])) as m:
+        with pytest.raises(llamax.TokenError, match="outside the model's vocabulary"):
+            m("x", max_tokens=1)
+        with pytest.raises(llamax.ArgumentTypeError, match="not bytes"):
+            m.detokenize([1])
+    with make_llama(smollm2_path, n_ctx=64, tokenizer=Wrong("abc")) as m:
+        with pytest.raises(llamax.ArgumentTypeError, match="not a list of ints"):
+            m.tokenize(b"x")
