@@ -33,10 +33,10 @@ def test_system_info_has_no_amx_and_cpu_backend():
 
 
 def test_package_ships_declarations():
-    import importlib.resources as r
-    names = {p.name for p in r.files("llamax").iterdir()}
+    from importlib import resources
+    names = {p.name for p in resources.files("llamax").iterdir()}
     assert "_core.pxd" in names
-    assert {"llama.pxd", "shim.pxd"} <= {p.name for p in r.files("llamax.includes").iterdir()}
+    assert {"llama.pxd", "shim.pxd"} <= {p.name for p in resources.files("llamax.includes").iterdir()}
 
 
 # -- the CUDA build's configuration (buildsys/build_llama_cpp.py) ------------------
