@@ -577,6 +577,8 @@ class Llama(_SessionMixin):
             # llama-cpp-python 0.3 stores lora_base and never reads it; so does llamax, out loud
             logger.warning("lora_base has no effect (llama.cpp applies adapters to the loaded model, as "
                            "llama-cpp-python 0.3 does): %s", base)
+        if not isinstance(path, (str, bytes, os.PathLike)):
+            raise ArgumentTypeError(f"lora_path must be a path (str or os.PathLike), not {type(path).__name__}")
         name = Path(os.fsdecode(path)).stem or "default"
         self.load_lora(name, path)
         spec = [{"name": name, "scale": scale}]

@@ -379,7 +379,11 @@ CASES = {
         for kw in ({"n_ctx": "512"}, {"n_threads": "2"}, {"seed": "1"}, {"n_contexts": 1.0},
                    {"max_loaded_adapters": "3"}, {"chat_template": 5}):
             check((llamax.ArgumentTypeError, llamax.InvalidArgumentError), ".", llamax.Llama, SMOL, **kw)
-        check(llamax.ArgumentTypeError, "lora_path|load_lora", llamax.Llama, SMOL, lora_path="x.gguf")
+        check(llamax.LoadError, "x.gguf", llamax.Llama, SMOL, lora_path="x.gguf")
+        for kw, what in (({"lora_path": 5}, "lora_path"), ({"type_k": [8]}, "type_k"), ({"kv_overrides": "a=1"},
+                         "kv_overrides"), ({"tensor_split": 1.0}, "tensor_split"), ({"tokenizer": "hf"}, "tokenizer"),
+                         ({"use_mlock": "yes"}, "use_mlock"), ({"rope_freq_base": "1e4"}, "rope_freq_base")):
+            check(llamax.ArgumentTypeError, what, llamax.Llama, SMOL, **kw)
         check(llamax.ArgumentTypeError, "path", llamax.Llama, None)''',
     "types_embedder": '''
         e = llamax.Embedder(SMOL, n_ctx=64, n_threads=1)
