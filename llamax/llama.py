@@ -47,7 +47,7 @@ _POOLING_TYPES = {-1: None, 0: "none", 1: "mean", 2: "cls", 3: "last", 4: "rank"
 # llama-cpp-python keywords llamax takes only at their defaults: each value
 # here is what they do by default; anything else is refused, not ignored.
 _COMPAT_DEFAULTS = {
-    "chat_handler": (None,), "spm_infill": (False,),
+    "spm_infill": (False,),
 }
 
 # llama-cpp-python's defaults of the context keywords passed on to llama.cpp:
@@ -102,6 +102,22 @@ def _merge_stops(stop, extra):
     if isinstance(stop, (list, tuple)):
         return list(stop) + [s for s in extra if s not in stop]
     return stop  # the wrong type: _request says so
+
+
+def _check_chat_handler(handler) -> None:
+    """llama-cpp-python's chat handlers are callables ``handler(llama=...,
+    messages=..., ...)``; the multimodal ones need a vision projector
+    (``clip_model_path``: llama.cpp's mtmd library), which llamax does not build."""
+    if handler is None:
+        return
+    if not callable(handler):
+        raise ArgumentTypeError(f"chat_handler must be callable (llama-cpp-python's LlamaChatCompletionHandler), "
+                                f"not {type(handler).__name__}")
+    clip = getattr(handler, "clip_model_path", None)
+    if clip is not None:
+        raise InvalidArgumentError(f"chat_handler {type(handler).__name__} is multimodal: it needs its vision "
+                                   f"projector ({clip}) run by llama.cpp's mtmd library, which llamax does not "
+                                   "build; use a text-only handler")
 
 
 def _legacy_functions(functions, function_call, tools, tool_choice):
@@ -253,7 +269,8 @@ class Llama(_SessionMixin):
             raise InvalidArgumentError("lora_scale and lora_base go with lora_path (the adapter they are for)")
         if lora_scale is not None:
             lora_scale = check_float(lora_scale, "lora_scale")
-        _compat_keywords(dict(chat_handler=chat_handler, spm_infill=spm_infill))
+        _compat_keywords(dict(spm_infill=spm_infill))
+        _check_chat_handler(chat_handler)
         if tokenizer is not None and not (callable(getattr(tokenizer, "tokenize", None))
                                           and callable(getattr(tokenizer, "detokenize", None))):
             raise ArgumentTypeError("tokenizer must have llama-cpp-python's BaseLlamaTokenizer methods: "
@@ -364,6 +381,7 @@ class Llama(_SessionMixin):
         self._template = self._make_template(chat_format, chat_template)
         self._session_init(logits_all, draft_model)
         self._tokenizer = tokenizer  # (None: the model's own vocabulary)
+        self.chat_handler = chat_handler  # llama-cpp-python's: it runs chat completions itself
         self._default_loras: list[dict] | None = None
         self._default_pins: list[str] = []
         if lora_path is not None:
@@ -848,6 +866,8 @@ class Llama(_SessionMixin):
         "json_schema": {"schema": {...}}}``: the reply is constrained by a
         grammar made from the schema (not with ``grammar=`` too).
         """
+        if self.chat_handler is not None:
+            raise InvalidArgumentError("a chat_handler runs chat completions itself: call create_chat_completion")
         self._check_open()
         check_bools(stream=stream, assistant_prefill=assistant_prefill, cache_prompt=cache_prompt)
         if functions is not None or function_call is not None:
@@ -899,8 +919,36 @@ class Llama(_SessionMixin):
 
     def create_chat_completion(self, messages, **kwargs):
         """OpenAI-style chat completion: :meth:`prepare_chat_completion` (same
-        keywords) run at once; ``stream=True`` gives an iterator of chunks."""
+        keywords) run at once; ``stream=True`` gives an iterator of chunks.
+        With ``chat_handler=`` (llama-cpp-python's handlers), the handler
+        runs it, as llama-cpp-python calls it."""
+        if self.chat_handler is not None:
+            return self._run_chat_handler(messages, kwargs)
         return self.prepare_chat_completion(messages, **kwargs).deliver()
+
+    def _run_chat_handler(self, messages, kwargs):
+        """Call ``chat_handler`` with the keywords llama-cpp-python passes it
+        (its own defaults for those not given); llamax's per-request keywords
+        cannot reach a handler's own create_completion calls, so they are
+        refused rather than dropped."""
+        self._check_open()
+        ours = {"active_loras": None, "control_vector": None, "control_vectors": None, "assistant_prefill": False,
+                "cancel": None, "cache_prompt": True, "stopping_criteria": None}
+        own = [k for k, d in ours.items() if k in kwargs
+               and not (kwargs[k] is d or (type(kwargs[k]) is type(d) and kwargs[k] == d))]
+        if own:
+            raise InvalidArgumentError(f"{', '.join(own)}: a chat_handler builds its own requests and cannot pass "
+                                       "llamax's per-request keywords on; leave chat_handler unset to use them")
+        call = dict(functions=None, function_call=None, tools=None, tool_choice=None, temperature=0.2, top_p=0.95,
+                    top_k=40, min_p=0.05, typical_p=1.0, logprobs=None, top_logprobs=None, stream=False, stop=[],
+                    seed=None, response_format=None, max_tokens=None, presence_penalty=0.0, frequency_penalty=0.0,
+                    repeat_penalty=1.0, tfs_z=1.0, mirostat_mode=0, mirostat_tau=5.0, mirostat_eta=0.1, model=None,
+                    logits_processor=None, grammar=None, logit_bias=None)
+        unknown = set(kwargs) - set(call) - set(ours)
+        if unknown:
+            raise TypeError(f"create_chat_completion() got unexpected keyword arguments {sorted(unknown)}")
+        call.update((k, v) for k, v in kwargs.items() if k in call)
+        return self.chat_handler(llama=self, messages=messages, **call)
 
     create_chat_completion.__wrapped__ = prepare_chat_completion  # type: ignore[attr-defined]
 
@@ -914,6 +962,9 @@ class Llama(_SessionMixin):
 
     async def acreate_chat_completion(self, messages, **kwargs):
         """``await``-able :meth:`create_chat_completion` (same arguments)."""
+        if self.chat_handler is not None:  # (a handler is sync code: a worker thread)
+            import asyncio
+            return await asyncio.to_thread(self._run_chat_handler, messages, kwargs)
         return await self.prepare_chat_completion(messages, **kwargs).adeliver()
 
     async def aembed(self, input, **kwargs):

@@ -290,3 +290,53 @@ def test_bad_tokenizers(smollm2_path):
     with make_llama(smollm2_path, n_ctx=64, tokenizer=Wrong("abc")) as m:
         with pytest.raises(llamax.ArgumentTypeError, match="not a list of ints"):
             m.tokenize(b"x")
+
+
+# -- chat_handler: llama-cpp-python's handlers run the chat completion -------------------------------
+
+class _Handler:
+    """A text-only handler in llama-cpp-python's shape: it formats the chat
+    its own way and calls back into the Llama's create_completion."""
+
+    def __init__(self):
+        self.seen = None
+
+    def __call__(self, *, llama, messages, **kw):
+        self.seen = kw
+        prompt = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
+        r = llama.create_completion(prompt, max_tokens=kw["max_tokens"], temperature=kw["temperature"],
+                                    stop=kw["stop"])
+        return {"id": "chat" + r["id"], "object": "chat.completion", "created": r["created"], "model": r["model"],
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": r["choices"][0]["text"]},
+                             "finish_reason": r["choices"][0]["finish_reason"], "logprobs": None}],
+                "usage": r["usage"]}
+
+
+def test_chat_handler(smollm2_path):
+    import asyncio
+    h = _Handler()
+    msgs = [{"role": "user", "content": "Hi"}]
+    with make_llama(smollm2_path, n_ctx=256, chat_handler=h) as m:
+        r = m.create_chat_completion(msgs, max_tokens=4, temperature=0.0)
+        want = m.create_completion("user: Hi\nassistant:", max_tokens=4, temperature=0.0)
+        assert r["choices"][0]["message"]["content"] == want["choices"][0]["text"]
+        assert h.seen["max_tokens"] == 4 and h.seen["top_k"] == 40 and h.seen["stop"] == []  # llama-cpp-python's defaults
+        a = asyncio.run(m.acreate_chat_completion(msgs, max_tokens=4, temperature=0.0))
+        assert a["choices"][0]["message"] == r["choices"][0]["message"]
+        with pytest.raises(llamax.InvalidArgumentError, match="active_loras: a chat_handler"):
+            m.create_chat_completion(msgs, active_loras=[{"name": "x", "scale": 1.0}])
+        with pytest.raises(llamax.InvalidArgumentError, match="runs chat completions itself"):
+            m.prepare_chat_completion(msgs)
+        with pytest.raises(TypeError, match="unexpected"):
+            m.create_chat_completion(msgs, no_such_keyword=1)
+
+    class Llava:
+        clip_model_path = "/models/mmproj.gguf"
+
+        def __call__(self, **kw):
+            raise AssertionError("never called")
+
+    with pytest.raises(llamax.InvalidArgumentError, match="mmproj.gguf.*mtmd"):
+        make_llama(smollm2_path, chat_handler=Llava())
+    with pytest.raises(llamax.ArgumentTypeError, match="callable"):
+        make_llama(smollm2_path, chat_handler="chatml")
