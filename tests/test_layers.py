@@ -54,16 +54,16 @@ LAYERS = [
     ["llamax.server.config", "llamax.server.protocol", "llamax.server.errors",
      "llamax.server.files"],
     ["llamax.server.translate", "llamax.server.streaming", "llamax.server.http", "llamax.server.adapters",
-     "llamax.server.metrics"],
+     "llamax.server.metrics", "llamax.server.settings"],
     ["llamax.server.routes"],
     ["llamax.server.app"],
     # the routes take their backend from app.state and import none; a Ray replica or
     # the ingress builds its app with server.app.build_app, so backends sit above it
-    ["llamax.server.backends", "llamax.server.backends.local", "llamax.server.backends.ray",
-     "llamax.server.backends.ray.*"],
+    ["llamax.server.backends", "llamax.server.backends.local", "llamax.server.backends.multi",
+     "llamax.server.backends.ray", "llamax.server.backends.ray.*"],
     # the package re-exports ServerConfig, LocalBackend and build_app
     ["llamax.server", "llamax.server.run", "llamax.server.ray"],
-    ["llamax.server.cli"],
+    ["llamax.server.cli", "llamax.server.__main__"],
     # entry points: `python -m llamax serve` runs the server's cli; serve_ray is the
     # old name of llamax.server.ray
     ["llamax.__main__", "llamax.serve_ray"],

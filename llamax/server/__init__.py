@@ -10,13 +10,16 @@ holds them to it):
 - ``http`` (JSON answers, error handlers, API keys, body limit),
   ``translate`` (bodies to ``Llama.prepare_*`` keywords), ``adapters``
   (the adapter table), ``streaming`` (answers and SSE, ``n`` merged),
-  ``metrics`` (Prometheus text);
+  ``metrics`` (Prometheus text), ``settings`` (llama-cpp-python's server
+  settings and config file, for ``python -m llamax.server``);
 - ``routes`` (the one route table; its backend comes from ``app.state``),
   ``app`` (``build_app``);
-- ``backends.local`` (one model in this process) and ``backends.ray``
+- ``backends.local`` (one model in this process), ``backends.multi``
+  (several, chosen by ``model``) and ``backends.ray``
   (registry, replica, ingress: a replica runs the local app, the ingress
   is the routes' backend at the front);
-- ``run`` (uvicorn), ``ray`` (deploy on Ray Serve), ``cli``.
+- ``run`` (uvicorn), ``ray`` (deploy on Ray Serve), ``cli`` (``python -m
+  llamax serve``), ``__main__`` (``python -m llamax.server``).
 
 ``ServerConfig``, ``LocalBackend`` and ``build_app`` are importable from
 here (loaded on first use, so ``python -m llamax --help`` needs no extra).

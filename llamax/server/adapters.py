@@ -12,7 +12,7 @@ from llamax.server.errors import APIError
 from llamax.server.files import OpenedFile, open_inside
 
 __all__ = ["AdapterTable", "read_default_set", "check_load_names", "open_runtime_file", "check_runtime_load",
-           "runtime_allowed", "without_paths"]
+           "runtime_allowed", "without_paths", "model_cards"]
 
 
 class AdapterTable:
@@ -170,3 +170,17 @@ def runtime_allowed(cfg: ServerConfig) -> None:
     if not cfg.allow_runtime_lora:
         raise APIError(403, "runtime adapter loading is off (start the server with --allow-runtime-lora)",
                        code="runtime_lora_disabled")
+
+
+def model_cards(cfg: ServerConfig, created: int, listing: list[dict], admin: bool) -> list[dict]:
+    """/v1/models: the base model, then one card per adapter (vLLM's
+    shape).  ``root`` is the file's path for an admin key only; others see
+    the card's id there."""
+    base = {"id": cfg.alias, "object": "model", "created": created, "owned_by": "llamax",
+            "root": cfg.model if admin else cfg.alias, "parent": None, "max_model_len": cfg.n_ctx}
+    cards = [base]
+    for e in listing:
+        cards.append({"id": e["name"], "object": "model", "created": created, "owned_by": "llamax",
+                      "root": e["path"] if admin else e["name"], "parent": cfg.alias, "max_model_len": cfg.n_ctx,
+                      "loaded": e["loaded"]})
+    return cards

@@ -33,21 +33,6 @@ admin = [Depends(need_admin)]
 router = APIRouter()
 
 
-def _model_cards(backend, listing: list[dict], admin: bool) -> list[dict]:
-    """/v1/models: the base model, then one card per adapter (vLLM's
-    shape).  ``root`` is the file's path for an admin key only; others see
-    the card's id there."""
-    cfg = backend.cfg
-    base = {"id": cfg.alias, "object": "model", "created": backend.created, "owned_by": "llamax",
-            "root": cfg.model if admin else cfg.alias, "parent": None, "max_model_len": cfg.n_ctx}
-    cards = [base]
-    for e in listing:
-        cards.append({"id": e["name"], "object": "model", "created": backend.created, "owned_by": "llamax",
-                      "root": e["path"] if admin else e["name"], "parent": cfg.alias, "max_model_len": cfg.n_ctx,
-                      "loaded": e["loaded"]})
-    return cards
-
-
 # -- public ---------------------------------------------------------------------------
 
 @router.get("/health")
@@ -60,12 +45,12 @@ async def health(request: Request):
 @router.get("/v1/models", dependencies=user)
 @router.get("/models", dependencies=user, include_in_schema=False)
 async def models(request: Request, backend=Depends(ready)):
-    return {"object": "list", "data": _model_cards(backend, await backend.listing(), is_admin(request))}
+    return {"object": "list", "data": await backend.model_cards(is_admin(request))}
 
 
 @router.get("/v1/models/{model_id:path}", dependencies=user)
 async def model_card(model_id: str, request: Request, backend=Depends(ready)):
-    for c in _model_cards(backend, await backend.listing(), is_admin(request)):
+    for c in await backend.model_cards(is_admin(request)):
         if c["id"] == model_id:
             return c
     raise APIError(404, f"the model {model_id!r} does not exist", param="model", code="model_not_found")

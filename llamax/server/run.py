@@ -15,7 +15,7 @@ from llamax.server.backends.local import LocalBackend
 from llamax.server.config import ServerConfig
 
 
-async def _announce(server: uvicorn.Server, backend: LocalBackend, cfg: ServerConfig) -> None:
+async def _announce(server: uvicorn.Server, backend, cfg: ServerConfig) -> None:
     while not (server.started and backend.loaded.is_set()):
         if server.should_exit:
             return
@@ -29,13 +29,18 @@ async def _announce(server: uvicorn.Server, backend: LocalBackend, cfg: ServerCo
         for sock in s.sockets:
             port = sock.getsockname()[1]
             break
-    print(f"llamax: serving {cfg.alias!r} at http://{cfg.host}:{port}/v1 "
-          f"({cfg.n_contexts} context(s) x {cfg.parallel} sequences, {len(backend.adapters.ids)} adapter(s))",
-          flush=True)
+    what, how = backend.summary()
+    print(f"llamax: {what} at http://{cfg.host}:{port}/v1 ({how})", flush=True)
 
 
 def serve(cfg: ServerConfig) -> int:
-    backend = LocalBackend(cfg)
+    """``python -m llamax serve``: one model (LocalBackend) on uvicorn until SIGINT/SIGTERM."""
+    return serve_backend(LocalBackend(cfg))
+
+
+def serve_backend(backend) -> int:
+    """Serve ``backend`` (its ``cfg`` says where and how) until SIGINT/SIGTERM."""
+    cfg = backend.cfg
     app = build_app(backend)
     if not cfg.verbose:
         logging.getLogger("llamax").setLevel(logging.WARNING)

@@ -27,8 +27,10 @@ THREADS = "1"  # the suite's client shares the machine's 2 cores with the server
 
 
 class Server:
-    def __init__(self, args, env=None):
-        cmd = [sys.executable, "-m", "llamax", "serve", *map(str, args), "--port", "0", "--threads", THREADS]
+    def __init__(self, args, env=None, command=None):
+        # command: the whole argument list after the interpreter (python -m llamax.server's settings)
+        cmd = [sys.executable, *map(str, command)] if command is not None else \
+            [sys.executable, "-m", "llamax", "serve", *map(str, args), "--port", "0", "--threads", THREADS]
         e = dict(os.environ)
         e.update(env or {})
         # cwd away from the repo root: `-m` puts cwd first on sys.path

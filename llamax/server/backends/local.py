@@ -21,7 +21,9 @@ from fastapi.responses import Response
 import llamax
 from llamax.server import protocol
 from llamax.server import translate
-from llamax.server.adapters import AdapterTable, check_load_names, open_runtime_file, read_default_set, runtime_allowed
+from llamax.server.adapters import (
+    AdapterTable, check_load_names, model_cards, open_runtime_file, read_default_set, runtime_allowed,
+)
 from llamax.server.config import ServerConfig
 from llamax.server.errors import APIError, from_exception
 from llamax.server.files import OpenedFile
@@ -213,6 +215,15 @@ class LocalBackend:
             out.append({"id": i, "name": name, "path": self.adapters.paths[name], "scale": default.get(name, 0.0),
                         "loaded": bool(e.get("loaded")), "in_use": int(e.get("in_use", 0))})
         return out
+
+    async def model_cards(self, admin: bool) -> list[dict]:
+        """/v1/models: the base model, then a card per adapter."""
+        return model_cards(self.cfg, self.created, await self.listing(), admin)
+
+    def summary(self) -> tuple[str, str]:
+        """What the server prints when it is ready: what it serves, and how."""
+        return (f"serving {self.cfg.alias!r}", f"{self.cfg.n_contexts} context(s) x {self.cfg.parallel} sequences, "
+                f"{len(self.adapters.ids)} adapter(s)")
 
     async def set_default(self, request: Request) -> list[dict]:
         self.adapters.default_set = await read_default_set(request, self.adapters.ids)

@@ -21,7 +21,7 @@ from ray.exceptions import RayError, RayTaskError
 from ray.serve.exceptions import BackPressureError
 
 from llamax.server import protocol
-from llamax.server.adapters import AdapterTable, check_runtime_load, read_default_set, runtime_allowed
+from llamax.server.adapters import AdapterTable, check_runtime_load, model_cards, read_default_set, runtime_allowed
 from llamax.server.app import build_app
 from llamax.server.backends.ray.registry import set_key, set_names
 from llamax.server.config import ServerConfig
@@ -203,6 +203,9 @@ class Ingress:
                         "loaded": bool(holders), "replicas": holders,
                         "loads": self.registry_stats["loads"].get(name, 0)})
         return out
+
+    async def model_cards(self, admin: bool) -> list[dict]:
+        return model_cards(self.cfg, self.created, await self.listing(), admin)
 
     async def set_default(self, request: Request) -> list[dict]:
         new = await read_default_set(request, self.adapters.ids)
