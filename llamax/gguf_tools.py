@@ -17,7 +17,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-__all__ = ["make_lora", "make_control_vector", "make_tiny_llama", "merge_lora", "model_shapes"]
+__all__ = ["make_lora", "make_control_vector", "make_tiny_llama", "make_tiny_mamba", "merge_lora", "model_shapes"]
 
 DEFAULT_TARGETS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 
@@ -214,6 +214,60 @@ def make_tiny_llama(out_path, tokenizer_from, *, n_embd: int = 64, n_layer: int 
     w.write_tensors_to_file()
     w.close()
     return Path(out_path)
+
+
+def make_tiny_mamba(out_path, tokenizer_from, *, n_embd: int = 64, n_layer: int = 2, d_state: int = 16,
+                    d_conv: int = 4, dt_rank: int = 8, n_ctx: int = 512, seed: int = 0) -> Path:
+    """A small random F32 Mamba (recurrent) model with the tokenizer of another
+    GGUF: what runs llama.cpp's recurrent-memory paths (and llamax's branches
+    for them) without a downloaded model.  d_inner is 2 x n_embd, the only
+    expansion llama.cpp's Mamba takes."""
+    gguf = _gguf()
+    src = gguf.GGUFReader(os.fspath(tokenizer_from))
+    n_vocab = len(src.fields["tokenizer.ggml.tokens"].data)
+    d_inner = 2 * n_embd
+    rng = np.random.default_rng(seed)
+
+    def fill(w):
+        w.add_string("general.name", "llamax tiny test mamba")
+        w.add_uint32("general.file_type", 0)
+        w.add_context_length(n_ctx)
+        w.add_embedding_length(n_embd)
+        w.add_block_count(n_layer)
+        w.add_feed_forward_length(0)
+        w.add_head_count(0)
+        w.add_ssm_conv_kernel(d_conv)
+        w.add_ssm_inner_size(d_inner)
+        w.add_ssm_state_size(d_state)
+        w.add_ssm_time_step_rank(dt_rank)
+        w.add_layer_norm_rms_eps(1e-5)
+        w.add_vocab_size(n_vocab)
+        for key, field in src.fields.items():
+            if key.startswith("tokenizer."):
+                w.add_key_value(key, field.contents(), field.types[0],
+                                sub_type=field.types[1] if len(field.types) > 1 else None)
+
+        def mat(name, n_out, n_in, scale=1.0):
+            w.add_tensor(name, (scale * rng.standard_normal((n_out, n_in)) / np.sqrt(n_in)).astype(np.float32))
+
+        mat("token_embd.weight", n_vocab, n_embd)
+        w.add_tensor("output_norm.weight", np.ones(n_embd, np.float32))
+        mat("output.weight", n_vocab, n_embd)
+        for i in range(n_layer):
+            p = f"blk.{i}."
+            w.add_tensor(p + "attn_norm.weight", np.ones(n_embd, np.float32))
+            mat(p + "ssm_in.weight", 2 * d_inner, n_embd)
+            mat(p + "ssm_conv1d.weight", d_inner, d_conv)
+            w.add_tensor(p + "ssm_conv1d.bias", np.zeros(d_inner, np.float32))
+            mat(p + "ssm_x.weight", dt_rank + 2 * d_state, d_inner)
+            mat(p + "ssm_dt.weight", d_inner, dt_rank)
+            w.add_tensor(p + "ssm_dt.bias", np.full(d_inner, -2.0, np.float32))
+            # A = -exp(A_log): negative, so the state decays
+            w.add_tensor(p + "ssm_a", -rng.uniform(0.5, 2.0, (d_inner, d_state)).astype(np.float32))
+            w.add_tensor(p + "ssm_d", np.ones(d_inner, np.float32))
+            mat(p + "ssm_out.weight", n_embd, d_inner)
+
+    return write_gguf(out_path, "mamba", fill)
 
 
 def merge_lora(out_path, tokenizer_from, lora_path, *, scale: float = 1.0, **tiny_kwargs) -> Path:

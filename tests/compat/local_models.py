@@ -4,11 +4,16 @@ the local ones the rest of llamax's suite uses (no hub is reachable here).
 - Qwen3.5-0.8B (a small chat model) and stories15M (a small transformer):
   SmolLM2-135M-Instruct Q4_1.
 - bge-small-en-v1.5 (a BERT embedder): all-MiniLM-L6-v2, f16.
-- mamba-130m (recurrent) and Falcon-H1-Tiny (hybrid): no such model file is
-  available offline, so those cases are skipped, saying so.
+- mamba-130m (recurrent): a small random Mamba with SmolLM2's tokenizer,
+  written by llamax.gguf_tools.make_tiny_mamba (llamax_dev.data.tiny_mamba):
+  the recurrent paths run; the tests' assertions are about behaviour (the
+  prompt cache, states), not about what a trained model answers.
+- Falcon-H1-Tiny (hybrid): no such model file is available offline, and no
+  writer for one exists here, so those cases are skipped, saying so.
 
 With LLAMAX_COMPAT_MODELS (a JSON object {"smollm2": path, "minilm": path,
-"vocab_dir": path}) the paths come from there (the peer's venv has no llamax).
+"mamba": path, "vocab_dir": path}) the paths come from there (the peer's
+venv has no llamax).
 """
 import json
 import os
@@ -16,8 +21,7 @@ from pathlib import Path
 
 import pytest
 
-_RECURRENT = {"QuantFactory/mamba-130m-hf-GGUF": "recurrent (Mamba)",
-              "tiiuae/Falcon-H1-Tiny-90M-Instruct-GGUF": "hybrid (Falcon-H1)"}
+_UNAVAILABLE = {"tiiuae/Falcon-H1-Tiny-90M-Instruct-GGUF": "hybrid (Falcon-H1)"}
 
 
 def _paths() -> dict:
@@ -25,12 +29,15 @@ def _paths() -> dict:
     if env:
         return json.loads(env)
     from llamax_dev import data  # fetched and verified once, cached
-    return {"smollm2": str(data.smollm2()), "minilm": str(data.minilm("f16")), "vocab_dir": str(data.vocab_dir())}
+    return {"smollm2": str(data.smollm2()), "minilm": str(data.minilm("f16")), "mamba": str(data.tiny_mamba()),
+            "vocab_dir": str(data.vocab_dir())}
 
 
 def hf_hub_download(repo_id: str, filename: str) -> str:
-    if repo_id in _RECURRENT:
-        pytest.skip(f"no {_RECURRENT[repo_id]} model file is available offline ({repo_id}/{filename})")
+    if repo_id in _UNAVAILABLE:
+        pytest.skip(f"no {_UNAVAILABLE[repo_id]} model file is available offline ({repo_id}/{filename})")
+    if repo_id == "QuantFactory/mamba-130m-hf-GGUF":
+        return _paths()["mamba"]
     if (repo_id, filename) in {("lmstudio-community/Qwen3.5-0.8B-GGUF", "Qwen3.5-0.8B-Q8_0.gguf"),
                                ("ggml-org/models", "tinyllamas/stories15M-q4_0.gguf")}:
         return _paths()["smollm2"]

@@ -11,8 +11,9 @@
 #     Model/Context/Sampler.
 #  2. `hf_hub_download` comes from local_models.py: no model hub here.  It maps the hub's files
 #     to local equivalents (Qwen3.5-0.8B and stories15M: SmolLM2-135M-Instruct Q4_1;
-#     bge-small-en-v1.5: all-MiniLM-L6-v2 f16) and skips the recurrent (mamba-130m) and
-#     hybrid (Falcon-H1-Tiny) cases for want of a model file.
+#     bge-small-en-v1.5: all-MiniLM-L6-v2 f16; mamba-130m: a small random Mamba written by
+#     llamax.gguf_tools.make_tiny_mamba) and skips the hybrid (Falcon-H1-Tiny) cases for want
+#     of a model file.
 #  3. MODEL: the same ggml-vocab-llama-spm.gguf, from the sdist the build fetched.
 #  4. test_llama_cpp_tokenization: `assert llama._ctx.ctx is not None` (private) removed;
 #     test_equivalents.py::test_vocab_only_tokenizer checks the same on the public API.

@@ -46,7 +46,8 @@ def _outcomes(python: str, env: dict) -> dict[str, str]:
 def main() -> None:
     py = peers.ensure()
     subprocess.check_call([str(py), "-m", "pip", "install", "-q", "pytest>=7", "scipy>=1.10"])
-    models = {"smollm2": str(data.smollm2()), "minilm": str(data.minilm("f16")), "vocab_dir": str(data.vocab_dir())}
+    models = {"smollm2": str(data.smollm2()), "minilm": str(data.minilm("f16")), "mamba": str(data.tiny_mamba()),
+              "vocab_dir": str(data.vocab_dir())}
     base = dict(os.environ, LLAMAX_COMPAT_MODELS=json.dumps(models), PYTHONPATH=str(ROOT / "tests"))
     base.pop("LLAMAX_COMPAT_PEER", None)
     peer = _outcomes(str(py), dict(base, LLAMAX_COMPAT_PEER="1"))

@@ -29,6 +29,18 @@ def smollm2() -> Path:
     return default_model()
 
 
+def tiny_mamba() -> Path:
+    """A small random Mamba (recurrent) model with SmolLM2's tokenizer
+    (llamax.gguf_tools.make_tiny_mamba, seed 0), written once: the recurrent
+    code paths run on it where no real recurrent model can be fetched."""
+    out = _cache() / "models" / "tiny-mamba-seed0.gguf"
+    if not out.exists():
+        from llamax import gguf_tools
+        out.parent.mkdir(parents=True, exist_ok=True)
+        gguf_tools.make_tiny_mamba(out, smollm2())
+    return out
+
+
 def vocab_dir() -> Path:
     """llama.cpp's models/ folder (ggml-vocab-*.gguf + .inp/.out vectors)."""
     return llama_build.source_dir() / "models"
