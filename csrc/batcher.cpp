@@ -1088,14 +1088,7 @@ void Batcher::step(std::vector<SeqPtr> & running) {
         llama_token tok;
         try {
             if (s->plain_greedy_) {
-                int32_t best = 0;
-                const int32_t nv = ctx_->n_vocab();
-                for (int32_t i = 1; i < nv; ++i) {
-                    if (lg[i] > lg[best]) {
-                        best = i;
-                    }
-                }
-                tok = best;
+                tok = greedy_pick(lg, ctx_->n_vocab());
                 llama_sampler_accept(s->chain_, tok);
             } else if (s->grammar_ != nullptr) {
                 offload_sample(s, lg);  // its token comes back through take_sampled

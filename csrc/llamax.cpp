@@ -1767,15 +1767,7 @@ GenResult Context::generate(llama_sampler * smpl, const llama_token * prompt, in
             if (lg == nullptr) {
                 throw Error(ErrorKind::Decode, with_reason("no logits after decode"));
             }
-            int32_t best = 0;
-            float bv = lg[0];
-            for (int32_t i = 1; i < n_vocab_; ++i) {
-                if (lg[i] > bv) {
-                    bv = lg[i];
-                    best = i;
-                }
-            }
-            tok = best;
+            tok = greedy_pick(lg, n_vocab_);
             llama_sampler_accept(smpl, tok);
         } else {
             const float * lg = llama_get_logits_ith(ctx_, n_draft > 0 ? row : -1);
@@ -1905,15 +1897,30 @@ int32_t find_draft(const std::vector<llama_token> & hist, int32_t max_ngram, int
     return 0;
 }
 
+llama_token greedy_pick(const float * lg, int32_t n_vocab) {
+    int32_t best = 0;
+    float bv = lg[0];
+    bool nan = bv != bv;
+    for (int32_t i = 1; i < n_vocab; ++i) {
+        if (lg[i] > bv) {
+            bv = lg[i];
+            best = i;
+        } else if (lg[i] != lg[i]) {
+            nan = true;
+        }
+    }
+    if (nan) {
+        throw Error(ErrorKind::InvalidArgument,
+                    "the model's logits are not finite (NaN): an adapter scale or control vector this large "
+                    "overflows the model; use smaller ones");
+    }
+    return best;
+}
+
 llama_token Context::sample_saved(llama_sampler * smpl, llama_sampler * grammar, bool plain_greedy) {
     const float * lg = prompt_logits_.data();
     if (plain_greedy) {
-        int32_t best = 0;
-        for (int32_t i = 1; i < n_vocab_; ++i) {
-            if (lg[i] > lg[best]) {
-                best = i;
-            }
-        }
+        const llama_token best = greedy_pick(lg, n_vocab_);
         llama_sampler_accept(smpl, best);
         return best;
     }
@@ -2037,6 +2044,11 @@ llama_token sample_logits_with(llama_sampler * chain, llama_sampler * grammar, c
             throw Error(ErrorKind::Grammar,
                         "no token satisfies the grammar here (a dead end: the grammar allows nothing, or "
                         "logit_bias bans every token it allows)");
+        }
+        if (pick.logit != pick.logit) {  // NaN: the logits are not numbers
+            throw Error(ErrorKind::InvalidArgument,
+                        "the model's logits are not finite (NaN): an adapter scale or control vector this large "
+                        "overflows the model; use smaller ones");
         }
         throw Error(ErrorKind::InvalidArgument, "every token is banned (logit_bias): nothing can be sampled");
     }

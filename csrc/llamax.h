@@ -249,6 +249,11 @@ struct GenParams {
 // any use aborts -- on another rejected token): ErrorKind::Grammar instead.
 void accept_checked(llama_sampler * chain, llama_sampler * grammar, llama_token token);
 
+// The first maximum logit of a row (llama.cpp's greedy sampler's pick, without
+// building the candidate array); a row with a NaN in it raises InvalidArgument
+// (an adapter scale or control vector that overflows the model).
+llama_token greedy_pick(const float * logits, int32_t n_vocab);
+
 // Sample one token from `logits` (n_vocab of them) through `chain` and
 // accept it.  `grammar` (the chain's grammar sampler, or null) is applied
 // to the candidates in slices; between slices `stop(user)` is asked whether

@@ -189,9 +189,13 @@ class PreparedEmbedding:
         try:
             if self._token.cancelled:
                 raise CancelledError("the request was cancelled")
-            return self._run(self._token)
+            out = self._run(self._token)
         finally:
             self._release()
+        if not np.isfinite(out).all():
+            raise InvalidArgumentError("the embedding is not finite (NaN or inf): an adapter scale or control "
+                                       "vector this large overflows the model; use smaller ones")
+        return out
 
     async def arun(self) -> np.ndarray:
         """:meth:`run` in a worker thread."""
@@ -324,6 +328,15 @@ class _Result:
         return chat_logprobs(self.model, self.tokens, self.logprobs)
 
 
+def _finite(lp) -> None:
+    """A logprob that is NaN means the model's logits were not numbers: an
+    adapter scale or control vector large enough to overflow the model.  It
+    is an error, not a number to hand on (JSON has no NaN)."""
+    if lp != lp:
+        raise InvalidArgumentError("the model's logits are not finite (NaN): an adapter scale or control vector "
+                                   "this large overflows the model; use smaller ones")
+
+
 def completion_logprobs(model, tokens, logprobs, offset: int) -> dict:
     """OpenAI's completion ``logprobs`` for ``tokens``, whose text starts at
     character ``offset`` of the whole text (the prompt's length without echo).
@@ -332,6 +345,7 @@ def completion_logprobs(model, tokens, logprobs, offset: int) -> dict:
     toks, offs, lps, tops = [], [], [], []
     off = offset
     for t, (lp, top) in zip(tokens, logprobs):
+        _finite(lp)
         piece = model.token_to_piece(t).decode("utf-8", "replace")
         toks.append(piece)
         offs.append(off)
@@ -346,6 +360,7 @@ def completion_logprobs(model, tokens, logprobs, offset: int) -> dict:
 def chat_logprobs(model, tokens, logprobs) -> dict:
     content = []
     for t, (lp, top) in zip(tokens, logprobs):
+        _finite(lp)
         b = model.token_to_piece(t)
         content.append({"token": b.decode("utf-8", "replace"), "logprob": lp, "bytes": list(b),
                         "top_logprobs": [{"token": model.token_to_piece(a).decode("utf-8", "replace"),

@@ -185,7 +185,7 @@ class _Stream:
                     usages.append(u)
                     if self.continuous:
                         chunk["usage"] = u
-                yield dumps(chunk)
+                yield dumps(chunk, allow_nan=False)   # (strict JSON: a NaN is an error event, not a number)
             if self.timed_out:
                 raise _timeout_error(self.timeout_s)
             total = usage_sum(usages)

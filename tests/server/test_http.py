@@ -373,3 +373,17 @@ def test_adapters_on_demand(smollm2_path, adapters):
             assert lp(c, model="coder") == first
     finally:
         assert s.stop() == 0
+
+
+def test_overflowing_adapter_scale_is_a_400(http):
+    """(The HTTP fuzz found NaN in an embeddings answer: a scale this large
+    overflows the model; every route says so with a 400, JSON stays JSON.)"""
+    huge = [{"name": "coder", "scale": 1e6}]
+    body = err(http.post("/v1/embeddings", json={"input": "hello", "active_loras": huge}), 400)
+    assert "not finite" in body["message"]
+    body = err(http.post("/v1/chat/completions", json=dict(CHAT, active_loras=huge, cache_prompt=False)), 400)
+    assert "not finite" in body["message"]
+    r = http.post("/v1/chat/completions", json=dict(CHAT, active_loras=huge, stream=True, cache_prompt=False))
+    assert r.status_code == 200
+    last = [line for line in r.text.splitlines() if line.startswith("data: ")][-1]
+    assert "not finite" in json.loads(last[6:])["error"]["message"]
