@@ -36,14 +36,24 @@ def cosine(a, b) -> float:
     return float(a @ b / np.linalg.norm(a) / np.linalg.norm(b))
 
 
-@pytest.mark.parametrize("kw", [dict(type_k="q8_0", type_v="q8_0"), dict(type_k=8), dict(type_k="q4_0", type_v="q4_0")],
-                         ids=["q8_0", "q8_0-by-id", "q4_0"])
-def test_kv_cache_types_reach_the_cache(smollm2_path, reference, kw):
-    """A quantized KV cache changes the numbers a little (it is not the f16
-    cache), not the answer's meaning (the rows stay close)."""
-    got = logits_with(smollm2_path, **kw)
-    assert not np.array_equal(got, reference)
-    assert cosine(got, reference) > 0.95
+def test_kv_cache_types_reach_the_cache(smollm2_path, reference):
+    """A quantized KV cache changes the numbers (it is not the f16 cache), the
+    more the fewer its bits, and not the answer's meaning.  Every bound is a
+    same-run comparison: how far each cache moves the logits is measured
+    against how far another prompt's logits are (on AVX-512 kernels q4_0 keeps
+    a cosine of 0.986 to the f16 cache's row, on AVX2 kernels 0.932, while "The
+    capital of Germany is" gives 0.87 and 0.85)."""
+    q8 = logits_with(smollm2_path, type_k="q8_0", type_v="q8_0")
+    q8_by_id = logits_with(smollm2_path, type_k=8, type_v=8)
+    q4 = logits_with(smollm2_path, type_k="q4_0", type_v="q4_0")
+    with make_llama(smollm2_path, n_ctx=256) as m:
+        other = last_logits(m, "The capital of Germany is")
+    np.testing.assert_array_equal(q8_by_id, q8)     # a ggml type id names the same type
+    for got in (q8, q4):
+        assert not np.array_equal(got, reference)
+        top = np.argsort(-got)[:3]
+        assert reference.argmax() in top            # the answer survives
+    assert cosine(q8, reference) > cosine(q4, reference) > cosine(other, reference)
 
 
 def test_kv_cache_type_names_and_refusals(smollm2_path):
