@@ -112,10 +112,14 @@ def _check_gbnf(text: object) -> str:
     return text
 
 
-def json_schema_to_gbnf(schema: str | dict | bool, prop_order: list | None = None) -> str:
+def json_schema_to_gbnf(schema: str | dict | bool, prop_order: list | None = None, *,
+                        prefix: str = "") -> str:
     """GBNF text for the JSON documents valid under ``schema`` (JSON text, a
     dict, or a boolean schema).  ``prop_order`` lists property names to put
     first, in that order, within required and within optional properties.
+    ``prefix`` (letters, digits and ``-``) is put before every rule name,
+    definitions and references alike, so that several converted schemas can
+    share one grammar: the document's rule is then ``<prefix>root``.
     InvalidArgumentError for a schema that isn't one or uses what this
     converter does not support (the message says which keyword, and where)."""
     if isinstance(schema, (str, bytes, bytearray)):
@@ -133,8 +137,13 @@ def json_schema_to_gbnf(schema: str | dict | bool, prop_order: list | None = Non
     if prop_order is not None and not (isinstance(prop_order, (list, tuple))
                                        and all(isinstance(p, str) for p in prop_order)):
         raise ArgumentTypeError("prop_order must be a list of property names")
+    if not isinstance(prefix, str):
+        raise ArgumentTypeError(f"prefix must be a str, not {type(prefix).__name__}")
+    if prefix and not _RULE_NAME.fullmatch(prefix):
+        raise InvalidArgumentError(f"prefix {prefix!r} must be letters, digits and '-' (what a GBNF rule "
+                                   f"name is made of)")
     try:
-        return _Converter(schema, prop_order or ()).convert()
+        return _Converter(schema, prop_order or (), prefix).convert()
     except RecursionError:
         raise InvalidArgumentError("the JSON schema nests too deeply (hundreds of levels): flatten it with "
                                    "$defs") from None
@@ -173,6 +182,10 @@ _FORMATS = ("date", "time", "date-time", "uuid")
 
 _RULE_NAME = re.compile(r"[a-zA-Z0-9-]+")
 _NOT_RULE_CHARS = re.compile(r"[^a-zA-Z0-9-]+")
+# One token of a rule body as this converter writes it: a literal, a class, a
+# repetition count, a name, or anything else one character at a time.  Counts
+# and names are told apart here because a property named "0" makes a rule "0".
+_BODY_TOKEN = re.compile(r'"(?:\\.|[^"\\])*"|\[(?:\\.|[^\]\\])*\]|\{[0-9,]*\}|[a-zA-Z0-9-]+|.', re.S)
 # llama.cpp turns x{m,n} into n rules and takes any n above 2000 as unbounded.
 _MAX_REPEAT = 2000
 # The largest repetition count honoured: a larger minimum is refused, a larger maximum lowered to it.
@@ -495,8 +508,9 @@ class _Converter:
     rule per body, named after the first part that needs it (suffixed -1,
     -2... when another body has that name)."""
 
-    def __init__(self, schema, prop_order) -> None:
+    def __init__(self, schema, prop_order, prefix: str = "") -> None:
         self._schema = schema
+        self._prefix = prefix
         self._order = {p: i for i, p in enumerate(prop_order)}
         self._rules: dict = {"root": None}  # None: named, body not yet made (a $ref being visited)
         self._bodies: dict = {}  # body -> name, for the rules made by _add
@@ -505,7 +519,13 @@ class _Converter:
 
     def convert(self) -> str:
         self._rules["root"] = self._expr(self._schema, "root", "#")
-        return "".join(f"{name} ::= {body}\n" for name, body in self._rules.items())
+        if not self._prefix:
+            return "".join(f"{name} ::= {body}\n" for name, body in self._rules.items())
+        # Renamed once the rules are made: bodies are built by formatting names in,
+        # so only a token equal to a defined name is a reference.
+        def rename(body: str) -> str:
+            return "".join(self._prefix + t if t in self._rules else t for t in _BODY_TOKEN.findall(body))
+        return "".join(f"{self._prefix}{name} ::= {rename(body)}\n" for name, body in self._rules.items())
 
     # rules
 
