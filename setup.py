@@ -31,7 +31,8 @@ import build_llama_cpp as llama_build  # noqa: E402  (build-time only)
 # adds the dev helpers, tools/llamax_dev (test data, peers, ...), so that the
 # benchmarks and tools import them: the backend (buildsys/_llamax_backend.py)
 # says when a build is editable.
-PACKAGES = ["llamax", "llamax.includes", "llamax.server", "llamax.server.backends", "llamax.server.backends.ray"]
+PACKAGES = ["llamax", "llamax.includes", "llamax.server", "llamax.server.backends", "llamax.server.backends.ray",
+            "llamax.tool_calls"]
 if os.environ.get("_LLAMAX_EDITABLE_BUILD") == "1":
     PACKAGES.append("llamax_dev")
     PACKAGE_DIR = {"llamax_dev": "tools/llamax_dev"}
