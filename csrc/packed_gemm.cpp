@@ -41,6 +41,7 @@ struct Kernels {
     int nr;             // panel width (output columns)
     int mr;             // rows per kernel call
     int max_rows;       // inputs with more rows are left to OpenBLAS/ggml
+    int kc;             // K block (K <= kc + kc / 3: one block)
     Kernel k[13];       // k[r]: r rows, 1 <= r <= mr
 };
 
@@ -193,21 +194,29 @@ __attribute__((target("avx2,fma"))) void kernel_avx2(int K, const float * A, lon
     const __m256i m1 = _mm256_cmpgt_epi32(n, _mm256_load_si256((const __m256i *) (ramp + 8)));
     const __m256 bias0 = bias != nullptr ? _mm256_maskload_ps(bias, m0) : _mm256_setzero_ps();
     const __m256 bias1 = bias != nullptr ? _mm256_maskload_ps(bias + 8, m1) : _mm256_setzero_ps();
+    // masked loads and stores only for a last, partial panel (they are slow
+    // on AMD's cores, microcoded stores)
+    const bool full = cols >= 16;
 #pragma GCC unroll 8
     for (int i = 0; i < MR; i++) {
         float * c = C + i * ldc;
         __m256 r0 = c0[i];
         __m256 r1 = c1[i];
         if (add) {
-            r0 = _mm256_add_ps(r0, _mm256_maskload_ps(c, m0));
-            r1 = _mm256_add_ps(r1, _mm256_maskload_ps(c + 8, m1));
+            r0 = _mm256_add_ps(r0, full ? _mm256_loadu_ps(c) : _mm256_maskload_ps(c, m0));
+            r1 = _mm256_add_ps(r1, full ? _mm256_loadu_ps(c + 8) : _mm256_maskload_ps(c + 8, m1));
         }
         if (bias != nullptr) {
             r0 = _mm256_add_ps(r0, bias0);
             r1 = _mm256_add_ps(r1, bias1);
         }
-        _mm256_maskstore_ps(c, m0, r0);
-        _mm256_maskstore_ps(c + 8, m1, r1);
+        if (full) {
+            _mm256_storeu_ps(c, r0);
+            _mm256_storeu_ps(c + 8, r1);
+        } else {
+            _mm256_maskstore_ps(c, m0, r0);
+            _mm256_maskstore_ps(c + 8, m1, r1);
+        }
     }
 }
 
@@ -215,14 +224,18 @@ template <int... I>
 Kernels make_avx512(std::integer_sequence<int, I...>) {
     // Measured against OpenBLAS (one thread, 384/1536-wide weights): 1.3-1.95x
     // at 14-58 rows, 1.03-1.12x at 448-1856: no row limit.
-    return {"avx512", 32, 12, std::numeric_limits<int>::max(), {nullptr, kernel_avx512<I + 1>...}};
+    return {"avx512", 32, 12, std::numeric_limits<int>::max(), 384, {nullptr, kernel_avx512<I + 1>...}};
 }
 
 template <int... I>
 Kernels make_avx2(std::integer_sequence<int, I...>) {
-    // Ahead of OpenBLAS up to ~100 rows (1.5-1.7x at 14), behind it from
-    // ~450 (0.6-0.9x): larger inputs are left to OpenBLAS.
-    return {"avx2", 16, 6, 255, {nullptr, kernel_avx2<I + 1>...}};
+    // Measured against OpenBLAS's Haswell kernels (one thread, the shapes of
+    // benchmarks/bench_packed_gemm.py, on an AVX-512 EPYC held to AVX2):
+    // 1.7-1.8x at 14 rows, 1.2-1.3x at 58, 1.0-1.1x at 448-1856 since the
+    // row blocks went outermost (K-blocked products were 0.75-0.87x at 1856
+    // rows before): no row limit, and so no row whose bits depend on the
+    // batch's size.
+    return {"avx2", 16, 6, std::numeric_limits<int>::max(), 384, {nullptr, kernel_avx2<I + 1>...}};
 }
 
 template <int... I>
@@ -325,12 +338,14 @@ Panels pack(int N, int K, int nr, RowFn && row) {
 void multiply(const Kernels & ks, int M, int N, int K, const float * A, long lda, const float * P, float * C, long ldc,
               int p0, int p1, const float * bias) {
     const int nr = ks.nr;
-    const int kc = K <= 512 ? K : 384;
+    const int kc = K <= ks.kc + ks.kc / 3 ? K : ks.kc;
     const int mc = 192;
-    for (int kb = 0; kb < K; kb += kc) {
-        const int kl = std::min(kc, K - kb);
-        for (int m0 = 0; m0 < M; m0 += mc) {
-            const int m1 = std::min(M, m0 + mc);
+    // rows outermost: a block's C (mc x the panels) stays in L2 while the K
+    // blocks add to it, instead of all of C going by once per K block
+    for (int m0 = 0; m0 < M; m0 += mc) {
+        const int m1 = std::min(M, m0 + mc);
+        for (int kb = 0; kb < K; kb += kc) {
+            const int kl = std::min(kc, K - kb);
             for (int p = p0; p < p1; p++) {
                 const float * B = P + (size_t) p * K * nr + (size_t) kb * nr;
                 const int cols = std::min(nr, N - p * nr);
