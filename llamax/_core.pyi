@@ -61,6 +61,7 @@ class _SamplerParams(TypedDict):
     mirostat: int
     mirostat_tau: float
     mirostat_eta: float
+    grammar_triggers: list[str] | None
 
 # -- module ------------------------------------------------------------------
 
@@ -293,6 +294,7 @@ class Sampler:
         mirostat: int = 0,
         mirostat_tau: float = 5.0,
         mirostat_eta: float = 0.1,
+        grammar_triggers: list[str] | tuple[str, ...] | None = None,
     ) -> None: ...
     @property
     def model(self) -> Model: ...

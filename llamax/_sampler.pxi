@@ -18,7 +18,7 @@ cdef class Sampler:
     def __init__(self, model, *, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0,
                  typical_p=1.0, repeat_penalty=1.0, frequency_penalty=0.0, presence_penalty=0.0,
                  penalty_last_n=64, seed=None, grammar=None, grammar_root="root", logit_bias=None,
-                 mirostat=0, mirostat_tau=5.0, mirostat_eta=0.1):
+                 mirostat=0, mirostat_tau=5.0, mirostat_eta=0.1, grammar_triggers=None):
         cdef Model _mo_t = _typed(model, Model, "model")
         _mo_t._ptr()
         self.model = model
@@ -68,12 +68,14 @@ cdef class Sampler:
             raise ArgumentTypeError(f"grammar_root must be a str, not {type(grammar_root).__name__}")
         if grammar is not None:
             _check_grammar(grammar, grammar_root)
+        triggers = _check_triggers(grammar_triggers, grammar)
         self.params = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                            typical_p=typical_p, repeat_penalty=repeat_penalty,
                            frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
                            penalty_last_n=penalty_last_n, seed=seed, grammar=grammar,
                            logit_bias=dict(logit_bias) if logit_bias else None, mirostat=mirostat,
-                           mirostat_tau=mirostat_tau, mirostat_eta=mirostat_eta)
+                           mirostat_tau=mirostat_tau, mirostat_eta=mirostat_eta,
+                           grammar_triggers=list(triggers) if triggers else None)
         cdef llama_sampler_chain_params cp = llama_sampler_chain_default_params()
         cp.no_perf = True
         cdef llama_sampler * chain = llama_sampler_chain_init(cp)
@@ -82,6 +84,11 @@ cdef class Sampler:
         cdef const char * c_grammar
         cdef const char * c_root
         cdef const llama_vocab * vocab = _mo_t._vocab
+        # the trigger patterns, alive until the grammar is made (it copies them)
+        cdef list bpatterns = [_trigger_pattern(t).encode("utf-8") for t in triggers]
+        cdef vector[const char *] c_patterns
+        for bp in bpatterns:
+            c_patterns.push_back(<const char *> bp)
         self._smpl = chain
         self._grammar = NULL
         if repeat_penalty != 1.0 or frequency_penalty != 0.0 or presence_penalty != 0.0:
@@ -99,7 +106,13 @@ cdef class Sampler:
             # can still take a while on a large grammar: other threads and the
             # event loop go on meanwhile (the model is kept by self.model).
             with nogil:
-                g = llama_sampler_init_grammar(vocab, c_grammar, c_root)
+                if c_patterns.size():
+                    # lazy: free text until a trigger is generated, then the
+                    # grammar from the trigger on (it is fed the trigger's text)
+                    g = llama_sampler_init_grammar_lazy_patterns(vocab, c_grammar, c_root, c_patterns.data(),
+                                                                 c_patterns.size(), NULL, 0)
+                else:
+                    g = llama_sampler_init_grammar(vocab, c_grammar, c_root)
             if g == NULL:
                 why = take_last_log_error().decode("utf-8", "replace").strip()
                 raise GrammarError("invalid GBNF grammar" + (f": {why}" if why else ""))
@@ -229,6 +242,42 @@ cdef class Sampler:
             self._in_use = False
             _ct_t._leave()
         return tok
+
+
+DEF MAX_GRAMMAR_TRIGGERS = 16
+DEF MAX_TRIGGER_CHARS = 256
+
+
+cdef tuple _check_triggers(object triggers, object grammar):
+    """``grammar_triggers``: literal texts (not patterns) that switch a lazy
+    grammar on; None or empty: the grammar applies from the first token."""
+    if triggers is None:
+        return ()
+    if isinstance(triggers, (str, bytes)) or not isinstance(triggers, (list, tuple)):
+        raise ArgumentTypeError("grammar_triggers must be a list of str (literal texts)")
+    if grammar is None and triggers:
+        raise InvalidArgumentError("grammar_triggers without a grammar: pass the grammar they switch on")
+    if len(triggers) > MAX_GRAMMAR_TRIGGERS:
+        raise InvalidArgumentError(f"{len(triggers)} grammar_triggers; at most {MAX_GRAMMAR_TRIGGERS}")
+    for i, t in enumerate(triggers):
+        if not isinstance(t, str):
+            raise ArgumentTypeError(f"grammar_triggers[{i}] must be a str, not {type(t).__name__}")
+        if not t or len(t) > MAX_TRIGGER_CHARS or "\0" in t:
+            raise InvalidArgumentError(f"grammar_triggers[{i}] must be 1 to {MAX_TRIGGER_CHARS} characters, "
+                                       "without NUL")
+        try:
+            t.encode("utf-8")
+        except UnicodeEncodeError:
+            raise InvalidArgumentError(f"grammar_triggers[{i}] is not encodable as UTF-8") from None
+    return tuple(triggers)
+
+
+cdef str _trigger_pattern(str text):
+    """A literal text as a std::regex (ECMAScript) pattern: every character
+    the syntax gives a meaning escaped, nothing else (std::regex refuses some
+    identity escapes, and a pattern it refuses would throw through C).  A
+    literal search is bounded in depth whatever the generated text's length."""
+    return "".join("\\" + c if c in "^$\\.*+?()[]{}|/" else c for c in text)
 
 
 cdef _check_grammar(str grammar, str root):

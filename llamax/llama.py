@@ -132,8 +132,10 @@ def _legacy_functions(functions, function_call, tools, tool_choice):
         tools = [{"type": "function", "function": dict(f)} for f in functions]
     if function_call is None or function_call in ("none", "auto"):
         return tools, function_call
-    raise InvalidArgumentError("function_call naming a function is not supported yet (#35); pass 'none' or "
-                               "'auto'")
+    if isinstance(function_call, dict) and isinstance(function_call.get("name"), str):
+        return tools, {"type": "function", "function": {"name": function_call["name"]}}
+    raise InvalidArgumentError("function_call must be 'none', 'auto' or {'name': <one of the functions>}, "
+                               f"not {function_call!r}")
 
 
 def _response_format_grammar(rf) -> str | None:
@@ -379,6 +381,7 @@ class Llama(_SessionMixin):
         self._embed_ctx: Context | None = None
         self.chat_format = chat_format
         self._template = self._make_template(chat_format, chat_template)
+        self._has_reasoning, self._reasoning_opens = self._reasoning_section()
         self._session_init(logits_all, draft_model)
         self._tokenizer = tokenizer  # (None: the model's own vocabulary)
         self.chat_handler = chat_handler  # llama-cpp-python's: it runs chat completions itself
@@ -717,6 +720,20 @@ class Llama(_SessionMixin):
         src = chat_template if chat_template is not None else self._model.chat_template()
         return None if src is None else ChatTemplate(src, **tokens)
 
+    def _reasoning_section(self) -> tuple[bool, bool]:
+        """Whether the chat template has a ``<think>`` section, and whether
+        its generation prompt opens it (the reply then starts inside it)."""
+        if not isinstance(self._template, ChatTemplate):
+            return False, False
+        from llamax.tool_calls.reasoning import detect_reasoning
+        if not detect_reasoning(self._template.source):
+            return False, False
+        try:
+            text = self._template.render([{"role": "user", "content": "hi"}], add_generation_prompt=True)
+        except (ChatTemplateError, InvalidArgumentError):
+            return True, False  # (a template that cannot render this says so when a request renders it)
+        return True, text.rstrip().endswith("<think>")
+
     def _chat_prompt(self, messages, tools, prefill: bool):
         """The chat prompt's tokens and the format's stop strings."""
         if self._template is None:
@@ -791,7 +808,7 @@ class Llama(_SessionMixin):
             active_loras=active_loras, control_vector=control_vector, control_vectors=control_vectors,
             cancel=cancel, cache_prompt=cache_prompt, logits_processor=logits_processor,
             stopping_criteria=stopping_criteria, mirostat_mode=mirostat_mode, mirostat_tau=mirostat_tau,
-            mirostat_eta=mirostat_eta))
+            mirostat_eta=mirostat_eta, grammar_triggers=None))
         cid = f"cmpl-{uuid.uuid4()}"
         created = int(time.time())
         name = model or self.model_path
@@ -831,7 +848,8 @@ class Llama(_SessionMixin):
                     "choices": [{"text": str(text), "index": 0, "logprobs": lp, "finish_reason": finish}]}
 
         head = [chunk(prompt_text, echoed=True)] if prompt_text else []
-        return PreparedRequest(req, result, _Chunks(head, chunk, lambda res: chunk("", res.finish_reason)), stream)
+        return PreparedRequest(req, result, _Chunks(head, lambda piece: [chunk(piece)],
+                                                    lambda res: [chunk("", res.finish_reason)]), stream)
 
     def create_completion(self, prompt, **kwargs):
         """OpenAI-style text completion: :meth:`prepare_completion` (same
@@ -854,7 +872,7 @@ class Llama(_SessionMixin):
                                assistant_prefill: bool = False, cancel: CancelToken | None = None,
                                cache_prompt: bool = True, tfs_z: float = 1.0, mirostat_mode: int = 0,
                                mirostat_tau: float = 5.0, mirostat_eta: float = 0.1, logits_processor=None,
-                               stopping_criteria=None) -> PreparedRequest:
+                               stopping_criteria=None, parallel_tool_calls: bool | None = None) -> PreparedRequest:
         """An OpenAI-style chat completion through the model's chat template,
         checked and ready to run (see :class:`~llamax.request.PreparedRequest`);
         :meth:`create_chat_completion` runs it at once.
@@ -870,16 +888,25 @@ class Llama(_SessionMixin):
             raise InvalidArgumentError("a chat_handler runs chat completions itself: call create_chat_completion")
         self._check_open()
         check_bools(stream=stream, assistant_prefill=assistant_prefill, cache_prompt=cache_prompt)
-        if functions is not None or function_call is not None:
+        legacy = functions is not None or function_call is not None
+        if legacy:
             tools, tool_choice = _legacy_functions(functions, function_call, tools, tool_choice)
-        if tool_choice not in (None, "none", "auto"):
-            raise InvalidArgumentError("tool_choice other than 'none'/'auto' is not supported")
+        plan = self._chat_plan(tools, tool_choice, parallel_tool_calls, legacy)
         if response_format is not None:
             rf_grammar = _response_format_grammar(response_format)
             if rf_grammar is not None:
                 if grammar is not None:
                     raise InvalidArgumentError("pass response_format or grammar, not both")
                 grammar = rf_grammar
+        triggers = None
+        if plan is not None and plan.grammar is not None:
+            if grammar is not None:
+                raise InvalidArgumentError("tools with tool_choice other than 'none' constrain the reply with a "
+                                           "grammar of their own: pass tools or grammar/response_format, not both")
+            grammar, triggers = plan.grammar, list(plan.triggers) or None
+        if plan is not None:
+            _check_messages(messages)
+            messages = plan.messages(messages)
         tokens, format_stops = self._chat_prompt(messages, tools, assistant_prefill)
         if format_stops:
             stop = _merge_stops(stop, format_stops)
@@ -895,14 +922,18 @@ class Llama(_SessionMixin):
             active_loras=active_loras, control_vector=control_vector, control_vectors=control_vectors,
             cancel=cancel, cache_prompt=cache_prompt, logits_processor=logits_processor,
             stopping_criteria=stopping_criteria, mirostat_mode=mirostat_mode, mirostat_tau=mirostat_tau,
-            mirostat_eta=mirostat_eta))
+            mirostat_eta=mirostat_eta, grammar_triggers=triggers))
         cid = f"chatcmpl-{uuid.uuid4()}"
         created = int(time.time())
         name = model or self.model_path
 
         def result(res):
-            choice = {"index": 0, "message": {"role": "assistant", "content": res.text},
-                      "logprobs": res.chat_logprobs() if logprobs else None, "finish_reason": res.finish_reason}
+            if plan is None:
+                message, finish = {"role": "assistant", "content": res.text}, res.finish_reason
+            else:
+                message, finish = plan.message(res.text, res.finish_reason)
+            choice = {"index": 0, "message": message,
+                      "logprobs": res.chat_logprobs() if logprobs else None, "finish_reason": finish}
             return {"id": cid, "object": "chat.completion", "created": created, "model": name,
                     "choices": [choice], "usage": res.usage()}
 
@@ -913,9 +944,38 @@ class Llama(_SessionMixin):
             return {"id": cid, "object": "chat.completion.chunk", "created": created, "model": name,
                     "choices": [{"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}]}
 
-        return PreparedRequest(req, result, _Chunks([chunk({"role": "assistant"})],
-                                                    lambda piece: chunk({"content": str(piece)}, piece=piece),
-                                                    lambda res: chunk({}, res.finish_reason)), stream)
+        head = [chunk({"role": "assistant"})]
+        if plan is None:
+            return PreparedRequest(req, result, _Chunks(head, lambda piece: [chunk({"content": str(piece)},
+                                                                                   piece=piece)],
+                                                        lambda res: [chunk({}, res.finish_reason)]), stream)
+        deltas = plan.stream()
+
+        def pieces(piece):
+            # a piece's logprobs ride on its first delta (a held-back piece's
+            # text comes out later, with no logprobs of its own)
+            out = [chunk(d) for d in deltas.feed(str(piece))]
+            if logprobs and out:
+                out[0] = chunk(out[0]["choices"][0]["delta"], piece=piece)
+            return out
+
+        def tail(res):
+            return [chunk(d) for d in deltas.finish()] + [chunk({}, deltas.finish_reason(res.finish_reason))]
+
+        return PreparedRequest(req, result, _Chunks(head, pieces, tail), stream)
+
+    def _chat_plan(self, tools, tool_choice, parallel_tool_calls, legacy):
+        """The request's tool calls and reasoning (llamax.tool_calls.plan), or
+        None: a plain chat."""
+        if tools is None and tool_choice in (None, "none", "auto") and parallel_tool_calls is None \
+                and not self._has_reasoning:
+            return None
+        from llamax.tool_calls.plan import chat_plan
+        fmt = self._template
+        src = None if isinstance(fmt, _NamedFormat) or fmt is None else fmt.source
+        name = fmt.name if isinstance(fmt, _NamedFormat) else None
+        return chat_plan(tools, tool_choice, parallel_tool_calls, src, name, legacy=legacy,
+                         reasoning_opens=self._reasoning_opens)
 
     def create_chat_completion(self, messages, **kwargs):
         """OpenAI-style chat completion: :meth:`prepare_chat_completion` (same
@@ -1202,7 +1262,8 @@ class Llama(_SessionMixin):
                           typical_p=p.typical_p, repeat_penalty=p.repeat_penalty,
                           frequency_penalty=p.frequency_penalty, presence_penalty=p.presence_penalty,
                           penalty_last_n=self.last_n_tokens_size,
-                          seed=self._next_seed(p.seed), grammar=grammar, logit_bias=p.logit_bias,
+                          seed=self._next_seed(p.seed), grammar=grammar, grammar_triggers=p.grammar_triggers,
+                          logit_bias=p.logit_bias,
                           mirostat=0 if p.mirostat_mode is None else p.mirostat_mode, mirostat_tau=p.mirostat_tau,
                           mirostat_eta=p.mirostat_eta)
         # Resolved last: it pins adapters, which the request must release.

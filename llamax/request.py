@@ -21,8 +21,10 @@ __all__ = ["PreparedEmbedding", "PreparedRequest", "Runtime"]
 
 
 class _Chunks:
-    """How a stream's chunks are made: the first ones, one per text piece,
-    the last (given the _Result; the usage is added)."""
+    """How a stream's chunks are made: the first ones, those of each text
+    piece (a list: none while a piece is held back, several when it
+    decides held text), the last ones (given the _Result; the usage is
+    added to the very last)."""
 
     __slots__ = ("head", "piece", "tail")
 
@@ -36,8 +38,12 @@ class _Chunks:
             if isinstance(p, _Result):
                 res = p
             elif p:
-                yield self.piece(p)
-        yield self.tail(res) | {"usage": res.usage()}
+                yield from self.piece(p)
+        yield from self._last(res)
+
+    def _last(self, res):
+        *rest, last = self.tail(res)
+        return [*rest, last | {"usage": res.usage()}]
 
     async def aio(self, pieces):
         try:
@@ -48,8 +54,10 @@ class _Chunks:
                 if isinstance(p, _Result):
                     res = p
                 elif p:
-                    yield self.piece(p)
-            yield self.tail(res) | {"usage": res.usage()}
+                    for c in self.piece(p):
+                        yield c
+            for c in self._last(res):
+                yield c
         finally:
             # a consumer that stops early (a server's client went away) ends
             # the request now, not when the garbage collector finds `pieces`
@@ -271,6 +279,7 @@ class RequestParams:
     mirostat_mode: Any
     mirostat_tau: Any
     mirostat_eta: Any
+    grammar_triggers: Any  # literal texts that switch a lazy grammar on (tool calls)
 
 
 def grammar_text(grammar) -> str | None:

@@ -293,3 +293,60 @@ def test_saved_logits_are_used_only_while_they_describe_the_kv(model, lora_paths
     assert ctx.has_saved_logits()
     ctx.close()
     a.close()
+
+
+def test_lazy_grammar_waits_for_its_trigger(model, ctx):
+    """grammar_triggers: free text until a trigger has been generated, then
+    the grammar from the trigger's first character on (tool calls' "auto")."""
+    g = 'root ::= "<call>" [0-9]+ "</call>"'
+    s = greedy(model, grammar=g, grammar_triggers=["<call>"])
+    n = model.n_vocab
+    word = model.tokenize("hello", add_special=False)[0]
+    logits = np.zeros(n, np.float32)
+    logits[word] = 10.0
+    # before the trigger: the grammar allows anything (it is waiting)
+    assert s.sample_logits(ctx, logits) == word
+    for tok in model.tokenize(" then <call>", add_special=False):
+        s.accept(int(tok))
+    # after it: "hello" is not a digit; the pick is the best token the grammar allows
+    tok = s.sample_logits(ctx, logits)
+    assert tok != word and model.detokenize_text([tok]).strip().isdigit()
+    with pytest.raises(llamax.GrammarError):
+        s.accept(word)
+    assert s.params["grammar_triggers"] == ["<call>"]
+    # a trigger that the text only contains in part switches nothing on
+    s2 = greedy(model, grammar=g, grammar_triggers=["<call>"])
+    for tok in model.tokenize("a <cal", add_special=False):
+        s2.accept(int(tok))
+    assert s2.sample_logits(ctx, logits) == word
+
+
+@pytest.mark.parametrize("kw,err", [
+    (dict(grammar_triggers=["x"]), llamax.InvalidArgumentError),             # no grammar to switch on
+    (dict(grammar='root ::= "a"', grammar_triggers="x"), llamax.ArgumentTypeError),
+    (dict(grammar='root ::= "a"', grammar_triggers=[""]), llamax.InvalidArgumentError),
+    (dict(grammar='root ::= "a"', grammar_triggers=["a\0"]), llamax.InvalidArgumentError),
+    (dict(grammar='root ::= "a"', grammar_triggers=[3]), llamax.ArgumentTypeError),
+    (dict(grammar='root ::= "a"', grammar_triggers=["x" * 257]), llamax.InvalidArgumentError),
+    (dict(grammar='root ::= "a"', grammar_triggers=["x"] * 17), llamax.InvalidArgumentError),
+    (dict(grammar='root ::= "a"', grammar_triggers=["\ud800"]), llamax.InvalidArgumentError),
+])
+def test_lazy_grammar_bad_triggers(model, kw, err):
+    with pytest.raises(err):
+        llamax.Sampler(model, **kw)
+
+
+def test_lazy_grammar_triggers_are_literal(model, ctx):
+    """Regex syntax in a trigger is text to match, never a pattern (std::regex
+    would throw through C on some, and match other text on others)."""
+    g = 'root ::= "[a]|(b)*" "1"'
+    s = greedy(model, grammar=g, grammar_triggers=["[a]|(b)*", "^$\\.+?{}/"])
+    logits = np.zeros(model.n_vocab, np.float32)
+    word = model.tokenize("hello", add_special=False)[0]
+    logits[word] = 10.0
+    for tok in model.tokenize("a b", add_special=False):   # would match the pattern [a]|(b)*
+        s.accept(int(tok))
+    assert s.sample_logits(ctx, logits) == word            # still waiting
+    for tok in model.tokenize(" [a]|(b)*", add_special=False):
+        s.accept(int(tok))
+    assert model.detokenize_text([s.sample_logits(ctx, logits)]) == "1"
