@@ -2,8 +2,7 @@
 
 Policy on fields (README, "Serve"): every OpenAI field listed here is
 honoured, except the few marked *accepted, no effect* (``user``,
-``metadata``, ``store``, ``service_tier``, ``parallel_tool_calls``), which
-change nothing an open-weights server computes.  Any other field is refused
+``metadata``, ``store``, ``service_tier``), which change nothing an open-weights server computes.  Any other field is refused
 with 400 naming it: a misspelt ``active_lora`` must not silently run the
 base model.  Types are strict (``"1"`` is not an int).
 """
@@ -17,6 +16,7 @@ MAX_N = 16          # choices per request
 MAX_STOPS = 16      # stop strings per request
 MAX_STOP_LEN = 1024
 MAX_LIST_ADAPTERS = 64  # entries of active_loras, lora and control_vectors per request
+MAX_TOOLS = 128     # tools (or legacy functions) per request: OpenAI's own limit
 
 
 class StrictModel(BaseModel):
@@ -87,9 +87,11 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: Optional[int] = Field(default=None, ge=0, le=20)
     response_format: Optional[dict[str, Any]] = None
-    tools: Optional[list[dict[str, Any]]] = None
+    tools: Optional[list[dict[str, Any]]] = Field(default=None, max_length=MAX_TOOLS)
     tool_choice: Union[str, dict[str, Any], None] = None
-    parallel_tool_calls: Optional[bool] = None       # accepted, no effect
+    parallel_tool_calls: Optional[bool] = None       # default False (one call), as llama-server
+    functions: Optional[list[dict[str, Any]]] = Field(default=None, max_length=MAX_TOOLS)  # OpenAI's legacy
+    function_call: Union[str, dict[str, Any], None] = None
     assistant_prefill: bool = False
 
 

@@ -90,10 +90,10 @@ def chat_kwargs(body: protocol.ChatCompletionRequest, n_ctx: int, loras, cvecs) 
     rf = body.response_format
     if rf is not None and rf.get("type") == "text":
         rf = None
-    if body.tool_choice not in (None, "none", "auto"):
-        raise APIError(400, "tool_choice other than 'none' or 'auto' is not supported", param="tool_choice")
     kw.update(messages=messages, stream=body.stream, logprobs=body.logprobs, top_logprobs=body.top_logprobs,
               response_format=rf, tools=body.tools, tool_choice=body.tool_choice,
+              parallel_tool_calls=body.parallel_tool_calls, functions=body.functions,
+              function_call=body.function_call,
               active_loras=loras, control_vectors=cvecs, assistant_prefill=body.assistant_prefill)
     return kw
 

@@ -1,0 +1,95 @@
+"""Tool calls over HTTP (issue #35 item 5): the official ``openai`` client's
+tools API against a real server (``--parallel 4``: the batcher path),
+non-streamed and streamed, with an adapter and with ``n``; the legacy
+``functions``; bad tool requests as 400s naming the field."""
+import json
+
+import jsonschema
+import pytest
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40}},
+                   "required": ["city"], "additionalProperties": False}}}
+ADD = {"type": "function", "function": {
+    "name": "add", "description": "Adds two integers",
+    "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                   "required": ["a", "b"]}}}
+TOOLS = [WEATHER, ADD]
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+ASK = [{"role": "user", "content": "What's the weather in Paris?"}]
+
+
+def valid(call):
+    jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+    return call.function.name
+
+
+@pytest.mark.parametrize("model", ["smol", "coder"])
+def test_openai_client_required_tool_call(oai, model):
+    r = oai.chat.completions.create(model=model, messages=ASK, tools=TOOLS, tool_choice="required",
+                                    max_tokens=80, temperature=0, n=2)
+    assert len(r.choices) == 2
+    for c in r.choices:
+        assert c.finish_reason == "tool_calls" and c.message.content is None
+        assert len(c.message.tool_calls) == 1 and c.message.tool_calls[0].id.startswith("call_")
+        valid(c.message.tool_calls[0])
+
+
+def test_openai_client_named_tool_streamed(oai):
+    kw = dict(model="smol", messages=ASK, tools=TOOLS, max_tokens=80, temperature=0, seed=3,
+              tool_choice={"type": "function", "function": {"name": "add"}})
+    whole = oai.chat.completions.create(**kw)
+    call = whole.choices[0].message.tool_calls[0]
+    assert valid(call) == "add"
+    args, name, ids = "", None, set()
+    finish = None
+    for chunk in oai.chat.completions.create(stream=True, **kw):
+        if not chunk.choices:
+            continue
+        d = chunk.choices[0].delta
+        for tc in d.tool_calls or []:
+            assert tc.index == 0
+            if tc.id:
+                ids.add(tc.id)
+                name = tc.function.name
+            args += tc.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    assert finish == "tool_calls" and name == "add" and len(ids) == 1
+    assert args == call.function.arguments
+
+
+def test_agent_loop_over_http(oai):
+    r = oai.chat.completions.create(model="smol", messages=ASK, tools=TOOLS, tool_choice="required",
+                                    max_tokens=80, temperature=0)
+    msg = r.choices[0].message
+    history = ASK + [msg.model_dump(exclude_none=True),
+                     {"role": "tool", "tool_call_id": msg.tool_calls[0].id, "content": '{"sky": "clear"}'}]
+    r2 = oai.chat.completions.create(model="smol", messages=history, tools=TOOLS, tool_choice="none",
+                                     max_tokens=24, temperature=0)
+    assert r2.choices[0].message.tool_calls is None and r2.choices[0].message.content
+
+
+def test_legacy_functions_over_http(http):
+    r = http.post("/v1/chat/completions", json={
+        "model": "smol", "messages": ASK, "functions": [WEATHER["function"]],
+        "function_call": {"name": "get_weather"}, "max_tokens": 80, "temperature": 0})
+    assert r.status_code == 200, r.text
+    c = r.json()["choices"][0]
+    assert c["finish_reason"] == "function_call" and c["message"]["function_call"]["name"] == "get_weather"
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "not the name"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}]}, "tools[0].function.parameters"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools[0].function.name"),
+    ({"tool_choice": "required"}, "without tools"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "not both"),
+    ({"tools": TOOLS, "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
+    ({"tools": [WEATHER] * 129}, "tools"),
+])
+def test_bad_tool_requests_are_400(http, body, param):
+    r = http.post("/v1/chat/completions", json={"model": "smol", "messages": ASK, "max_tokens": 4, **body})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and param in json.dumps(err), err
