@@ -93,6 +93,29 @@ class _NamedFormat:
         return self.format(messages, tools)[0]
 
 
+_TEMPLATE_OWN = ("messages", "add_generation_prompt", "bos_token", "eos_token", "tools")
+_EFFORTS = ("minimal", "low", "medium", "high")
+
+
+def _template_variables(chat_template_kwargs, reasoning_effort) -> dict:
+    """The request's extra chat-template variables (checked; a copy)."""
+    out: dict = {}
+    if chat_template_kwargs is not None:
+        if not isinstance(chat_template_kwargs, dict) or not all(isinstance(k, str) for k in chat_template_kwargs):
+            raise ArgumentTypeError("chat_template_kwargs must be a dict of template variables by name")
+        own = [k for k in chat_template_kwargs if k in _TEMPLATE_OWN]
+        if own:
+            raise InvalidArgumentError(f"chat_template_kwargs cannot set {', '.join(own)}: the request sets "
+                                       "those itself")
+        out.update(chat_template_kwargs)
+    if reasoning_effort is not None:
+        if reasoning_effort not in _EFFORTS:
+            raise InvalidArgumentError(f"reasoning_effort must be one of {', '.join(_EFFORTS)}, "
+                                       f"not {reasoning_effort!r}")
+        out["reasoning_effort"] = reasoning_effort
+    return out
+
+
 def _merge_stops(stop, extra):
     """The caller's stop strings and the chat format's (checked by _request)."""
     if stop is None:
@@ -381,7 +404,7 @@ class Llama(_SessionMixin):
         self._embed_ctx: Context | None = None
         self.chat_format = chat_format
         self._template = self._make_template(chat_format, chat_template)
-        self._has_reasoning, self._reasoning_opens = self._reasoning_section()
+        self._has_reasoning = self._reasoning_section()
         self._session_init(logits_all, draft_model)
         self._tokenizer = tokenizer  # (None: the model's own vocabulary)
         self.chat_handler = chat_handler  # llama-cpp-python's: it runs chat completions itself
@@ -720,22 +743,16 @@ class Llama(_SessionMixin):
         src = chat_template if chat_template is not None else self._model.chat_template()
         return None if src is None else ChatTemplate(src, **tokens)
 
-    def _reasoning_section(self) -> tuple[bool, bool]:
-        """Whether the chat template has a ``<think>`` section, and whether
-        its generation prompt opens it (the reply then starts inside it)."""
+    def _reasoning_section(self) -> bool:
+        """Whether the chat template has a ``<think>`` section."""
         if not isinstance(self._template, ChatTemplate):
-            return False, False
+            return False
         from llamax.tool_calls.reasoning import detect_reasoning
-        if not detect_reasoning(self._template.source):
-            return False, False
-        try:
-            text = self._template.render([{"role": "user", "content": "hi"}], add_generation_prompt=True)
-        except (ChatTemplateError, InvalidArgumentError):
-            return True, False  # (a template that cannot render this says so when a request renders it)
-        return True, text.rstrip().endswith("<think>")
+        return detect_reasoning(self._template.source)
 
-    def _chat_prompt(self, messages, tools, prefill: bool):
-        """The chat prompt's tokens and the format's stop strings."""
+    def _chat_prompt(self, messages, tools, prefill: bool, extra=None):
+        """The chat prompt's tokens, the format's stop strings and the
+        rendered text (before any prefill).  ``extra``: template variables."""
         if self._template is None:
             raise ChatTemplateError("the model has no chat template: pass chat_format= or chat_template=")
         if prefill:
@@ -743,15 +760,19 @@ class Llama(_SessionMixin):
         else:
             partial = ""
         if isinstance(self._template, _NamedFormat):
+            if extra:
+                raise InvalidArgumentError(f"chat_template_kwargs / reasoning_effort are variables of a Jinja2 "
+                                           f"chat template; chat_format {self._template.name!r} has none")
             text, stops, add_bos = self._template.format(messages, tools)
         else:
             # the template writes the BOS (if any) and the special tokens as text
-            text, stops, add_bos = self._template.render(messages, add_generation_prompt=True, tools=tools), [], False
+            text, stops, add_bos = self._template.render(messages, add_generation_prompt=True, tools=tools,
+                                                         **(extra or {})), [], False
         if self._tokenizer is not None:
             tokens = self._own_tokens(text + partial, add_bos, True)
         else:
             tokens = self._model.tokenize(text + partial, add_special=add_bos, parse_special=True)
-        return tokens, stops
+        return tokens, stops, text
 
     def _token_str(self, tok):
         return self._model.token_text(tok) if 0 <= tok < self._model.n_vocab else ""
@@ -872,13 +893,21 @@ class Llama(_SessionMixin):
                                assistant_prefill: bool = False, cancel: CancelToken | None = None,
                                cache_prompt: bool = True, tfs_z: float = 1.0, mirostat_mode: int = 0,
                                mirostat_tau: float = 5.0, mirostat_eta: float = 0.1, logits_processor=None,
-                               stopping_criteria=None, parallel_tool_calls: bool | None = None) -> PreparedRequest:
+                               stopping_criteria=None, parallel_tool_calls: bool | None = None,
+                               chat_template_kwargs: dict | None = None,
+                               reasoning_effort: str | None = None) -> PreparedRequest:
         """An OpenAI-style chat completion through the model's chat template,
         checked and ready to run (see :class:`~llamax.request.PreparedRequest`);
         :meth:`create_chat_completion` runs it at once.
 
         ``assistant_prefill=True`` continues the final, partial assistant
         message: the reply's content is the continuation only.
+        ``tools`` / ``tool_choice`` / ``parallel_tool_calls`` (and the legacy
+        ``functions`` / ``function_call``): see docs/tools.md; a template with
+        a ``<think>`` section gets ``reasoning_content`` split from the content.
+        ``chat_template_kwargs``: extra variables for the Jinja2 template
+        (e.g. ``{"enable_thinking": False}``); ``reasoning_effort`` is passed
+        to it as the variable of that name.
         ``response_format``: ``{"type": "json_object"}`` (any JSON object,
         optionally with a ``"schema"``) or ``{"type": "json_schema",
         "json_schema": {"schema": {...}}}``: the reply is constrained by a
@@ -907,7 +936,11 @@ class Llama(_SessionMixin):
         if plan is not None:
             _check_messages(messages)
             messages = plan.messages(messages)
-        tokens, format_stops = self._chat_prompt(messages, tools, assistant_prefill)
+        extra = _template_variables(chat_template_kwargs, reasoning_effort)
+        tokens, format_stops, rendered = self._chat_prompt(messages, tools, assistant_prefill, extra)
+        if plan is not None and plan.reasoning is not None:
+            # the reply starts inside the section when this prompt opened it
+            plan.open_reasoning(rendered.rstrip().endswith("<think>"))
         if format_stops:
             stop = _merge_stops(stop, format_stops)
         n_top = None
@@ -974,8 +1007,7 @@ class Llama(_SessionMixin):
         fmt = self._template
         src = None if isinstance(fmt, _NamedFormat) or fmt is None else fmt.source
         name = fmt.name if isinstance(fmt, _NamedFormat) else None
-        return chat_plan(tools, tool_choice, parallel_tool_calls, src, name, legacy=legacy,
-                         reasoning_opens=self._reasoning_opens)
+        return chat_plan(tools, tool_choice, parallel_tool_calls, src, name, legacy=legacy)
 
     def create_chat_completion(self, messages, **kwargs):
         """OpenAI-style chat completion: :meth:`prepare_chat_completion` (same

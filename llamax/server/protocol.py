@@ -92,6 +92,8 @@ class ChatCompletionRequest(SamplingFields):
     parallel_tool_calls: Optional[bool] = None       # default False (one call), as llama-server
     functions: Optional[list[dict[str, Any]]] = Field(default=None, max_length=MAX_TOOLS)  # OpenAI's legacy
     function_call: Union[str, dict[str, Any], None] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None  # extra template variables (llama-server, vLLM)
+    reasoning_effort: Optional[str] = None
     assistant_prefill: bool = False
 
 

@@ -93,7 +93,8 @@ def chat_kwargs(body: protocol.ChatCompletionRequest, n_ctx: int, loras, cvecs) 
     kw.update(messages=messages, stream=body.stream, logprobs=body.logprobs, top_logprobs=body.top_logprobs,
               response_format=rf, tools=body.tools, tool_choice=body.tool_choice,
               parallel_tool_calls=body.parallel_tool_calls, functions=body.functions,
-              function_call=body.function_call,
+              function_call=body.function_call, chat_template_kwargs=body.chat_template_kwargs,
+              reasoning_effort=body.reasoning_effort,
               active_loras=loras, control_vectors=cvecs, assistant_prefill=body.assistant_prefill)
     return kw
 

@@ -51,6 +51,12 @@ class ChatPlan:
         self.triggers = triggers
         self._prompt = prompt             # the generic format's system prompt, or None
 
+    def open_reasoning(self, opened: bool) -> None:
+        """Whether the rendered prompt opened the reasoning section (the
+        reply then starts inside it)."""
+        if self.reasoning is not None:
+            self.reasoning = Reasoning(started_open=opened)
+
     @property
     def reads_calls(self) -> bool:
         return self.format is not None and self.mode not in ("", "none")
@@ -202,10 +208,10 @@ class _ReasoningOnly:
 
 
 def chat_plan(tools, tool_choice, parallel_tool_calls, template_source: str | None, chat_format: str | None,
-              *, legacy: bool = False, reasoning_opens: bool = False) -> ChatPlan | None:
+              *, legacy: bool = False) -> ChatPlan | None:
     """The plan of a chat request (None: no tools and no reasoning section,
-    the text is the content as generated).  ``reasoning_opens``: the
-    template's generation prompt opens the reasoning section itself."""
+    the text is the content as generated).  Whether the rendered prompt
+    opens the reasoning section is told later (:meth:`ChatPlan.open_reasoning`)."""
     if parallel_tool_calls is None:
         # one call unless asked (llama-server's default; OpenAI's is True):
         # small models asked for "one or more" tend to repeat a call until
@@ -215,7 +221,7 @@ def chat_plan(tools, tool_choice, parallel_tool_calls, template_source: str | No
         parallel = parallel_tool_calls and not legacy
     else:
         raise ArgumentTypeError(f"parallel_tool_calls must be a bool, not {type(parallel_tool_calls).__name__}")
-    reasoning = Reasoning(started_open=reasoning_opens) if detect_reasoning(template_source) else None
+    reasoning = Reasoning() if detect_reasoning(template_source) else None
     if tools is None:
         if tool_choice not in (None, "none", "auto"):
             raise InvalidArgumentError(f"tool_choice {tool_choice!r} without tools: pass the tools it chooses from")

@@ -271,3 +271,25 @@ def test_reasoning_is_split_from_the_content(smollm2_path):
         # a section never closed (cut by max_tokens) is all reasoning
         r = m.create_chat_completion(user("Capital of France?"), max_tokens=6, **G)
         assert message(r)["content"] == "" and message(r)["reasoning_content"]
+
+
+def test_template_variables_and_reasoning_effort(smollm2_path):
+    """chat_template_kwargs and reasoning_effort reach the template as
+    variables; the template's own names cannot be overridden."""
+    src = ("{% for m in messages %}{{ m.content }}{% endfor %}|{{ enable_thinking }}|{{ reasoning_effort }}"
+           "{% if enable_thinking %}<think>\n{% endif %}")
+    with make_llama(smollm2_path, chat_template=src) as m:
+        g = 'root ::= "mm" "</think>" "ok"'
+        r = m.create_chat_completion(user("q"), grammar=g, max_tokens=24, chat_template_kwargs={"enable_thinking": True},
+                                     reasoning_effort="low", **G)
+        assert r["usage"]["prompt_tokens"] == len(m.tokenize(b"q|True|low<think>\n", add_bos=False, special=True))
+        assert message(r)["reasoning_content"] == "mm" and message(r)["content"] == "ok"
+        # without the variable the prompt opens no section: the reply is read from its start
+        g2 = 'root ::= "<think>" "a" "</think>" "b"'
+        r = m.create_chat_completion(user("q"), grammar=g2, max_tokens=24, **G)
+        assert message(r)["reasoning_content"] == "a" and message(r)["content"] == "b"
+        for kw, err in [(dict(chat_template_kwargs={"messages": []}), llamax.InvalidArgumentError),
+                        (dict(chat_template_kwargs=[1]), llamax.ArgumentTypeError),
+                        (dict(reasoning_effort="max"), llamax.InvalidArgumentError)]:
+            with pytest.raises(err):
+                m.create_chat_completion(user("q"), max_tokens=1, **kw)

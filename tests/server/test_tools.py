@@ -87,6 +87,9 @@ def test_legacy_functions_over_http(http):
     ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "not both"),
     ({"tools": TOOLS, "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
     ({"tools": [WEATHER] * 129}, "tools"),
+    ({"reasoning_effort": "max"}, "reasoning_effort"),
+    ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
+    ({"functions": [WEATHER["function"]], "function_call": {"name": "nope"}}, "not the name"),
 ])
 def test_bad_tool_requests_are_400(http, body, param):
     r = http.post("/v1/chat/completions", json={"model": "smol", "messages": ASK, "max_tokens": 4, **body})
