@@ -1994,6 +1994,58 @@ void accept_checked(llama_sampler * chain, llama_sampler * grammar, llama_token 
     }
 }
 
+// Greedy under a grammar without judging the whole vocabulary: the best
+// candidates, best first (ties to the lower id, as the greedy sampler breaks
+// them), are put to the grammar one at a time, and the first it allows is
+// the pick: the argmax of what the grammar allows, the same token as masking
+// every candidate and taking the maximum.  -1 when none of the first few is
+// allowed (or all of them are banned): the caller masks everything.
+// LLAMAX_GRAMMAR_MASK_ALL=1 turns the shortcut below off (the tests compare
+// the two ways; read once).
+static bool mask_all_candidates() {
+    static const bool on = [] {
+        const char * v = std::getenv("LLAMAX_GRAMMAR_MASK_ALL");
+        return v != nullptr && std::strcmp(v, "1") == 0;
+    }();
+    return on;
+}
+
+static llama_token greedy_under_grammar(llama_sampler * grammar, const llama_token_data_array & arr) {
+    constexpr size_t kTries = 16;
+    // NaN ranks lowest (and then ends the search below): comparisons with it
+    // would break the order
+    auto key = [&](size_t i) { const float l = arr.data[i].logit; return l == l ? l : -INFINITY; };
+    auto better = [&](size_t a, size_t b) { return key(a) > key(b) || (key(a) == key(b) && a < b); };
+    size_t best[kTries];
+    size_t k = 0;
+    for (size_t i = 0; i < arr.size; ++i) {  // the kTries best, best first, in one pass
+        if (k == kTries && !better(i, best[k - 1])) {
+            continue;
+        }
+        size_t j = k < kTries ? k++ : kTries - 1;
+        for (; j > 0 && better(i, best[j - 1]); --j) {
+            best[j] = best[j - 1];
+        }
+        best[j] = i;
+    }
+    for (size_t j = 0; j < k; ++j) {
+        llama_token_data one = arr.data[best[j]];
+        if (!(one.logit > -INFINITY)) {
+            return -1;  // banned from here on (or NaN): the full path says which
+        }
+        llama_token_data_array single = {&one, 1, -1, false};
+        try {
+            llama_sampler_apply(grammar, &single);
+        } catch (const std::exception & e) {  // patch 0011's bounds on parse stacks
+            throw Error(ErrorKind::Grammar, e.what());
+        }
+        if (one.logit > -INFINITY) {
+            return one.id;
+        }
+    }
+    return -1;
+}
+
 llama_token sample_logits_with(llama_sampler * chain, llama_sampler * grammar, const float * logits,
                                int32_t n_vocab, std::vector<llama_token_data> & cand,
                                void (*stop)(void * user), void * user) {
@@ -2018,6 +2070,14 @@ llama_token sample_logits_with(llama_sampler * chain, llama_sampler * grammar, c
             if (s != grammar) {
                 llama_sampler_apply(s, &arr);
                 continue;
+            }
+            if (i == n - 2 && !mask_all_candidates() &&
+                std::strcmp(llama_sampler_name(llama_sampler_chain_get(chain, n - 1)), "greedy") == 0) {
+                const llama_token id = greedy_under_grammar(grammar, arr);
+                if (id >= 0) {
+                    accept_checked(chain, nullptr, id);
+                    return id;
+                }
             }
             constexpr size_t kSlice = 2048;
             for (size_t off = 0; off < arr.size; off += kSlice) {

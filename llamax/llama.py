@@ -984,16 +984,25 @@ class Llama(_SessionMixin):
                                                         lambda res: [chunk({}, res.finish_reason)]), stream)
         deltas = plan.stream()
 
-        def pieces(piece):
-            # a piece's logprobs ride on its first delta (a held-back piece's
-            # text comes out later, with no logprobs of its own)
-            out = [chunk(d) for d in deltas.feed(str(piece))]
-            if logprobs and out:
-                out[0] = chunk(out[0]["choices"][0]["delta"], piece=piece)
+        held: list = []  # pieces whose text the parser holds: their logprobs wait with it
+
+        def with_logprobs(out):
+            # the held pieces' logprobs ride on the first delta that releases text
+            if logprobs and out and held:
+                toks = [t for p in held for t in getattr(p, "tokens", [])]
+                lps = [x for p in held for x in getattr(p, "logprobs", [])]
+                out[0] = dict(out[0], choices=[dict(out[0]["choices"][0],
+                                                    logprobs=chat_logprobs(self._model, toks, lps))])
+                held.clear()
             return out
 
+        def pieces(piece):
+            held.append(piece)
+            return with_logprobs([chunk(d) for d in deltas.feed(str(piece))])
+
         def tail(res):
-            return [chunk(d) for d in deltas.finish()] + [chunk({}, deltas.finish_reason(res.finish_reason))]
+            return with_logprobs([chunk(d) for d in deltas.finish()] +
+                                 [chunk({}, deltas.finish_reason(res.finish_reason))])
 
         return PreparedRequest(req, result, _Chunks(head, pieces, tail), stream)
 

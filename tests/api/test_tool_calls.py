@@ -11,6 +11,7 @@ import jsonschema
 import pytest
 
 import llamax
+from llamax_dev.chat_templates import HERMES, THINKING  # Hermes-style tools; an opened <think>
 
 from .conftest import ColdRequests, make_llama
 
@@ -35,25 +36,6 @@ PROMPTS = ["What's the weather in Paris?", "What time is it in Tokyo?", "What is
            "Is it raining in London right now?", "Tell me the time in UTC, 24-hour clock.", "Add 7 and -3.",
            "How warm is it in Cairo in fahrenheit?", "I need the weather for Oslo and Rome.",
            "What's 100 + 250?", "Hello! Who are you?", "Write a haiku about tools.", "Time in New York?"]
-
-# A Hermes/Qwen-style template (our own): tools listed in the system turn,
-# calls written as <tool_call> JSON blocks, tool results as tool turns.
-HERMES = """{%- if tools %}<|im_start|>system
-You can call functions. Their signatures:
-{% for t in tools %}{{ t.function | tojson }}
-{% endfor %}To call one, write <tool_call>{"name": <name>, "arguments": <arguments>}</tool_call>.<|im_end|>
-{% endif %}{%- for m in messages %}<|im_start|>{{ m.role }}
-{% if m.tool_calls %}{% for c in m.tool_calls %}<tool_call>{"name": "{{ c.function.name }}", "arguments": \
-{{ c.function.arguments }}}</tool_call>{% endfor %}{% else %}{{ m.content }}{% endif %}<|im_end|>
-{% endfor %}{%- if add_generation_prompt %}<|im_start|>assistant
-{% endif %}"""
-
-# A template whose generation prompt opens a reasoning section (Qwen 3 / DeepSeek R1 style).
-THINKING = """{%- for m in messages %}<|im_start|>{{ m.role }}
-{{ m.content }}<|im_end|>
-{% endfor %}{%- if add_generation_prompt %}<|im_start|>assistant
-<think>
-{% endif %}"""
 
 G = dict(temperature=0)
 
@@ -293,3 +275,18 @@ def test_template_variables_and_reasoning_effort(smollm2_path):
                         (dict(reasoning_effort="max"), llamax.InvalidArgumentError)]:
             with pytest.raises(err):
                 m.create_chat_completion(user("q"), max_tokens=1, **kw)
+
+
+def test_logprobs_with_tool_calls(hermes):
+    """logprobs ride along: the whole answer's cover every generated token;
+    streamed, each piece's logprobs come with the delta its text decides."""
+    kw = dict(tools=TOOLS, tool_choice="required", max_tokens=80, parallel_tool_calls=False, logprobs=True,
+              top_logprobs=2, **G)
+    r = hermes.create_chat_completion(user(PROMPTS[0]), **kw)
+    lp = r["choices"][0]["logprobs"]["content"]
+    assert len(lp) == r["usage"]["completion_tokens"] and all(len(t["top_logprobs"]) == 2 for t in lp)
+    check_calls(message(r))
+    chunks = list(hermes.create_chat_completion(user(PROMPTS[0]), stream=True, **kw))
+    streamed = [t for c in chunks if c["choices"][0].get("logprobs") for t in c["choices"][0]["logprobs"]["content"]]
+    # a piece held back (a call's text) has its logprobs on the delta that releases it
+    assert streamed == lp

@@ -1,9 +1,11 @@
 """Generation: deterministic, equal to a Python decode+sample loop, stop rules."""
+import json
+
 import numpy as np
 import pytest
 
 import llamax
-from conftest import greedy
+from conftest import greedy, run_py
 
 PROMPT = "The three primary colors are"
 
@@ -350,3 +352,40 @@ def test_lazy_grammar_triggers_are_literal(model, ctx):
     for tok in model.tokenize(" [a]|(b)*", add_special=False):
         s.accept(int(tok))
     assert model.detokenize_text([s.sample_logits(ctx, logits)]) == "1"
+
+
+def test_greedy_under_a_grammar_equals_masking_every_candidate():
+    """Greedy sampling under a grammar puts the best candidates to the grammar
+    one at a time instead of judging the whole vocabulary: the tokens must be
+    those of masking every candidate (LLAMAX_GRAMMAR_MASK_ALL=1), on one
+    context and on the batcher, including a grammar none of the best
+    candidates satisfies (digits after a sentence that wants a word) and a
+    logit_bias banning tokens the grammar would allow."""
+    code = """
+        import json, llamax
+        from llamax.grammar import json_schema_to_gbnf
+        from llamax_dev.data import smollm2
+        schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
+                  "days": {"type": "integer"}}, "required": ["city", "days"]}
+        grammars = [json_schema_to_gbnf(schema), 'root ::= [0-9] [0-9] [0-9]', 'root ::= ("yes" | "no") "."']
+        prompts = ["The weather in Paris for 3 days as JSON:", "The capital of France is", "Is the sky blue?"]
+        out = []
+        for n_parallel in (1, 3):
+            llm = llamax.Llama(str(smollm2()), n_ctx=1024, n_threads=2, n_parallel=n_parallel, verbose=False)
+            # bans tokens the grammars allow: the digits 1 and 2, a quote, "yes"
+            ban = {t: -100.0 for w in (b"1", b"2", b'"', b"yes") for t in llm.tokenize(w, add_bos=False)}
+            for g in grammars:
+                for p in prompts:
+                    for bias in (None, ban):
+                        llm.reset_cache()
+                        r = llm.create_completion(p, grammar=g, max_tokens=24, temperature=0, logit_bias=bias)
+                        out.append(r["choices"][0]["text"])
+            llm.close()
+        print(json.dumps(out))
+    """
+    fast = run_py(code)
+    full = run_py(code, env={"LLAMAX_GRAMMAR_MASK_ALL": "1"})
+    assert fast.returncode == 0 and full.returncode == 0, fast.stderr[-2000:] + full.stderr[-2000:]
+    a, b = json.loads(fast.stdout), json.loads(full.stdout)
+    assert len(a) == 36 and a == b
+    assert any(t.isdigit() and len(t) == 3 for t in a)

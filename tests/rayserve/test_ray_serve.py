@@ -19,6 +19,10 @@ from server.test_openai_client import (  # noqa: F401
     test_completion_parses_special_tokens, test_control_vectors, test_embeddings_float_and_base64,
     test_embeddings_with_adapter, test_errors_are_the_clients_exceptions, test_models,
     test_stream_without_include_usage_has_no_usage)
+# tool calls through the ingress and a replica (issue #35 item 5)
+from server.test_tools import (  # noqa: F401
+    test_agent_loop_over_http, test_bad_tool_requests_are_400, test_legacy_functions_over_http,
+    test_openai_client_named_tool_streamed, test_openai_client_required_tool_call)
 
 from .conftest import MAX_SETS, REPLICAS, TENANTS
 
