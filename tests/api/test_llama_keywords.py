@@ -236,7 +236,7 @@ def test_functions_reach_the_template_as_tools(smollm2_path):
         assert given == [fn] and "type" not in given[0]   # the caller's list is not changed
         for kw, err in ((dict(functions=[fn], tools=[]), llamax.InvalidArgumentError),
                         (dict(functions="get_weather"), llamax.ArgumentTypeError),
-                        (dict(functions=[fn], function_call={"name": "get_weather"}), llamax.InvalidArgumentError)):
+                        (dict(functions=[fn], function_call={"name": "nope"}), llamax.InvalidArgumentError)):
             with pytest.raises(err):
                 m.create_chat_completion(msgs, **kw, **G)
 
