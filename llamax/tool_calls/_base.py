@@ -225,6 +225,27 @@ def name_at(text: str, i: int, final: bool, end: str):
     return after if isinstance(after, str) else (text[i:j], after)
 
 
+def named_call_at(text: str, i: int, final: bool, end: str):
+    """``(call, index past it)`` for a call written as its function's name,
+    the text ``end``, then a JSON object of arguments (Mistral v11,
+    functionary, chatml-function-calling); INCOMPLETE or INVALID."""
+    found = name_at(text, i, final, end)
+    if not isinstance(found, tuple):
+        return found
+    name, j = found
+    found = json_at(text, j, final)
+    if not isinstance(found, tuple):
+        return found
+    args, k = found
+    return (FoundCall(name, _json.dumps(args)), k) if isinstance(args, dict) else INVALID
+
+
+def json_call_rule(name: str, args: str, key: str = "arguments", before: str = "") -> str:
+    """GBNF of ``{"name": <name>, "<key>": <args rule>}`` after the text ``before``."""
+    head = gbnf_literal(before + '{"name": ' + _json.dumps(name) + f', "{key}": ')
+    return f'{head} {args} "}}"'
+
+
 def hold_from(text: str, pos: int, triggers: tuple) -> int:
     """The first index >= pos from which the text is a proper beginning of a
     trigger: content from there on must wait for the next delta."""

@@ -17,8 +17,7 @@ JSON object is a call.
 """
 from __future__ import annotations
 
-from llamax.tool_calls import _json
-from llamax.tool_calls._base import INCOMPLETE, INVALID, Format, FoundCall, gbnf_literal, json_at, literal_at, name_at
+from llamax.tool_calls._base import INCOMPLETE, INVALID, Format, gbnf_literal, literal_at, named_call_at
 
 __all__ = ["ChatmlFunctionCalling"]
 
@@ -32,15 +31,8 @@ class ChatmlFunctionCalling(Format):
         return end if end in (INCOMPLETE, INVALID) else ([], end)
 
     def _call_at(self, text: str, i: int, final: bool):
-        found = name_at(text, i, final, ":")
-        if not isinstance(found, tuple):
-            return found
-        name, j = found
-        found = json_at(text, j, final)
-        if not isinstance(found, tuple):
-            return found
-        args, end = found
-        return ([FoundCall(name, _json.dumps(args))], end) if isinstance(args, dict) else INVALID
+        found = named_call_at(text, i, final, ":")
+        return ([found[0]], found[1]) if isinstance(found, tuple) else found
 
     def _call_rule(self, name: str, args: str) -> str:
         return f"{gbnf_literal(f'functions.{name}:' + chr(10))} {args}"

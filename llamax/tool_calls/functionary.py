@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from llamax.tool_calls import _json
 from llamax.tool_calls._base import (INVALID, Format, FoundCall, check_tools, gbnf_literal, json_at, literal_at,
-                                     name_at)
+                                     name_at, named_call_at)
 
 __all__ = ["FunctionaryV31", "FunctionaryV32"]
 
@@ -34,18 +34,12 @@ class FunctionaryV31(Format):
     _separator = ""
 
     def _call_at(self, text: str, i: int, final: bool):
-        found = name_at(text, i, final, ">")
+        found = named_call_at(text, i, final, ">")
         if not isinstance(found, tuple):
             return found
-        name, j = found
-        found = json_at(text, j, final)
-        if not isinstance(found, tuple):
-            return found
-        args, end = found
-        if not isinstance(args, dict):
-            return INVALID
+        call, end = found
         end = literal_at(text, _json.ws_end(text, end), "</function>", final)
-        return end if isinstance(end, str) else ([FoundCall(name, _json.dumps(args))], end)
+        return end if isinstance(end, str) else ([call], end)
 
     def _call_rule(self, name: str, args: str) -> str:
         return f'{gbnf_literal(f"<function={name}>")} {args} {gbnf_literal("</function>")}'

@@ -20,7 +20,7 @@ import json
 from llamax._errors import InvalidArgumentError
 from llamax.grammar import json_schema_to_gbnf
 from llamax.tool_calls import _json
-from llamax.tool_calls._base import INCOMPLETE, INVALID, Format, call_from, check_tools, gbnf_literal, json_at
+from llamax.tool_calls._base import INCOMPLETE, INVALID, Format, call_from, check_tools, gbnf_literal, json_at, json_call_rule
 
 __all__ = ["Generic", "system_prompt"]
 
@@ -61,8 +61,7 @@ class Generic(Format):
         return rules
 
     def _call_rule(self, name: str, args: str) -> str:
-        head = gbnf_literal('{"name": ' + _json.dumps(name) + ', "arguments": ')
-        return f'{head} {args} "}}"'
+        return json_call_rule(name, args)
 
 
 def _envelope(obj) -> list | None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 
 from llamax.tool_calls import _json
-from llamax.tool_calls._base import INCOMPLETE, INVALID, Format, call_from, gbnf_literal, json_at
+from llamax.tool_calls._base import INCOMPLETE, INVALID, Format, call_from, gbnf_literal, json_at, json_call_rule
 
 __all__ = ["Llama3"]
 
@@ -70,5 +70,4 @@ class Llama3(Format):
         return rules
 
     def _call_rule(self, name: str, args: str) -> str:
-        head = gbnf_literal('{"name": ' + _json.dumps(name) + ', "parameters": ')
-        return f'{head} {args} "}}"'
+        return json_call_rule(name, args, "parameters")

@@ -15,8 +15,7 @@
 """
 from __future__ import annotations
 
-from llamax.tool_calls import _json
-from llamax.tool_calls._base import INVALID, Format, FoundCall, call_from, gbnf_literal, json_at, name_at
+from llamax.tool_calls._base import INVALID, Format, call_from, gbnf_literal, json_at, json_call_rule, named_call_at
 
 __all__ = ["Mistral", "MistralV11"]
 
@@ -42,8 +41,7 @@ class Mistral(Format):
         return rules
 
     def _call_rule(self, name: str, args: str) -> str:
-        head = gbnf_literal('{"name": ' + _json.dumps(name) + ', "arguments": ')
-        return f'{head} {args} "}}"'
+        return json_call_rule(name, args)
 
 
 class MistralV11(Format):
@@ -52,15 +50,8 @@ class MistralV11(Format):
     _separator = ""
 
     def _call_at(self, text: str, i: int, final: bool):
-        found = name_at(text, i, final, "[ARGS]")
-        if not isinstance(found, tuple):
-            return found
-        name, j = found
-        found = json_at(text, j, final)
-        if not isinstance(found, tuple):
-            return found
-        args, end = found
-        return ([FoundCall(name, _json.dumps(args))], end) if isinstance(args, dict) else INVALID
+        found = named_call_at(text, i, final, "[ARGS]")
+        return ([found[0]], found[1]) if isinstance(found, tuple) else found
 
     def _call_rule(self, name: str, args: str) -> str:
         return f"{gbnf_literal('[TOOL_CALLS]' + name + '[ARGS]')} {args}"

@@ -25,8 +25,8 @@ from __future__ import annotations
 import json
 
 from llamax._errors import ArgumentTypeError, InvalidArgumentError
-from llamax.tool_calls import (ContentDelta, Format, Generic, Parsed, ReasoningDelta, ToolCallDelta, check_tools,
-                               detect)
+from llamax.tool_calls import (ContentDelta, Format, Generic, Parsed, ReasoningDelta, Stream, ToolCallDelta,
+                               check_tools, detect)
 from llamax.tool_calls.generic import system_prompt
 from llamax.tool_calls.reasoning import Reasoning, detect_reasoning
 
@@ -78,7 +78,7 @@ class ChatPlan:
         return out
 
     def parse(self, text: str) -> Parsed:
-        if self.reads_calls:
+        if self.format is not None and self.reads_calls:
             return self.format.parse(text, self.reasoning)
         reasoning_content = None
         if self.reasoning is not None:
@@ -135,7 +135,8 @@ class DeltaStream:
 
     def __init__(self, plan: ChatPlan):
         self._plan = plan
-        if plan.reads_calls:
+        self._inner: Stream | _ReasoningOnly | None
+        if plan.format is not None and plan.reads_calls:
             self._inner = plan.format.stream(plan.reasoning)
         elif plan.reasoning is not None:
             self._inner = _ReasoningOnly(plan.reasoning)
