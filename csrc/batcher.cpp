@@ -315,15 +315,92 @@ void Batcher::admit(std::vector<SeqPtr> & gone) {
         }
     }
     while (!pending_.empty()) {
-        const int32_t i = place(pending_.front());
-        if (i < 0) {
+        int32_t n_free = 0;
+        for (int32_t i = 0; i < n_slots_; ++i) {
+            n_free += slots_[i] ? 0 : 1;
+        }
+        if (n_free == 0) {
             break;  // every slot runs a sequence
         }
-        SeqPtr s = pending_.front();
-        pending_.pop_front();
+        auto it = pick_pending(n_free);
+        if (it == pending_.end()) {
+            break;  // the free slots are the reserve, and no waiting tenant may take them
+        }
+        const int32_t i = place(*it);
+        if (i < 0) {
+            break;
+        }
+        SeqPtr s = *it;
+        pending_.erase(it);
         s->seq_ = i;
+        s->admit_order_.store(++n_admitted_, std::memory_order_relaxed);
         slots_[i] = s;
     }
+}
+
+// Which waiting sequence gets a free slot (under mu_, batcher thread).
+// Sequences of one tenant keep their order.  Among tenants: the highest
+// priority first, then the tenant holding the fewest slots per unit of
+// weight, then the oldest.  The last reserve_ free slots go only to a
+// tenant holding fewer slots than its share would be with one more tenant
+// of its weight active (n_slots * w / (sum of active weights + w)), so a
+// tenant that floods the server leaves a slot free and a newcomer starts at
+// once.  end(): none may take one.
+std::deque<SeqPtr>::iterator Batcher::pick_pending(int32_t n_free) {
+    const int32_t reserve = reserve_.load(std::memory_order_relaxed);
+    const uint64_t t0 = pending_.front()->p_.tenant;
+    bool one_tenant = reserve == 0;
+    for (auto it = pending_.begin(); one_tenant && it != pending_.end(); ++it) {
+        one_tenant = (*it)->p_.tenant == t0;
+    }
+    for (int32_t i = 0; one_tenant && i < n_slots_; ++i) {
+        one_tenant = !slots_[i] || slots_[i]->p_.tenant == t0;
+    }
+    if (one_tenant) {
+        return pending_.begin();  // first come, first served
+    }
+    struct Held {
+        int32_t n = 0;
+        double w = 1.0;
+    };
+    std::vector<std::pair<uint64_t, Held>> held;  // few tenants: a flat list
+    auto find = [&](const Seq & s) -> Held & {
+        for (auto & e : held) {
+            if (e.first == s.p_.tenant) {
+                return e.second;
+            }
+        }
+        held.push_back({s.p_.tenant, Held{0, s.p_.weight > 0 ? s.p_.weight : 1.0}});
+        return held.back().second;
+    };
+    for (int32_t i = 0; i < n_slots_; ++i) {
+        if (slots_[i]) {
+            find(*slots_[i]).n += 1;
+        }
+    }
+    for (const auto & s : pending_) {
+        find(*s);
+    }
+    double sum_w = 0.0;
+    for (const auto & e : held) {
+        sum_w += e.second.w;
+    }
+    auto best = pending_.end();
+    double best_load = 0.0;
+    for (auto it = pending_.begin(); it != pending_.end(); ++it) {
+        const Seq & s = **it;
+        const Held & h = find(s);
+        if (n_free <= reserve && h.n >= n_slots_ * h.w / (sum_w + h.w)) {
+            continue;
+        }
+        const double load = h.n / h.w;
+        if (best == pending_.end() || s.p_.priority > (*best)->p_.priority ||
+            (s.p_.priority == (*best)->p_.priority && load < best_load)) {
+            best = it;
+            best_load = load;
+        }
+    }
+    return best;
 }
 
 namespace {
@@ -351,10 +428,11 @@ int32_t Batcher::place(const SeqPtr & s) {
             int32_t n = 0;
             if (slots_[i]) {
                 const Seq & o = *slots_[i];
-                if (o.group_ == s->group_ && o.shareable_) {
+                if (o.group_ == s->group_ && o.shareable_ && o.p_.cache_salt == s->p_.cache_salt) {
                     n = common_prefix(o.p_.prompt, P, std::min(limit, o.n_fed_)) / C * C;
                 }
-            } else if (!cache_[i].tokens.empty() && cache_[i].state == s->group_) {
+            } else if (!cache_[i].tokens.empty() && cache_[i].state == s->group_ &&
+                       cache_[i].salt == s->p_.cache_salt) {
                 n = common_prefix(cache_[i].tokens, P, limit) / C * C;
             }
             // on a tie, a free slot's own cells (no copy) win
@@ -372,7 +450,8 @@ int32_t Batcher::place(const SeqPtr & s) {
         const auto & P = s->p_.prompt;
         const int32_t limit = ((int32_t) P.size() - 1) / C * C;
         for (int32_t i = 0; i < n_slots_ && limit > 0; ++i) {
-            if (!slots_[i] || slots_[i]->group_ != s->group_ || !slots_[i]->shareable_) {
+            if (!slots_[i] || slots_[i]->group_ != s->group_ || !slots_[i]->shareable_ ||
+                slots_[i]->p_.cache_salt != s->p_.cache_salt) {
                 continue;
             }
             const Seq & o = *slots_[i];
@@ -475,7 +554,7 @@ bool Batcher::follow(const SeqPtr & s) {
         return true;
     }
     SeqPtr L = s->leader_.lock();
-    if (!L || L->seq_ < 0 || !L->shareable_ || L->group_ != s->group_) {
+    if (!L || L->seq_ < 0 || !L->shareable_ || L->group_ != s->group_ || L->p_.cache_salt != s->p_.cache_salt) {
         // the leader is gone (ended, cancelled, forgotten): decode it ourselves
         s->leader_.reset();
         s->share_n_ = 0;
@@ -517,6 +596,7 @@ void Batcher::release_slot(const SeqPtr & s, bool keep_prefix) {
         if (keep > 0) {
             cache_[s->seq_].tokens.assign(s->p_.prompt.begin(), s->p_.prompt.begin() + keep);
             cache_[s->seq_].state = s->group_;
+            cache_[s->seq_].salt = s->p_.cache_salt;
             cache_[s->seq_].used = ++tick_;
         }
         slots_[s->seq_].reset();

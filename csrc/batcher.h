@@ -54,6 +54,14 @@ struct SeqParams {
     std::vector<std::vector<llama_token>> stop_sequences;
     StatePtr state;  // null: the base model.  Held until the sequence is over.
     bool cache_prompt = true;  // false: decode the whole prompt (no cached or shared prefix)
+    // Who the sequence runs for (see Batcher::admit): a tenant id (0: no
+    // tenant), its weight in the fair share of slots, and its priority.
+    uint64_t tenant = 0;
+    double weight = 1.0;
+    int32_t priority = 0;
+    // The prefix cache's scope: cells are reused only between sequences
+    // with equal salts (a tenant's cache is its own).
+    uint64_t cache_salt = 0;
 };
 
 struct SeqEvent {
@@ -78,6 +86,9 @@ public:
     int32_t n_prompt() const { return n_prompt_; }
     // Prompt tokens reused from the prefix cache (known once admitted).
     int32_t n_cached() const { return n_cached_.load(std::memory_order_relaxed); }
+    // Its place in the order sequences got slots (1: the batcher's first;
+    // 0: not admitted yet).
+    int64_t admit_order() const { return admit_order_.load(std::memory_order_relaxed); }
     bool failed() const { return failed_; }
     void rethrow() const;  // the error that ended the sequence, if any
     // Also write a byte to the batcher's notify fd whenever this sequence
@@ -126,6 +137,7 @@ private:
     std::string error_;
     int32_t n_prompt_ = 0;
     std::atomic<int32_t> n_cached_{0};
+    std::atomic<int64_t> admit_order_{0};
     bool shareable_ = true;    // (batcher thread) its prompt's cells may seed another sequence
     // (batcher thread) admitted while an earlier sequence of its state was
     // still decoding a prefix they share: it waits for those share_n_
@@ -171,6 +183,10 @@ public:
     // thread.  Idempotent.
     void close();
 
+    // Slots a tenant over its fair share leaves free for the others (see
+    // admit(); 0: first come, first served among tenants too).
+    void set_reserve_slots(int32_t n) { reserve_.store(n < 0 ? 0 : n, std::memory_order_relaxed); }
+
     // Forget every cached prefix: from the next admission on, no sequence
     // reuses cells of one that came before this call.
     void forget_cache() { forget_.store(true, std::memory_order_relaxed); }
@@ -188,6 +204,7 @@ private:
     void run();
     void step(std::vector<SeqPtr> & running);
     void admit(std::vector<SeqPtr> & gone);
+    std::deque<SeqPtr>::iterator pick_pending(int32_t n_free);
     void end(const SeqPtr & s, Finish f);
     void fail(const SeqPtr & s, ErrorKind k, const std::string & msg);
     void release_slot(const SeqPtr & s, bool keep_prefix);
@@ -245,11 +262,14 @@ private:
     struct SlotCache {
         std::vector<llama_token> tokens;
         uint64_t state = 0;
+        uint64_t salt = 0;
         int64_t used = 0;
     };
     std::vector<SlotCache> cache_;
     int64_t tick_ = 0;
+    int64_t n_admitted_ = 0;  // (mu_) sequences given a slot so far
     std::atomic<bool> forget_{false};
+    std::atomic<int32_t> reserve_{0};
     std::thread thread_;
     std::atomic<int> notify_fd_{-1};
     std::mutex mu_;  // pending_, slots_, stop_, stats_

@@ -39,6 +39,7 @@ except ModuleNotFoundError as _e:
         "finds the installed llamax instead.", name="llamax._core") from None
 
 from llamax.llama import CancelToken, Llama  # noqa: E402,F401
+from llamax.request import Share  # noqa: E402,F401
 # llama-cpp-python's high-level names, for `import llamax as llama_cpp`
 from llamax.llama_types import *  # noqa: E402,F401,F403
 from llamax import llama_types  # noqa: E402

@@ -142,7 +142,8 @@ class _AsyncHub:
 cdef class Batcher:
     """Continuous batching on one context: concurrent sequences share decodes.
 
-    ``Batcher(context, quantum=4, prefix_chunk=0, mix_adapters=True, prefix_align=True, prompt_step=64)``
+    ``Batcher(context, quantum=4, prefix_chunk=0, mix_adapters=True, prefix_align=True, prompt_step=64,
+    reserve_slots=0)``
     takes over ``context`` (created with
     ``n_seq_max=S`` and ``kv_unified=False``: S sequences at once, each with
     ``n_ctx / S`` cells of its own) and runs it on a native thread without
@@ -177,6 +178,14 @@ cdef class Batcher:
     sequence with a shorter prompt arrives for a free slot (at most once in
     a row).  A sequence with a grammar is sampled on a sampler thread while
     the others decode.
+
+    Free slots go to waiting sequences by tenant (``submit(tenant=...)``):
+    the highest priority first, then the tenant holding the fewest slots
+    per unit of weight, then the oldest; one tenant's sequences keep their
+    order.  ``reserve_slots=R``: the last R free slots go only to a tenant
+    holding fewer slots than its share with one more tenant of its weight
+    active (``n_slots * w / (active weights + w)``), so a tenant that floods
+    the batcher leaves a slot free and a newcomer starts at once.
     """
 
     cdef CBatcher * _b
@@ -188,13 +197,14 @@ cdef class Batcher:
         self._b = NULL
 
     def __init__(self, context, *, quantum=4, prefix_chunk=0, mix_adapters=True, prefix_align=True,
-                 prompt_step=64):
+                 prompt_step=64, reserve_slots=0):
         if self._b != NULL:
             raise InvalidArgumentError("this Batcher is already running")
         cdef Context ctx = _typed(context, Context, "context")
         _check_int(quantum, "quantum", 1, 1 << 20)
         _check_int(prefix_chunk, "prefix_chunk", 0, INT32_MAX)
         _check_int(prompt_step, "prompt_step", 0, INT32_MAX)
+        _check_int(reserve_slots, "reserve_slots", 0, INT32_MAX)
         cdef CContext * c = ctx._get()
         if ctx._driven():
             raise ContextBusyError("this context already has a Batcher")
@@ -214,6 +224,7 @@ cdef class Batcher:
         cdef cbool align = prefix_align
         cdef int32_t step = prompt_step
         self._b = new CBatcher(c, q, pc, mix, align, step)
+        self._b.set_reserve_slots(reserve_slots)
         ctx._driver = weakref.ref(self)
         self.context = ctx
         _LIVE_BATCHERS.add(self)
@@ -301,7 +312,8 @@ cdef class Batcher:
         self._ptr().forget_cache()
 
     def submit(self, tokens, sampler, *, max_tokens=16, stop_sequences=(), ignore_eos=False, logprobs=None,
-               adapters=(), control_vector=None, state=None, cache_prompt=True):
+               adapters=(), control_vector=None, state=None, cache_prompt=True, tenant=0, weight=1.0,
+               priority=0, cache_salt=0):
         """Queue a sequence: ``tokens`` is its prompt; ``sampler`` is cloned
         (its seed, penalties and grammar state are copied, and it is not
         used again); ``max_tokens < 0`` runs until the sequence's context is
@@ -310,8 +322,11 @@ cdef class Batcher:
         most likely tokens; its state is ``state`` (a :class:`State`), or
         ``adapters`` ``[(LoraAdapter, scale), ...]`` and ``control_vector``.
         The sequence holds its state until it is over.  ``cache_prompt=False``:
-        decode the whole prompt, reusing no cached or shared prefix.  Returns a
-        :class:`BatchSequence`."""
+        decode the whole prompt, reusing no cached or shared prefix.
+        ``tenant`` (an id, 0: none), ``weight`` (> 0) and ``priority`` decide
+        when it gets a slot (see the class); ``cache_salt`` scopes the prefix
+        cache: cells are reused only between sequences with equal salts.
+        Returns a :class:`BatchSequence`."""
         cdef CBatcher * b = self._ptr()
         cdef Sampler smp = _typed(sampler, Sampler, "sampler")
         model = self.context.model
@@ -324,6 +339,17 @@ cdef class Batcher:
         if not isinstance(cache_prompt, bool):
             raise ArgumentTypeError("cache_prompt must be True or False")
         p.cache_prompt = cache_prompt
+        _check_int(tenant, "tenant", 0, INT64_MAX)
+        _check_int(cache_salt, "cache_salt", 0, INT64_MAX)
+        _check_int(priority, "priority", INT32_MIN, INT32_MAX)
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)):
+            raise ArgumentTypeError(f"weight must be a number, not {type(weight).__name__}")
+        if not (0 < weight < 1e9):
+            raise InvalidArgumentError(f"weight must be > 0 and < 1e9, not {weight!r}")
+        p.tenant = tenant
+        p.cache_salt = cache_salt
+        p.priority = priority
+        p.weight = weight
         p.n_logprobs = -1
         if logprobs is not None:
             _check_int(logprobs, "logprobs", 0, INT32_MAX)
@@ -408,6 +434,12 @@ cdef class BatchSequence:
     def n_cached(self):
         """Prompt tokens reused from the batcher's prefix cache (0 until admitted)."""
         return self._get().n_cached()
+
+    @property
+    def admit_order(self):
+        """Its place in the order sequences got a slot of the batcher (1:
+        the first ever; 0: still waiting)."""
+        return self._get().admit_order()
 
     def cancel(self):
         """End this sequence at the batcher's next step (finish_reason "cancelled")."""

@@ -31,7 +31,7 @@ from llamax._session import _SessionMixin
 from llamax._validate import check_bool, check_bools, check_float, check_int, is_int
 from llamax.pool import _BatchPool, _BatchSlot, _Pool, _Slot
 from llamax.request import (
-    PreparedEmbedding, PreparedRequest, RequestParams, Runtime, _Chunks, _Request, chat_logprobs, check_processors,
+    PreparedEmbedding, PreparedRequest, RequestParams, Runtime, Share, _Chunks, _Request, salt_id, chat_logprobs, check_processors,
     completion_logprobs, grammar_text, row_logprobs,
 )
 
@@ -268,7 +268,10 @@ class Llama(_SessionMixin):
     :class:`llamax.Batcher`; batched arithmetic depends on the batch, so
     there "bit for bit" holds as far as batching itself does).
     ``usage["prompt_tokens_details"]["cached_tokens"]`` says how many
-    prompt tokens were reused.
+    prompt tokens were reused.  ``reserve_slots`` (with ``n_parallel``):
+    slots a tenant over its fair share leaves free for others, so that a
+    request with ``share=`` of another tenant starts at once (see
+    :class:`llamax.Batcher` and docs/tenants.md).
     """
 
     def __init__(self, model_path: str, *, n_gpu_layers: int | None = None, use_mmap: bool = True,
@@ -279,7 +282,7 @@ class Llama(_SessionMixin):
                  chat_template: str | None = None, verbose: bool = False, n_contexts: int = 1,
                  max_loaded_adapters: int | None = None, prefix_cache: bool = True, prefix_cache_chunk: int | None = None,
                  prefix_cache_exact: bool = True,
-                 n_parallel: int = 1,
+                 n_parallel: int = 1, reserve_slots: int = 0,
                  lora_path=None, lora_scale=None, lora_base=None,
                  # llama-cpp-python's other keywords (see _compat_keywords)
                  logits_all: bool = False, last_n_tokens_size: int = 64, draft_model=None,
@@ -371,6 +374,9 @@ class Llama(_SessionMixin):
                                            f"got {prefix_cache_chunk!r}")
         self._prefix_exact = check_bool(prefix_cache_exact, "prefix_cache_exact")
         self.n_parallel = n_parallel
+        reserve_slots = check_int(reserve_slots, "reserve_slots", 0, n_parallel - 1 if n_parallel > 1 else 0,
+                                  error=InvalidArgumentError,
+                                  msg=f"reserve_slots must be an int in [0, n_parallel - 1], got {reserve_slots!r}")
         slots = []
         try:
             if not vocab_only:
@@ -384,7 +390,8 @@ class Llama(_SessionMixin):
                     try:
                         # (the batcher's prefix cache: whole chunks of prompts, per state)
                         pc = (self._prefix_chunk if prefix_cache_exact else 1) if prefix_cache else 0
-                        slots.append(_BatchSlot(ctx, Batcher(ctx, prefix_chunk=pc, prefix_align=prefix_cache_exact)))
+                        slots.append(_BatchSlot(ctx, Batcher(ctx, prefix_chunk=pc, prefix_align=prefix_cache_exact,
+                                                                reserve_slots=reserve_slots)))
                     except BaseException:
                         ctx.close()
                         raise
@@ -797,7 +804,8 @@ class Llama(_SessionMixin):
                           cancel: CancelToken | None = None, cache_prompt: bool = True,
                           tfs_z: float = 1.0, mirostat_mode: int = 0, mirostat_tau: float = 5.0,
                           mirostat_eta: float = 0.1, logits_processor=None,
-                          stopping_criteria=None) -> PreparedRequest:
+                          stopping_criteria=None, share: Share | None = None,
+                          cache_salt: str | None = None) -> PreparedRequest:
         """An OpenAI-style text completion, checked and ready to run (see
         :class:`~llamax.request.PreparedRequest`); :meth:`create_completion`
         runs it at once (``stream=True`` gives chunks).
@@ -813,6 +821,10 @@ class Llama(_SessionMixin):
         ``mirostat_mode`` 1 or 2 samples with llama.cpp's mirostat (v1/v2,
         ``mirostat_tau``, ``mirostat_eta``) instead of top-k/p, as
         llama-cpp-python does (at a temperature above 0).
+        ``share``: a :class:`~llamax.request.Share` (tenant, weight,
+        priority) that orders this request among waiting ones for a batcher
+        slot; ``cache_salt``: the prefix cache reuses only KV computed for
+        requests with the same salt (None: the shared cache).
         """
         self._check_open()
         check_bools(stream=stream, echo=echo, cache_prompt=cache_prompt)
@@ -829,7 +841,7 @@ class Llama(_SessionMixin):
             active_loras=active_loras, control_vector=control_vector, control_vectors=control_vectors,
             cancel=cancel, cache_prompt=cache_prompt, logits_processor=logits_processor,
             stopping_criteria=stopping_criteria, mirostat_mode=mirostat_mode, mirostat_tau=mirostat_tau,
-            mirostat_eta=mirostat_eta, grammar_triggers=None))
+            mirostat_eta=mirostat_eta, grammar_triggers=None, share=share, cache_salt=cache_salt))
         cid = f"cmpl-{uuid.uuid4()}"
         created = int(time.time())
         name = model or self.model_path
@@ -895,7 +907,8 @@ class Llama(_SessionMixin):
                                mirostat_tau: float = 5.0, mirostat_eta: float = 0.1, logits_processor=None,
                                stopping_criteria=None, parallel_tool_calls: bool | None = None,
                                chat_template_kwargs: dict | None = None,
-                               reasoning_effort: str | None = None) -> PreparedRequest:
+                               reasoning_effort: str | None = None, share: Share | None = None,
+                               cache_salt: str | None = None) -> PreparedRequest:
         """An OpenAI-style chat completion through the model's chat template,
         checked and ready to run (see :class:`~llamax.request.PreparedRequest`);
         :meth:`create_chat_completion` runs it at once.
@@ -912,6 +925,7 @@ class Llama(_SessionMixin):
         optionally with a ``"schema"``) or ``{"type": "json_schema",
         "json_schema": {"schema": {...}}}``: the reply is constrained by a
         grammar made from the schema (not with ``grammar=`` too).
+        ``share`` / ``cache_salt``: as in :meth:`prepare_completion`.
         """
         if self.chat_handler is not None:
             raise InvalidArgumentError("a chat_handler runs chat completions itself: call create_chat_completion")
@@ -955,7 +969,7 @@ class Llama(_SessionMixin):
             active_loras=active_loras, control_vector=control_vector, control_vectors=control_vectors,
             cancel=cancel, cache_prompt=cache_prompt, logits_processor=logits_processor,
             stopping_criteria=stopping_criteria, mirostat_mode=mirostat_mode, mirostat_tau=mirostat_tau,
-            mirostat_eta=mirostat_eta, grammar_triggers=triggers))
+            mirostat_eta=mirostat_eta, grammar_triggers=triggers, share=share, cache_salt=cache_salt))
         cid = f"chatcmpl-{uuid.uuid4()}"
         created = int(time.time())
         name = model or self.model_path
@@ -1034,7 +1048,7 @@ class Llama(_SessionMixin):
         refused rather than dropped."""
         self._check_open()
         ours = {"active_loras": None, "control_vector": None, "control_vectors": None, "assistant_prefill": False,
-                "cancel": None, "cache_prompt": True, "stopping_criteria": None}
+                "cancel": None, "cache_prompt": True, "stopping_criteria": None, "share": None, "cache_salt": None}
         own = [k for k, d in ours.items() if k in kwargs
                and not (kwargs[k] is d or (type(kwargs[k]) is type(d) and kwargs[k] == d))]
         if own:
@@ -1307,6 +1321,10 @@ class Llama(_SessionMixin):
                           logit_bias=p.logit_bias,
                           mirostat=0 if p.mirostat_mode is None else p.mirostat_mode, mirostat_tau=p.mirostat_tau,
                           mirostat_eta=p.mirostat_eta)
+        share = p.share
+        if share is not None and not isinstance(share, Share):
+            raise ArgumentTypeError(f"share must be a llamax.Share, not {type(share).__name__}")
+        salt_id(p.cache_salt)  # (checks its type)
         # Resolved last: it pins adapters, which the request must release.
         state, names = self._state(p.active_loras, p.control_vector, p.control_vectors)
         rt = Runtime(model=self._model, pool=self._pool, release=self._adapters.release,
@@ -1315,7 +1333,7 @@ class Llama(_SessionMixin):
                      prefix_chunk=self._prefix_chunk, prefix_cache=self._prefix_cache,
                      prefix_exact=self._prefix_exact, draft=self._native_draft())
         return _Request(rt, tokens, sampler, max_tokens, stops, logprobs, state, names, cancel, p.cache_prompt,
-                        p.logits_processor, p.stopping_criteria)
+                        p.logits_processor, p.stopping_criteria, share, p.cache_salt)
 
     def _native_draft(self):
         """``Context.generate(draft=...)`` for the draft model, if the native

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import codecs
 import dataclasses
+import hashlib
 import queue
 import threading
 from typing import Any, Iterator
@@ -280,6 +281,50 @@ class RequestParams:
     mirostat_tau: Any
     mirostat_eta: Any
     grammar_triggers: Any  # literal texts that switch a lazy grammar on (tool calls)
+    share: Share | None    # who the request runs for (the batcher's fair share of slots)
+    cache_salt: str | None  # the prefix cache's scope (None: shared)
+
+
+@dataclasses.dataclass(frozen=True)
+class Share:
+    """Who a request runs for, as the batcher orders waiting requests:
+    free slots go to the highest ``priority`` first, then to the tenant
+    holding the fewest slots per unit of ``weight`` (see
+    :class:`llamax.Batcher`).  ``Llama.prepare_*(share=Share("acme", 2.0))``."""
+
+    tenant: str
+    weight: float = 1.0
+    priority: int = 0
+
+    def __post_init__(self):
+        if not isinstance(self.tenant, str) or not self.tenant:
+            raise ArgumentTypeError("Share.tenant must be a non-empty str")
+        if isinstance(self.weight, bool) or not isinstance(self.weight, (int, float)) or \
+                not (0 < self.weight < 1e9):
+            raise InvalidArgumentError(f"Share.weight must be a number > 0 (and < 1e9), not {self.weight!r}")
+        if isinstance(self.priority, bool) or not isinstance(self.priority, int) or \
+                not (-2**31 <= self.priority < 2**31):
+            raise InvalidArgumentError(f"Share.priority must be an int32, not {self.priority!r}")
+
+    @property
+    def tenant_id(self) -> int:
+        """The tenant as the batcher knows it (63 bits of its name's hash; never 0)."""
+        return id63("tenant:" + self.tenant) or 1
+
+
+def id63(text: str) -> int:
+    """A stable 63-bit id of a text (BLAKE2b)."""
+    return int.from_bytes(hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=8).digest(),
+                          "little") >> 1
+
+
+def salt_id(cache_salt: str | None) -> int:
+    """The batcher's cache_salt for a request's (0: the shared cache)."""
+    if cache_salt is None:
+        return 0
+    if not isinstance(cache_salt, str):
+        raise ArgumentTypeError(f"cache_salt must be a str or None, not {type(cache_salt).__name__}")
+    return id63("salt:" + cache_salt) or 1
 
 
 def grammar_text(grammar) -> str | None:
@@ -409,7 +454,7 @@ class _Request:
 
     def __init__(self, rt: Runtime, tokens, sampler, max_tokens, stops, logprobs, state, names,
                  token: CancelToken | None = None, cache_prompt: bool = True, logits_processor=None,
-                 stopping_criteria=None):
+                 stopping_criteria=None, share: Share | None = None, cache_salt: str | None = None):
         self.rt = rt
         self.user_token = token
         self.own_token = CancelToken()  # the stream's consumer going away aborts a long prompt decode
@@ -420,7 +465,11 @@ class _Request:
         self.logprobs = logprobs
         self.state = state  # a llamax.State: holds its adapters while the request lives
         self.names = names
-        self.key = state.id
+        self.share = share
+        self.salt = salt_id(cache_salt)
+        # what cached KV must have been computed under to be reused: this
+        # state, and this request's cache scope
+        self.key = state.id if not self.salt else (state.id, self.salt)
         self.cache_prompt = cache_prompt  # False: reuse no cached prefix
         # Python per token, only when asked for (the per-token loop in _python_loop)
         self.logits_processor = logits_processor
@@ -517,7 +566,9 @@ class _Request:
         self._slot = rt.pool.acquire()
         self._seq = seq = self._slot.batcher.submit(
             self.tokens, self.sampler, max_tokens=self.max_tokens, logprobs=self.logprobs, state=self.state,
-            cache_prompt=self.cache_prompt)
+            cache_prompt=self.cache_prompt, cache_salt=self.salt,
+            **({} if self.share is None else dict(tenant=self.share.tenant_id, weight=float(self.share.weight),
+                                                  priority=self.share.priority)))
         if self.stopped:  # stop() came while it was submitted
             seq.cancel()
         attached = []
@@ -708,7 +759,7 @@ class _Request:
             for t in tokens:
                 t._attach(ctx)
                 attached.append(t)
-            if rt.cache_before is not None and self.cache_prompt:
+            if rt.cache_before is not None and self.cache_prompt and not self.salt:
                 rt.cache_before(slot, self)   # a saved state that shares more of the prompt
             ctx.set_state(self.state)           # a pointer compare when already applied
             # Reuse KV only if it was computed under this very state, and
@@ -790,7 +841,7 @@ class _Request:
                 # tokens past the stop string are not part of the answer
                 res.tokens = res.tokens[: text.n_tokens_used]
                 res.logprobs = res.logprobs[: text.n_tokens_used]
-            if rt.cache_after is not None and self.cache_prompt:
+            if rt.cache_after is not None and self.cache_prompt and not self.salt:
                 rt.cache_after(slot)
             self._check_stopped()
             return res

@@ -202,6 +202,10 @@ cdef extern from "batcher.h" namespace "llamax" nogil:
         vector[vector[llama_token]] stop_sequences
         CStatePtr state
         cbool cache_prompt
+        uint64_t tenant
+        double weight
+        int32_t priority
+        uint64_t cache_salt
 
     cdef cppclass CSeqEvent "llamax::SeqEvent":
         llama_token token
@@ -214,6 +218,7 @@ cdef extern from "batcher.h" namespace "llamax" nogil:
         CFinish finish()
         int32_t n_prompt()
         int32_t n_cached()
+        int64_t admit_order()
         cbool failed()
         void rethrow() except +translate_exception
         void set_notify(cbool on)
@@ -238,6 +243,7 @@ cdef extern from "batcher.h" namespace "llamax" nogil:
         CBatcher(CContext * ctx, int32_t quantum, int32_t prefix_chunk, cbool mix_adapters,
                  cbool prefix_align, int32_t prompt_step) except +translate_exception
         void forget_cache()
+        void set_reserve_slots(int32_t n)
         CSeqPtr submit(llama_sampler * chain, llama_sampler * grammar, cbool plain_greedy,
                        CSeqParams params) except +translate_exception
         void close()
