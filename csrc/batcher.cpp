@@ -345,11 +345,12 @@ void Batcher::admit(std::vector<SeqPtr> & gone) {
 // tenant holding fewer slots than its share would be with one more tenant
 // of its weight active (n_slots * w / (sum of active weights + w)), so a
 // tenant that floods the server leaves a slot free and a newcomer starts at
-// once.  end(): none may take one.
+// once.  A sequence with max_slots waits while its tenant holds that many.
+// end(): none may take one.
 std::deque<SeqPtr>::iterator Batcher::pick_pending(int32_t n_free) {
     const int32_t reserve = reserve_.load(std::memory_order_relaxed);
     const uint64_t t0 = pending_.front()->p_.tenant;
-    bool one_tenant = reserve == 0;
+    bool one_tenant = reserve == 0 && pending_.front()->p_.max_slots == 0;
     for (auto it = pending_.begin(); one_tenant && it != pending_.end(); ++it) {
         one_tenant = (*it)->p_.tenant == t0;
     }
@@ -392,6 +393,9 @@ std::deque<SeqPtr>::iterator Batcher::pick_pending(int32_t n_free) {
         const Held & h = find(s);
         if (n_free <= reserve && h.n >= n_slots_ * h.w / (sum_w + h.w)) {
             continue;
+        }
+        if (s.p_.max_slots > 0 && h.n >= s.p_.max_slots) {
+            continue;  // its tenant runs as many sequences as it may
         }
         const double load = h.n / h.w;
         if (best == pending_.end() || s.p_.priority > (*best)->p_.priority ||

@@ -59,6 +59,7 @@ struct SeqParams {
     uint64_t tenant = 0;
     double weight = 1.0;
     int32_t priority = 0;
+    int32_t max_slots = 0;  // > 0: at most this many of its tenant's sequences hold slots at once
     // The prefix cache's scope: cells are reused only between sequences
     // with equal salts (a tenant's cache is its own).
     uint64_t cache_salt = 0;

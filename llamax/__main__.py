@@ -128,6 +128,20 @@ def _convert_lora(args) -> int:
     return 0
 
 
+def _tenant_key(args) -> int:
+    from llamax.server.tenants import hash_key, new_key
+    if args.hash is None:
+        key = new_key()
+        print(f"key:  {key}\nhash: {hash_key(key)}\n(give the key to the tenant; put the hash in its 'keys')")
+        return 0
+    key = sys.stdin.readline().rstrip("\r\n") if args.hash == "-" else args.hash
+    if not key:
+        print("python -m llamax tenant-key --hash: the key is empty", file=sys.stderr)
+        return 2
+    print(hash_key(key))
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m llamax", description="llamax command line")
     sub = p.add_subparsers(dest="cmd", metavar="command")
@@ -149,6 +163,9 @@ def main(argv=None) -> int:
                        description="Serve MODEL.gguf over HTTP: OpenAI's chat, completion, embedding and model "
                                    "routes, llama-server's and vLLM's adapter routes, Prometheus metrics.")
     server_cli.add_arguments(s)
+    k = sub.add_parser("tenant-key", help="a new API key and the hash the tenants file stores (--hash KEY: "
+                       "the hash of a key you have)")
+    k.add_argument("--hash", metavar="KEY", help="print this key's hash ('-': read the key from stdin)")
     c = sub.add_parser("convert-lora", help="a PEFT LoRA adapter directory to llama.cpp's LoRA GGUF",
                        description="Convert a PEFT LoRA (adapter_config.json + adapter_model.safetensors or .bin) "
                                    "for a GGUF base model; the result loads with Llama.load_lora or --lora.")
@@ -157,6 +174,8 @@ def main(argv=None) -> int:
     c.add_argument("-o", "--output", required=True, help="the LoRA GGUF to write")
     c.add_argument("--dtype", choices=("f32", "f16"), default="f32", help="tensor type (default f32)")
     args = p.parse_args(argv)
+    if args.cmd == "tenant-key":
+        return _tenant_key(args)
     if args.cmd == "convert-lora":
         return _convert_lora(args)
     if args.cmd == "serve":

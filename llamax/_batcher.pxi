@@ -313,7 +313,7 @@ cdef class Batcher:
 
     def submit(self, tokens, sampler, *, max_tokens=16, stop_sequences=(), ignore_eos=False, logprobs=None,
                adapters=(), control_vector=None, state=None, cache_prompt=True, tenant=0, weight=1.0,
-               priority=0, cache_salt=0):
+               priority=0, max_slots=0, cache_salt=0):
         """Queue a sequence: ``tokens`` is its prompt; ``sampler`` is cloned
         (its seed, penalties and grammar state are copied, and it is not
         used again); ``max_tokens < 0`` runs until the sequence's context is
@@ -324,7 +324,8 @@ cdef class Batcher:
         The sequence holds its state until it is over.  ``cache_prompt=False``:
         decode the whole prompt, reusing no cached or shared prefix.
         ``tenant`` (an id, 0: none), ``weight`` (> 0) and ``priority`` decide
-        when it gets a slot (see the class); ``cache_salt`` scopes the prefix
+        when it gets a slot (see the class), ``max_slots > 0`` keeps it
+        waiting while its tenant holds that many slots; ``cache_salt`` scopes the prefix
         cache: cells are reused only between sequences with equal salts.
         Returns a :class:`BatchSequence`."""
         cdef CBatcher * b = self._ptr()
@@ -342,6 +343,8 @@ cdef class Batcher:
         _check_int(tenant, "tenant", 0, INT64_MAX)
         _check_int(cache_salt, "cache_salt", 0, INT64_MAX)
         _check_int(priority, "priority", INT32_MIN, INT32_MAX)
+        _check_int(max_slots, "max_slots", 0, INT32_MAX)
+        p.max_slots = max_slots
         if isinstance(weight, bool) or not isinstance(weight, (int, float)):
             raise ArgumentTypeError(f"weight must be a number, not {type(weight).__name__}")
         if not (0 < weight < 1e9):

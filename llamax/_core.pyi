@@ -490,6 +490,7 @@ class Batcher:
         tenant: int = 0,
         weight: float = 1.0,
         priority: int = 0,
+        max_slots: int = 0,
         cache_salt: int = 0,
     ) -> BatchSequence: ...
 

@@ -290,11 +290,13 @@ class Share:
     """Who a request runs for, as the batcher orders waiting requests:
     free slots go to the highest ``priority`` first, then to the tenant
     holding the fewest slots per unit of ``weight`` (see
-    :class:`llamax.Batcher`).  ``Llama.prepare_*(share=Share("acme", 2.0))``."""
+    :class:`llamax.Batcher`); ``max_slots``: at most that many of the
+    tenant's requests hold slots at once, the others wait.  ``Llama.prepare_*(share=Share("acme", 2.0))``."""
 
     tenant: str
     weight: float = 1.0
     priority: int = 0
+    max_slots: int | None = None   # at most this many of the tenant's requests run at once (per batcher)
 
     def __post_init__(self):
         if not isinstance(self.tenant, str) or not self.tenant:
@@ -305,6 +307,9 @@ class Share:
         if isinstance(self.priority, bool) or not isinstance(self.priority, int) or \
                 not (-2**31 <= self.priority < 2**31):
             raise InvalidArgumentError(f"Share.priority must be an int32, not {self.priority!r}")
+        if self.max_slots is not None and (isinstance(self.max_slots, bool) or not isinstance(self.max_slots, int)
+                                           or not 1 <= self.max_slots < 2**31):
+            raise InvalidArgumentError(f"Share.max_slots must be None or an int >= 1, not {self.max_slots!r}")
 
     @property
     def tenant_id(self) -> int:
@@ -568,7 +573,8 @@ class _Request:
             self.tokens, self.sampler, max_tokens=self.max_tokens, logprobs=self.logprobs, state=self.state,
             cache_prompt=self.cache_prompt, cache_salt=self.salt,
             **({} if self.share is None else dict(tenant=self.share.tenant_id, weight=float(self.share.weight),
-                                                  priority=self.share.priority)))
+                                                  priority=self.share.priority,
+                                                  max_slots=self.share.max_slots or 0)))
         if self.stopped:  # stop() came while it was submitted
             seq.cancel()
         attached = []

@@ -205,6 +205,7 @@ cdef extern from "batcher.h" namespace "llamax" nogil:
         uint64_t tenant
         double weight
         int32_t priority
+        int32_t max_slots
         uint64_t cache_salt
 
     cdef cppclass CSeqEvent "llamax::SeqEvent":

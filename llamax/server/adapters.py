@@ -10,6 +10,7 @@ from llamax.server import protocol
 from llamax.server.config import ServerConfig
 from llamax.server.errors import APIError
 from llamax.server.files import OpenedFile, open_inside
+from llamax.server.tenants import ANONYMOUS, Tenant
 
 __all__ = ["AdapterTable", "read_default_set", "check_load_names", "open_runtime_file", "check_runtime_load",
            "runtime_allowed", "without_paths", "model_cards"]
@@ -40,16 +41,20 @@ class AdapterTable:
         """Take a Ray registry's snapshot (ids, paths, default set)."""
         self.ids, self.paths, self.default_set = snap["ids"], snap["paths"], snap["default_set"]
 
-    def resolve(self, body: protocol.AdapterFields, alias: str, control_vectors: set[str]) -> tuple[list[dict] | None, list[dict] | None]:
-        """(active_loras, control_vectors) for a request: by ``model``, by
-        ``active_loras`` or llama-server's ``lora``, else the default set."""
+    def resolve(self, body: protocol.AdapterFields, alias: str, control_vectors: set[str],
+                tenant: Tenant = ANONYMOUS) -> tuple[list[dict] | None, list[dict] | None]:
+        """(active_loras, control_vectors) for a request of ``tenant``: by
+        ``model``, by ``active_loras`` or llama-server's ``lora``, else the
+        tenant's default set (or the server's).  An adapter the tenant may
+        not use is answered as one that does not exist."""
+        ids = {n: i for n, i in self.ids.items() if tenant.may_use_adapter(n)}
         target = None
         m = body.model
         if m is not None and m != alias:
             name = m[len(alias) + 1:] if m.startswith(alias + ":") else m
-            if name not in self.ids:
+            if name not in ids:
                 raise APIError(404, f"the model {m!r} does not exist: this server serves {alias!r} and "
-                               f"the adapters {sorted(self.ids)} (GET /v1/models lists them)",
+                               f"the adapters {sorted(ids)} (GET /v1/models lists them)",
                                param="model", code="model_not_found")
             target = name
         if body.active_loras is not None and body.lora is not None:
@@ -58,12 +63,12 @@ class AdapterTable:
         if body.active_loras is not None:
             explicit = []
             for i, a in enumerate(body.active_loras):
-                if a.name not in self.ids:
+                if a.name not in ids:
                     raise APIError(404, f"active_loras[{i}]: no adapter named {a.name!r} (known: "
-                                   f"{sorted(self.ids)})", param="active_loras", code="adapter_not_found")
+                                   f"{sorted(ids)})", param="active_loras", code="adapter_not_found")
                 explicit.append({"name": a.name, "scale": a.scale})
         elif body.lora is not None:
-            by_id = {v: k for k, v in self.ids.items()}
+            by_id = {v: k for k, v in ids.items()}
             explicit = []
             for i, a in enumerate(body.lora):
                 if a.id not in by_id:
@@ -84,11 +89,17 @@ class AdapterTable:
                 loras = explicit
         elif explicit is not None:
             loras = explicit
+        elif tenant.default_adapters is not None:
+            loras = [{"name": n, "scale": sc} for n, sc in tenant.default_adapters if n in ids]
         else:
-            loras = list(self.default_set)
+            loras = [s for s in self.default_set if s["name"] in ids]
+        limit = tenant.limits.max_adapters
+        if limit is not None and len({s["name"] for s in loras if s["scale"] != 0.0}) > limit:
+            raise APIError(400, f"the request names {len(loras)} adapters; this key may use at most {limit} "
+                           "at once", param="active_loras", code="too_many_adapters")
         cvecs = None
         if body.control_vectors is not None:
-            known = control_vectors
+            known = {n for n in control_vectors if tenant.may_use_control_vector(n)}
             cvecs = []
             for i, c in enumerate(body.control_vectors):
                 if c.name not in known:

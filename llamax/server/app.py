@@ -13,19 +13,25 @@ from fastapi import FastAPI
 import llamax
 from llamax.server.http import BodyLimit, JSONAnswer, install_error_handlers
 from llamax.server.routes import router
+from llamax.server.tenancy import Tenancy, TenantGate, UsageLog
 
 __all__ = ["build_app"]
 
 
 def build_app(backend) -> FastAPI:
-    """The server's app over ``backend`` (its ``cfg`` gives the keys and
-    the body limit; its ``lifespan``, if it has one, runs with the app)."""
+    """The server's app over ``backend`` (its ``cfg`` gives the keys, the
+    tenants file and the body limit; its ``lifespan``, if it has one, runs
+    with the app)."""
     cfg = backend.cfg
     app = FastAPI(title=backend.title, version=llamax.__version__, lifespan=getattr(backend, "lifespan", None),
                   docs_url=None, redoc_url=None, openapi_url=None, default_response_class=JSONAnswer)
+    usage = UsageLog(cfg.usage_log) if cfg.usage_log else None
+    tenancy = Tenancy(cfg.tenants, usage)
     app.add_middleware(BodyLimit, limit=cfg.max_body_bytes)
+    app.add_middleware(TenantGate, tenancy=tenancy)
     app.state.backend = backend
     app.state.config = cfg
+    app.state.tenancy = backend.tenancy = tenancy
     install_error_handlers(app)
     app.include_router(router)
     return app

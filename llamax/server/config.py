@@ -48,6 +48,11 @@ class ServerConfig:
     # llama.cpp's model and context keywords, passed to llamax.Llama as they are
     # (type_k/type_v, flash_attn, rope_*, yarn_*, kv_overrides), checked there
     llama_options: dict = dataclasses.field(default_factory=dict)
+    # tenants (docs/tenants.md): the file, the usage log, and the slots a
+    # tenant over its share leaves free (None: 1 with a tenants file, else 0)
+    tenants: str | None = None
+    usage_log: str | None = None
+    reserve_slots: int | None = None
 
     def __post_init__(self):
         if self.alias is None:
@@ -70,6 +75,16 @@ class ServerConfig:
             raise ValueError(f"--lora names appear twice: {sorted(dup)}")
         if self.alias in names:
             raise ValueError(f"an adapter may not be named like the model alias {self.alias!r}")
+        if self.tenants is not None and self.api_keys:
+            raise ValueError("--api-key with --tenants: give every key a tenant in the tenants file "
+                             "(admin keys stay --admin-api-key)")
+        if self.reserve_slots is None:
+            self.reserve_slots = 1 if self.tenants is not None and self.parallel > 1 else 0
+        if not 0 <= self.reserve_slots < max(1, self.parallel):
+            raise ValueError(f"--reserve-slots must be in [0, --parallel - 1], not {self.reserve_slots}")
+        if self.tenants is not None:
+            from llamax.server.tenants import load_tenants
+            load_tenants(self.tenants)  # a bad file stops the server before it starts
 
 
 @dataclasses.dataclass
@@ -200,6 +215,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat-format", help="a built-in chat format instead of the GGUF's template")
     p.add_argument("--chat-template", help="a Jinja2 chat template file instead of the GGUF's")
     p.add_argument("--verbose", action="store_true", help="llama.cpp's log and an access log")
+    t = p.add_argument_group("tenants (docs/tenants.md)")
+    t.add_argument("--tenants", metavar="FILE",
+                   help="a tenants file (TOML or JSON): keys, allowed adapters, weights, limits, cache scope; "
+                        "reloaded on SIGHUP and POST /admin/tenants/reload")
+    t.add_argument("--usage-log", metavar="FILE",
+                   help="append a JSON line per answered model request (tenant, key id, adapters, tokens, "
+                        "latency, status); rotated at 64 MiB, 5 kept; summed by GET /admin/usage")
+    t.add_argument("--reserve-slots", type=int, default=None,
+                   help="batch slots a tenant over its fair share leaves free, so another tenant's request "
+                        "starts at once (default: 1 with --tenants, else 0)")
     m = p.add_argument_group("llama.cpp (llama-server's flags)")
     m.add_argument("--cache-type-k", "-ctk", help="KV cache type for K: f16 (default), bf16, f32, q8_0, q5_1, "
                    "q5_0, q4_1, q4_0, iq4_nl")
@@ -260,7 +285,8 @@ def server_config(args):
                         max_queue=args.max_queue, metrics=args.metrics, max_body_bytes=args.max_body_bytes,
                         request_timeout=args.request_timeout, shutdown_timeout=args.shutdown_timeout,
                         chat_format=args.chat_format, chat_template=template, verbose=args.verbose,
-                        lora_scales=scales, llama_options=llama_options(args))
+                        lora_scales=scales, llama_options=llama_options(args), tenants=args.tenants,
+                        usage_log=args.usage_log, reserve_slots=args.reserve_slots)
 
 
 def ray_options(args):

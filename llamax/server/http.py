@@ -127,14 +127,27 @@ def _keys(request: Request) -> tuple[list[bytes], list[bytes]]:
 
 
 def need_key(request: Request) -> None:
-    """Dependency of the user routes: any key of the server, if it has keys."""
-    keys, _ = _keys(request)
-    if not keys:
+    """Dependency of the user routes: any key of the server, if it has keys
+    (with a tenants file: a tenant's key, or an admin key).  Sets
+    ``request.state.tenant`` (a :class:`llamax.server.tenancy.Caller`)."""
+    forwarded = getattr(request.state, "forwarded_caller", None)
+    if forwarded is not None:  # a Ray replica: the ingress checked the key (never from a header)
+        request.state.tenant = forwarded
         return
+    keys, admin_keys = _keys(request)
+    tenancy = request.app.state.tenancy
     given = presented_key(request)
-    if given is None or not matches(given, keys):
+    admin = given is not None and bool(admin_keys) and matches(given, admin_keys)
+    if tenancy.enabled:
+        caller = tenancy.caller(given, admin)
+    elif keys and (given is None or not matches(given, keys)):
+        caller = None
+    else:
+        caller = tenancy.caller(given, admin)
+    if caller is None:
         raise APIError(401, "a valid API key is needed: 'Authorization: Bearer KEY' or 'X-Api-Key: KEY'",
                        code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+    request.state.tenant = caller
 
 
 def need_admin(request: Request) -> None:
@@ -144,7 +157,10 @@ def need_admin(request: Request) -> None:
     if not admin_keys:
         raise APIError(403, "management routes need an admin key, and this server has none "
                        "(start it with --admin-api-key)", code="admin_disabled")
-    if given is None or not matches(given, keys):
+    tenancy = request.app.state.tenancy
+    known = given is not None and (matches(given, keys) or
+                                   (tenancy.enabled and tenancy.caller(given, False) is not None))
+    if not known:
         raise APIError(401, "a valid API key is needed: 'Authorization: Bearer KEY' or 'X-Api-Key: KEY'",
                        code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
     if not matches(given, admin_keys):

@@ -7,7 +7,9 @@ llamax's own under ``llamax:``.
 from __future__ import annotations
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+from llamax.server.tenancy import TTFT_BUCKETS
 
 
 class _Collector:
@@ -67,6 +69,38 @@ class _Collector:
         for (endpoint, code), v in sorted(requests.items()):
             m.add_metric([endpoint, str(code)], v)
         yield m
+        tenancy = getattr(e, "tenancy", None)
+        if tenancy is not None and tenancy.enabled:
+            yield from _tenant_metrics(tenancy.snapshot())
+
+
+def _tenant_metrics(snap: dict):
+    """Per-tenant series (servers with a tenants file), labelled by tenant name."""
+    req = CounterMetricFamily("llamax:tenant_requests", "Requests answered, by tenant and status code.",
+                              labels=["tenant", "code"])
+    fams = {k: CounterMetricFamily(f"llamax:tenant_{k}", doc, labels=["tenant"]) for k, doc in (
+        ("prompt_tokens", "Prompt tokens of finished requests, by tenant."),
+        ("completion_tokens", "Generated tokens of finished requests, by tenant."),
+        ("cached_tokens", "Prompt tokens reused from the tenant's prefix cache."))}
+    active = GaugeMetricFamily("llamax:tenant_active_sequences", "Sequences admitted (running or waiting for a "
+                               "slot), by tenant.", labels=["tenant"])
+    ttft = HistogramMetricFamily("llamax:tenant_ttft_seconds", "Time to the first streamed token, from the "
+                                 "request's arrival (streamed requests), by tenant.", labels=["tenant"])
+    for name, u in sorted(snap.items()):
+        for code, v in sorted(u["by_status"].items()):
+            req.add_metric([name, str(code)], v)
+        for k, fam in fams.items():
+            fam.add_metric([name], u[k])
+        active.add_metric([name], u["in_flight"])
+        cum, buckets = 0, []
+        for b, n in zip(list(TTFT_BUCKETS) + [float("inf")], u["ttft"]):
+            cum += n
+            buckets.append(("+Inf" if b == float("inf") else str(b), cum))
+        ttft.add_metric([name], buckets, u["ttft_sum"])
+    yield req
+    yield from fams.values()
+    yield active
+    yield ttft
 
 
 def render(backend) -> tuple[bytes, str]:

@@ -53,6 +53,9 @@ class AdapterFields(StrictModel):
     lora: Optional[list[LoraById]] = Field(default=None, max_length=MAX_LIST_ADAPTERS)
     control_vectors: Optional[list[ControlVectorByName]] = Field(default=None, max_length=MAX_LIST_ADAPTERS)
     user: Optional[str] = None  # accepted, no effect
+    # the prefix cache's scope (vLLM's field): KV is reused only between
+    # requests with the same salt (and, with tenants, of the same tenant)
+    cache_salt: Optional[str] = Field(default=None, min_length=1, max_length=256)
 
 
 class SamplingFields(AdapterFields):

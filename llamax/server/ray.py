@@ -69,7 +69,8 @@ def build(cfg: ServerConfig, opts: RayOptions):
         raise ValueError(f"--lora-scaled puts {len(cfg.lora_scales)} adapters in the default set but "
                          f"--max-loaded-adapters is {opts.max_adapters}")
     inner = dict(public, api_keys=[], admin_api_keys=[], allow_runtime_lora=False, lora_dir=None, loras=[],
-                 lora_scales={}, max_loaded_adapters=None, metrics=False, max_body_bytes=1 << 62, threads=threads)
+                 lora_scales={}, max_loaded_adapters=None, metrics=False, max_body_bytes=1 << 62, threads=threads,
+                 tenants=None, usage_log=None)  # (tenants: the ingress' file; each request's tenant is passed on)
     registry = AdapterDirectory.bind(list(cfg.loras), [{"name": n, "scale": s} for n, s in cfg.lora_scales.items()
                                                       if s != 0.0])
     ongoing = opts.max_ongoing_requests or cfg.n_contexts * cfg.parallel + cfg.max_queue

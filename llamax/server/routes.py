@@ -6,10 +6,13 @@ Ray ingress).  Bodies are parsed and checked here (protocol.py), keys by
 the dependencies (http.py)."""
 from __future__ import annotations
 
+import asyncio
+import datetime
+
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
-from llamax.server import protocol
+from llamax.server import protocol, translate
 from llamax.server.errors import APIError
 from llamax.server.adapters import without_paths
 from llamax.server.http import is_admin, need_admin, need_key
@@ -42,15 +45,22 @@ async def health(request: Request):
 
 # -- models ---------------------------------------------------------------------------
 
+def _visible(request: Request, cards: list[dict]) -> list[dict]:
+    """The model cards the caller may use: the base model and its tenant's
+    adapters (another tenant's adapter is not shown, nor named in errors)."""
+    t = request.state.tenant.tenant
+    return [c for c in cards if c.get("parent") is None or t.may_use_adapter(c["id"])]
+
+
 @router.get("/v1/models", dependencies=user)
 @router.get("/models", dependencies=user, include_in_schema=False)
 async def models(request: Request, backend=Depends(ready)):
-    return {"object": "list", "data": await backend.model_cards(is_admin(request))}
+    return {"object": "list", "data": _visible(request, await backend.model_cards(is_admin(request)))}
 
 
 @router.get("/v1/models/{model_id:path}", dependencies=user)
 async def model_card(model_id: str, request: Request, backend=Depends(ready)):
-    for c in await backend.model_cards(is_admin(request)):
+    for c in _visible(request, await backend.model_cards(is_admin(request))):
         if c["id"] == model_id:
             return c
     raise APIError(404, f"the model {model_id!r} does not exist", param="model", code="model_not_found")
@@ -61,18 +71,26 @@ async def model_card(model_id: str, request: Request, backend=Depends(ready)):
 @router.post("/v1/chat/completions", dependencies=user)
 @router.post("/chat/completions", dependencies=user, include_in_schema=False)
 async def chat(body: protocol.ChatCompletionRequest, request: Request, backend=Depends(ready)):
+    limit = request.state.tenant.tenant.limits.max_tokens
+    asked = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    if asked is None and limit is not None:
+        body.max_tokens = asked = limit
+    request.app.state.tenancy.admit(request, body.n, asked)
     return await backend.chat(body, request)
 
 
 @router.post("/v1/completions", dependencies=user)
 @router.post("/completions", dependencies=user, include_in_schema=False)
 async def completions(body: protocol.CompletionRequest, request: Request, backend=Depends(ready)):
+    request.app.state.tenancy.admit(request, body.n * len(translate.split_prompts(body)),
+                                    body.max_tokens if body.max_tokens is not None else 16)
     return await backend.completions(body, request)
 
 
 @router.post("/v1/embeddings", dependencies=user)
 @router.post("/embeddings", dependencies=user, include_in_schema=False)
 async def embeddings(body: protocol.EmbeddingRequest, request: Request, backend=Depends(ready)):
+    request.app.state.tenancy.admit(request, 1, None)
     return await backend.embeddings(body, request)
 
 
@@ -103,7 +121,10 @@ async def slots(backend=Depends(ready)):
 @router.get("/lora-adapters", dependencies=user)
 async def lora_adapters(request: Request, backend=Depends(ready)):
     listing = await backend.listing()
-    return listing if is_admin(request) else without_paths(listing)   # paths: admin keys only
+    if is_admin(request):
+        return listing
+    t = request.state.tenant.tenant
+    return without_paths([e for e in listing if t.may_use_adapter(e["name"])])   # paths: admin keys only
 
 
 @router.post("/lora-adapters", dependencies=admin)
@@ -121,6 +142,49 @@ async def load_lora(body: protocol.LoadLoraRequest, backend=Depends(ready)):
 async def unload_lora(body: protocol.UnloadLoraRequest, backend=Depends(ready)):
     await backend.unload_lora(body)
     return Response(f"Success: LoRA adapter '{body.lora_name}' removed successfully.", media_type="text/plain")
+
+
+# -- tenants --------------------------------------------------------------------------------
+
+@router.post("/admin/tenants/reload", dependencies=admin)
+async def reload_tenants(request: Request):
+    """Read the tenants file again; a bad file is a 400 and the old one stays."""
+    tenancy = request.app.state.tenancy
+    if tenancy.path is None:
+        raise APIError(404, "this server has no tenants file (start it with --tenants)", code="tenants_disabled")
+    try:
+        n = await asyncio.to_thread(tenancy.reload)
+    except ValueError as e:
+        raise APIError(400, f"the tenants file was not reloaded (the old one stays): {e}",
+                       code="invalid_tenants_file") from None
+    return {"tenants": n, "reloads": tenancy.reloads}
+
+
+@router.get("/admin/usage", dependencies=admin)
+async def usage(request: Request, tenant: str | None = None, since: str | None = None):
+    """Sums of the usage log: per tenant, optionally one tenant and from a
+    time on (``since``: Unix seconds or ISO 8601)."""
+    log = request.app.state.tenancy.usage_log
+    if log is None:
+        raise APIError(404, "this server keeps no usage log (start it with --usage-log FILE)",
+                       code="usage_log_disabled")
+    return await asyncio.to_thread(log.summary, tenant, _since(since))
+
+
+def _since(text: str | None) -> float | None:
+    if text is None:
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    try:
+        d = datetime.datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        raise APIError(400, f"since={text!r}: give Unix seconds or an ISO 8601 time", param="since") from None
+    if d.tzinfo is None:
+        d = d.replace(tzinfo=datetime.timezone.utc)
+    return d.timestamp()
 
 
 # -- metrics --------------------------------------------------------------------------------

@@ -33,6 +33,16 @@ async def _announce(server: uvicorn.Server, backend, cfg: ServerConfig) -> None:
     print(f"llamax: {what} at http://{cfg.host}:{port}/v1 ({how})", flush=True)
 
 
+def _reload(tenancy) -> None:
+    """SIGHUP: read the tenants file again (a bad one is logged, the old one kept)."""
+    try:
+        n = tenancy.reload()
+    except ValueError as e:
+        print(f"llamax: the tenants file was not reloaded (the old one stays): {e}", file=sys.stderr, flush=True)
+    else:
+        print(f"llamax: tenants reloaded ({n})", flush=True)
+
+
 def serve(cfg: ServerConfig) -> int:
     """``python -m llamax serve``: one model (LocalBackend) on uvicorn until SIGINT/SIGTERM."""
     return serve_backend(LocalBackend(cfg))
@@ -50,6 +60,9 @@ def serve_backend(backend) -> int:
     server = uvicorn.Server(ucfg)
 
     async def main():
+        tenancy = app.state.tenancy
+        if tenancy.path is not None and hasattr(signal, "SIGHUP"):
+            asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, _reload, tenancy)
         watch = asyncio.ensure_future(_announce(server, backend, cfg))
         try:
             await server.serve()
@@ -69,6 +82,8 @@ def serve_backend(backend) -> int:
             run = asyncio.run
         run(main())
     finally:
+        if app.state.tenancy.usage_log is not None:
+            app.state.tenancy.usage_log.close()
         for sig, h in previous.items():
             signal.signal(sig, h)
     if backend.loaded.is_set() and backend.llm is None:

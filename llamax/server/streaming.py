@@ -144,7 +144,8 @@ class _Stream:
 
     def __init__(self, prepared: list[PreparedRequest], *, model_name: str, object_name: str,
                  include_usage: bool, continuous: bool, time_left: float, timeout_s: float,
-                 on_status: Callable[[int], None], on_usage: Callable[[dict], None]):
+                 on_status: Callable[[int], None], on_usage: Callable[[dict], None],
+                 on_first: Callable[[], None] | None = None):
         self.prepared = prepared
         self.model_name = model_name
         self.object_name = object_name
@@ -154,6 +155,7 @@ class _Stream:
         self.timeout_s = timeout_s
         self.on_status = on_status
         self.on_usage = on_usage
+        self.on_first = on_first
         self.timed_out = False
 
     def _time_up(self) -> None:
@@ -175,6 +177,8 @@ class _Stream:
             async for i, chunk in merged:
                 if self.timed_out:
                     break
+                if cid is None and self.on_first is not None:
+                    self.on_first()
                 cid = cid or chunk["id"]
                 chunk["id"] = cid
                 chunk["model"] = self.model_name
@@ -221,7 +225,7 @@ class _Stream:
 async def respond(request: Request, prepared: list[PreparedRequest], *, stream: bool, stream_options,
                   merge_fn: Callable[[list[dict]], dict], object_name: str, model_name: str, deadline: float,
                   timeout_s: float, release: Callable[[], None], on_status: Callable[[int], None],
-                  on_usage: Callable[[dict], None]):
+                  on_usage: Callable[[dict], None], on_first: Callable[[], None] | None = None):
     """Run prepared requests (one per choice) to one answer or one SSE
     stream; ``release`` (once) when they are over, however they end."""
     released = False
@@ -249,7 +253,8 @@ async def respond(request: Request, prepared: list[PreparedRequest], *, stream: 
     s = _Stream(prepared, model_name=model_name, object_name=object_name,
                 include_usage=bool(stream_options and stream_options.include_usage),
                 continuous=bool(stream_options and stream_options.continuous_usage_stats),
-                time_left=time_left, timeout_s=timeout_s, on_status=on_status, on_usage=on_usage)
+                time_left=time_left, timeout_s=timeout_s, on_status=on_status, on_usage=on_usage,
+                on_first=on_first)
 
     async def events():
         try:

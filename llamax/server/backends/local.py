@@ -76,6 +76,7 @@ class LocalBackend:
         self.in_flight = 0
         self.counters = Counters()
         self.prometheus_registry = None  # /metrics' collector (llamax.server.metrics), made on first use
+        self.tenancy = None  # llamax.server.tenancy.Tenancy (build_app sets it)
 
     # -- lifetime -------------------------------------------------------------
 
@@ -101,6 +102,7 @@ class LocalBackend:
             llm = llamax.Llama(cfg.model, n_ctx=cfg.n_ctx, n_batch=max(cfg.n_batch, cfg.parallel),
                                n_threads=cfg.threads, n_gpu_layers=cfg.n_gpu_layers, n_contexts=cfg.n_contexts,
                                n_parallel=cfg.parallel, max_loaded_adapters=cfg.max_loaded_adapters,
+                               reserve_slots=cfg.reserve_slots or 0,
                                chat_format=cfg.chat_format, prefix_cache=cfg.prefix_cache != "off",
                                prefix_cache_exact=cfg.prefix_cache == "exact", chat_template=cfg.chat_template,
                                verbose=cfg.verbose, **cfg.llama_options)
@@ -201,8 +203,25 @@ class LocalBackend:
             return set(self.llm.list_control_vectors())
         return {n for n, _ in self.cfg.control_vectors}
 
-    def resolve(self, body: protocol.AdapterFields) -> tuple[list[dict] | None, list[dict] | None]:
-        return self.adapters.resolve(body, self.cfg.alias, self.control_vector_names())
+    def resolve(self, body: protocol.AdapterFields, request: Request) -> tuple[list[dict] | None, list[dict] | None]:
+        tenant = request.state.tenant.tenant
+        loras, cvecs = self.adapters.resolve(body, self.cfg.alias, self.control_vector_names(), tenant)
+        request.state.adapter_names = [s["name"] for s in loras or ()]
+        return loras, cvecs
+
+    def scheduling(self, body: protocol.AdapterFields, request: Request) -> dict:
+        """The prepare_* keywords that place a request among the tenants:
+        its share of the batch and its prefix cache's scope."""
+        caller = request.state.tenant
+        t = caller.tenant
+        kw: dict = {"cache_salt": t.cache_salt(body.cache_salt)}
+        if t.name:  # (a tenants file's tenant, here or at a Ray ingress; not the anonymous one)
+            kw["share"] = llamax.Share(t.name, t.weight, t.priority, t.limits.concurrent)
+        return kw
+
+    def _usage(self, request: Request, u: dict) -> None:
+        self.counters.usage(u)
+        request.state.usage = u
 
     async def listing(self) -> list[dict]:
         """/lora-adapters: every offered adapter, its id, file, default scale
@@ -328,19 +347,25 @@ class LocalBackend:
             object_name="chat.completion.chunk" if endpoint == "chat" else "text_completion",
             model_name=request.state.model_name, deadline=request.state.deadline,
             timeout_s=self.cfg.request_timeout, release=lambda: self.done(len(prepared)),
-            on_status=lambda status: self.counters.request(endpoint, status), on_usage=self.counters.usage)
+            on_status=lambda status: self._status(request, endpoint, status),
+            on_usage=lambda u: self._usage(request, u), on_first=lambda: _first_token(request))
+
+    def _status(self, request: Request, endpoint: str, status: int) -> None:
+        self.counters.request(endpoint, status)
+        request.state.outcome = status
 
     async def chat(self, body: protocol.ChatCompletionRequest, request: Request):
-        loras, cvecs = self.resolve(body)
-        base = translate.chat_kwargs(body, self.cfg.n_ctx, loras, cvecs)
+        loras, cvecs = self.resolve(body, request)
+        base = dict(translate.chat_kwargs(body, self.cfg.n_ctx, loras, cvecs), **self.scheduling(body, request))
         request.state.model_name = model_name = body.model or self.cfg.alias
+        request.state.model_route = True
         seed = body.seed
         prepared = await self._prepare(request, self.llm.prepare_chat_completion, body.n,
                                        lambda i: dict(base, seed=None if seed is None else seed + i))
         return await self._respond(request, "chat", prepared, body, lambda rs: merge(rs, model_name))
 
     async def completions(self, body: protocol.CompletionRequest, request: Request):
-        loras, cvecs = self.resolve(body)
+        loras, cvecs = self.resolve(body, request)
         prompts = translate.split_prompts(body)
         model = self.llm.model
 
@@ -358,8 +383,9 @@ class LocalBackend:
             return out
 
         token_prompts = await asyncio.to_thread(tokenized)
-        base = translate.completion_kwargs(body, self.cfg.n_ctx, loras, cvecs)
+        base = dict(translate.completion_kwargs(body, self.cfg.n_ctx, loras, cvecs), **self.scheduling(body, request))
         request.state.model_name = model_name = body.model or self.cfg.alias
+        request.state.model_route = True
         order = translate.completion_merge_order(len(token_prompts), body.n)
         seed = body.seed
         prepared = await self._prepare(request, self.llm.prepare_completion, len(order),
@@ -369,7 +395,7 @@ class LocalBackend:
                                    lambda rs: merge_completions(rs, len(token_prompts), model_name))
 
     async def embeddings(self, body: protocol.EmbeddingRequest, request: Request):
-        loras, cvecs = self.resolve(body)
+        loras, cvecs = self.resolve(body, request)
         llm = self.llm
         if body.dimensions is not None and body.dimensions != llm.n_embd():
             raise APIError(400, f"dimensions must be the model's {llm.n_embd()} (no truncation)",
@@ -379,7 +405,8 @@ class LocalBackend:
             raise APIError(400, "input is empty", param="input")
         if isinstance(inp, list) and len(inp) > 2048:
             raise APIError(400, "at most 2048 inputs per request", param="input")
-        model_name = body.model or self.cfg.alias
+        request.state.model_name = model_name = body.model or self.cfg.alias
+        request.state.model_route = True
         b64 = body.encoding_format == "base64"
         cancel = threading.Event()
         running: list = []
@@ -414,12 +441,12 @@ class LocalBackend:
             content, usage = await guarded(request, asyncio.to_thread(work), self.cfg.request_timeout,
                                            on_cancel=stop)
         except ClientGone:
-            self.counters.request("embeddings", 499)
+            self._status(request, "embeddings", 499)
             return Response(status_code=499)
         finally:
             self.done(1)
-        self.counters.usage(usage)
-        self.counters.request("embeddings", 200)
+        self._usage(request, usage)
+        self._status(request, "embeddings", 200)
         return Response(content, media_type="application/json")
 
     # -- llama-server's utility routes ------------------------------------------------
@@ -473,6 +500,13 @@ class LocalBackend:
         from llamax.server.metrics import render
         body, ctype = render(self)
         return Response(body, media_type=ctype)
+
+
+def _first_token(request: Request) -> None:
+    """A stream's first chunk: its time to first token, for /metrics."""
+    t0 = getattr(request.state, "t0", None)
+    if t0 is not None:
+        request.state.ttft = time.monotonic() - t0
 
 
 def _close_after(t: asyncio.Future, f: OpenedFile | None) -> None:

@@ -101,9 +101,13 @@ class Ingress:
         self.snapshot_id = tuple(snap["id"])
         self.refreshed = time.monotonic()
 
-    def _key_of(self, body: protocol.AdapterFields) -> str:
+    def _key_of(self, body: protocol.AdapterFields, request: Request) -> str:
         control_vectors = {n for n, _ in self.cfg.control_vectors}
-        return self.set_key(self.adapters.resolve(body, self.cfg.alias, control_vectors)[0], body)
+        loras = self.adapters.resolve(body, self.cfg.alias, control_vectors, request.state.tenant.tenant)[0]
+        request.state.adapter_names = [s["name"] for s in loras or ()]
+        request.state.model_name = body.model or self.cfg.alias
+        request.state.model_route = True
+        return self.set_key(loras, body)
 
     # -- forwarding ------------------------------------------------------------
 
@@ -115,14 +119,19 @@ class Ingress:
         headers = [(k, v) for k, v in request.headers.raw if k not in _DROP]
         cached = bool(key) and self._cached(key)
         opts = {"multiplexed_model_id": key} if cached and self.affinity else {}
+        t = request.state.tenant.tenant
+        tenant = {"name": t.name, "weight": t.weight, "priority": t.priority, "cache_scope": t.cache_scope,
+                  "concurrent": t.limits.concurrent, "key_id": request.state.tenant.key_id}
         args = (request.method, request.url.path, request.url.query.encode(), headers, body,
-                self.snapshot_id, key, cached)
+                self.snapshot_id, key, cached, tenant)
         if not stream:
             try:
                 parts = await self.replica.options(**opts).forward_whole.remote(*args)
             except (RayError, BackPressureError) as e:
                 raise self._ray_error(e) from None
             status, raw, replica = parts[0]
+            if parts and isinstance(parts[-1], dict):
+                _used(request, parts.pop())
             return Response(b"".join(parts[1:]), status_code=status, headers=_relayed(raw, replica))
         gen = self.replica.options(stream=True, **opts).forward.remote(*args)
         try:
@@ -136,6 +145,9 @@ class Ingress:
         async def relay():
             try:
                 async for chunk in gen:
+                    if isinstance(chunk, dict):  # (the last part: what the request used)
+                        _used(request, chunk)
+                        continue
                     yield chunk
             except RayError as e:  # the stream has begun: the error is its last event
                 yield b"data: " + dumps(_ray_error(e).body()).encode() + b"\r\n\r\n"
@@ -165,13 +177,13 @@ class Ingress:
         return {"status": "ok"}
 
     async def chat(self, body: protocol.ChatCompletionRequest, request: Request):
-        return await self._forward(request, self._key_of(body), body.stream)
+        return await self._forward(request, self._key_of(body, request), body.stream)
 
     async def completions(self, body: protocol.CompletionRequest, request: Request):
-        return await self._forward(request, self._key_of(body), body.stream)
+        return await self._forward(request, self._key_of(body, request), body.stream)
 
     async def embeddings(self, body: protocol.EmbeddingRequest, request: Request):
-        return await self._forward(request, self._key_of(body))
+        return await self._forward(request, self._key_of(body, request))
 
     async def tokenize(self, body: protocol.TokenizeRequest, request: Request):
         return await self._forward(request, "")
@@ -241,6 +253,14 @@ class Ingress:
                 raise APIError(404, f"no adapter named {name!r}", param="lora_name", code="adapter_not_found")
             await self._refresh(await self.registry.unregister.remote(name))
             self.forget(name)
+
+
+def _used(request: Request, used: dict) -> None:
+    """A replica's account of a request (its usage, its outcome, its time to
+    first token), for the tenant's limits, metrics and usage log here."""
+    for k, v in used.items():
+        if v is not None:
+            setattr(request.state, k, v)
 
 
 def _relayed(raw: list, replica: str) -> dict:

@@ -17,6 +17,8 @@ from llamax.server.backends.ray.registry import set_names
 from llamax.server.config import ServerConfig
 from llamax.server.errors import APIError, from_exception
 from llamax.server.http import dumps
+from llamax.server.tenancy import Caller
+from llamax.server.tenants import Limits, Tenant
 
 __all__ = ["LlamaReplica", "asgi_request", "MAKE_ROOM_S"]
 
@@ -226,12 +228,16 @@ class LlamaReplica:
     # -- requests --------------------------------------------------------------
 
     async def forward(self, method: str, path: str, query: bytes, headers: list, body: bytes, snapshot_id,
-                      key: str, cached: bool = True):
+                      key: str, cached: bool = True, tenant: dict | None = None):
         """One HTTP request through the server's app, with the adapter set
         ``key`` held; yields (status, headers, replica), then the body's
         chunks.  (``key`` is also the request's multiplexed model id, unless
         the application was built without affinity, for comparison, or
-        ``cached`` is False: past the ingress' table of sets, see _hold.)"""
+        ``cached`` is False: past the ingress' table of sets, see _hold.)
+        ``tenant``: the caller's tenant as the ingress found it (name,
+        weight, priority, cache scope: its share of the batch and its
+        prefix cache here; its limits are the ingress'); the last part is
+        then a dict of what the request used (usage, status, ttft)."""
         self._loop = asyncio.get_running_loop()   # where requests run (evictions are sent here)
         s = None
         try:
@@ -245,12 +251,21 @@ class LlamaReplica:
             yield err.status, [(b"content-type", b"application/json")], self.replica_id
             yield dumps(err.body()).encode()
             return
+        state: dict = {}
+        if tenant is not None:
+            # (its limits are the ingress', but for the running ones: slots are counted here)
+            state["forwarded_caller"] = Caller(Tenant(name=tenant["name"], weight=tenant["weight"],
+                                                      priority=tenant["priority"], cache_scope=tenant["cache_scope"],
+                                                      limits=Limits(concurrent=tenant["concurrent"])),
+                                               tenant["key_id"])
         try:
-            async for part in asgi_request(self.app, method, path, query, headers, body):
+            async for part in asgi_request(self.app, method, path, query, headers, body, state):
                 if isinstance(part, tuple):
                     yield part[0], part[1], self.replica_id
                 else:
                     yield part
+            if tenant is not None:
+                yield {k: state.get(k) for k in ("usage", "outcome", "ttft")}
         finally:
             if s is not None:
                 self._done(s)
@@ -266,10 +281,12 @@ class LlamaReplica:
             backend.close()
 
 
-async def asgi_request(app, method: str, path: str, query: bytes, headers: list, body: bytes):
+async def asgi_request(app, method: str, path: str, query: bytes, headers: list, body: bytes,
+                       state: dict | None = None):
     """Run one HTTP request through an ASGI app in this process; yields
     (status, headers) and then the body's chunks.  When the caller stops
-    iterating (the client went away), the app sees ``http.disconnect``."""
+    iterating (the client went away), the app sees ``http.disconnect``.
+    ``state``: the request's ``scope["state"]`` (read it after the end)."""
     out: asyncio.Queue = asyncio.Queue()
     gone = asyncio.Event()
     sent = False
@@ -288,7 +305,7 @@ async def asgi_request(app, method: str, path: str, query: bytes, headers: list,
     scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
              "method": method, "scheme": "http", "path": path, "raw_path": path.encode(), "root_path": "",
              "query_string": query, "headers": headers, "client": ("127.0.0.1", 0),
-             "server": ("127.0.0.1", 80), "state": {}}
+             "server": ("127.0.0.1", 80), "state": {} if state is None else state}
     task = asyncio.ensure_future(app(scope, receive, send))
     try:
         while True:
