@@ -11,6 +11,13 @@
 
 namespace llamax {
 
+namespace {
+int64_t steady_ns() {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(
+               std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+}  // namespace
+
 // ---------------------------------------------------------------------------
 // Seq: the consumer's side
 
@@ -259,6 +266,7 @@ SeqPtr Batcher::submit(llama_sampler * chain, llama_sampler * grammar, bool plai
         }
     }
     s->plain_greedy_ = plain_greedy;
+    s->submit_ns_ = steady_ns();
     s->p_ = std::move(params);
     // Its state (and so its adapters) lives as long as the sequence; equal
     // states are one interned State, whose id is the group.
@@ -292,7 +300,7 @@ SeqPtr Batcher::submit(llama_sampler * chain, llama_sampler * grammar, bool plai
     return s;
 }
 
-// Under mu_: pending sequences into free slots, first come first served;
+// Under mu_: pending sequences into free slots, in pick_pending's order;
 // queued ones already cancelled go to `gone`.
 void Batcher::admit(std::vector<SeqPtr> & gone) {
     for (auto it = pending_.begin(); it != pending_.end();) {
@@ -334,6 +342,7 @@ void Batcher::admit(std::vector<SeqPtr> & gone) {
         pending_.erase(it);
         s->seq_ = i;
         s->admit_order_.store(++n_admitted_, std::memory_order_relaxed);
+        s->queued_ns_.store(steady_ns() - s->submit_ns_, std::memory_order_relaxed);
         slots_[i] = s;
     }
 }

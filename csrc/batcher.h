@@ -90,6 +90,11 @@ public:
     // Its place in the order sequences got slots (1: the batcher's first;
     // 0: not admitted yet).
     int64_t admit_order() const { return admit_order_.load(std::memory_order_relaxed); }
+    // Seconds it waited for a slot (from submit to admission; < 0: still waiting).
+    double queue_seconds() const {
+        const int64_t q = queued_ns_.load(std::memory_order_relaxed);
+        return q < 0 ? -1.0 : (double) q * 1e-9;
+    }
     bool failed() const { return failed_; }
     void rethrow() const;  // the error that ended the sequence, if any
     // Also write a byte to the batcher's notify fd whenever this sequence
@@ -139,6 +144,8 @@ private:
     int32_t n_prompt_ = 0;
     std::atomic<int32_t> n_cached_{0};
     std::atomic<int64_t> admit_order_{0};
+    int64_t submit_ns_ = 0;                 // steady clock at submit()
+    std::atomic<int64_t> queued_ns_{-1};    // set at admission
     bool shareable_ = true;    // (batcher thread) its prompt's cells may seed another sequence
     // (batcher thread) admitted while an earlier sequence of its state was
     // still decoding a prefix they share: it waits for those share_n_

@@ -444,6 +444,13 @@ cdef class BatchSequence:
         the first ever; 0: still waiting)."""
         return self._get().admit_order()
 
+    @property
+    def queue_seconds(self):
+        """Seconds it waited for a slot, from submit() to admission (None
+        while it still waits)."""
+        cdef double q = self._get().queue_seconds()
+        return None if q < 0 else q
+
     def cancel(self):
         """End this sequence at the batcher's next step (finish_reason "cancelled")."""
         self._get().cancel()

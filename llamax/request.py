@@ -103,6 +103,12 @@ class PreparedRequest:
         """``stop`` or ``length`` once the request has ended (None before)."""
         return None if self._done is None else self._done.finish_reason
 
+    @property
+    def queue_seconds(self) -> float | None:
+        """With ``n_parallel > 1``: how long it waited for a batcher slot,
+        once it has ended (None before, and without a batcher)."""
+        return None if self._done is None else self._done.queue_seconds
+
     def _take(self) -> _Request:
         if self._used:
             raise InvalidArgumentError("this prepared request has run already: prepare another")
@@ -364,7 +370,7 @@ _WAIT = object()  # _batched_steps: "send me the sequence's next tokens"
 
 
 class _Result:
-    __slots__ = ("text", "tokens", "n_prompt", "n_cached", "finish_reason", "logprobs", "model")
+    __slots__ = ("text", "tokens", "n_prompt", "n_cached", "finish_reason", "logprobs", "model", "queue_seconds")
 
     def __init__(self, model):
         self.model = model
@@ -372,6 +378,7 @@ class _Result:
         self.tokens = []
         self.n_prompt = 0
         self.n_cached = 0  # prompt tokens whose KV was reused
+        self.queue_seconds = None  # batched: how long it waited for a slot
         self.finish_reason = "length"
         self.logprobs = []  # per token: (logprob, [(token, logprob), ...])
 
@@ -604,6 +611,7 @@ class _Request:
             if self.user_token is not None and self.user_token.cancelled:
                 raise CancelledError("the request was cancelled")
             res.n_cached = seq.n_cached
+            res.queue_seconds = seq.queue_seconds
             if self.logprobs is not None:
                 res.logprobs = seq.logprobs[: len(res.tokens)]
             finish = "stop" if stopped else seq.finish_reason

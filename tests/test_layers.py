@@ -54,9 +54,9 @@ LAYERS = [
     ["llamax"],
     # the server, split by #31 item 2
     ["llamax.server.config", "llamax.server.protocol", "llamax.server.errors",
-     "llamax.server.files"],
+     "llamax.server.files", "llamax.server.tenants"],
     ["llamax.server.translate", "llamax.server.streaming", "llamax.server.http", "llamax.server.adapters",
-     "llamax.server.metrics", "llamax.server.settings"],
+     "llamax.server.metrics", "llamax.server.settings", "llamax.server.tenancy"],
     ["llamax.server.routes"],
     ["llamax.server.app"],
     # the routes take their backend from app.state and import none; a Ray replica or

@@ -220,6 +220,7 @@ cdef extern from "batcher.h" namespace "llamax" nogil:
         int32_t n_prompt()
         int32_t n_cached()
         int64_t admit_order()
+        double queue_seconds()
         cbool failed()
         void rethrow() except +translate_exception
         void set_notify(cbool on)

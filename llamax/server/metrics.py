@@ -7,7 +7,9 @@ llamax's own under ``llamax:``.
 from __future__ import annotations
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.core import (
+    CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, SummaryMetricFamily,
+)
 
 from llamax.server.tenancy import TTFT_BUCKETS
 
@@ -84,6 +86,8 @@ def _tenant_metrics(snap: dict):
         ("cached_tokens", "Prompt tokens reused from the tenant's prefix cache."))}
     active = GaugeMetricFamily("llamax:tenant_active_sequences", "Sequences admitted (running or waiting for a "
                                "slot), by tenant.", labels=["tenant"])
+    queue = SummaryMetricFamily("llamax:tenant_queue_seconds", "Time the tenant's generation requests waited "
+                                "for a batch slot (the longest of a request's sequences).", labels=["tenant"])
     ttft = HistogramMetricFamily("llamax:tenant_ttft_seconds", "Time to the first streamed token, from the "
                                  "request's arrival (streamed requests), by tenant.", labels=["tenant"])
     for name, u in sorted(snap.items()):
@@ -92,6 +96,7 @@ def _tenant_metrics(snap: dict):
         for k, fam in fams.items():
             fam.add_metric([name], u[k])
         active.add_metric([name], u["in_flight"])
+        queue.add_metric([name], count_value=u["queue_time_n"], sum_value=u["queue_time_sum"])
         cum, buckets = 0, []
         for b, n in zip(list(TTFT_BUCKETS) + [float("inf")], u["ttft"]):
             cum += n
@@ -100,6 +105,7 @@ def _tenant_metrics(snap: dict):
     yield req
     yield from fams.values()
     yield active
+    yield queue
     yield ttft
 
 

@@ -96,6 +96,7 @@ def test_reserve_keeps_a_slot_for_a_newcomer(model):
             first_token(s)
         assert sorted(s.admit_order for s in flood[:3]) == [1, 2, 3]
         assert all(s.admit_order == 0 for s in flood[3:])  # the 4th slot is the reserve
+        assert flood[3].queue_seconds is None and flood[0].queue_seconds >= 0
         late = b.submit(toks, greedy(model), max_tokens=4, ignore_eos=True, tenant=B)
         first_token(late)
         assert late.admit_order == 4

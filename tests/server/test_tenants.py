@@ -380,6 +380,7 @@ def test_metrics_per_tenant(srv):
     assert 'llamax:tenant_requests_total{code="200",tenant="globex"}' in text
     assert 'llamax:tenant_completion_tokens_total{tenant="globex"}' in text
     assert 'llamax:tenant_ttft_seconds_count{tenant="globex"}' in text
+    assert 'llamax:tenant_queue_seconds_count{tenant="globex"}' in text
     assert 'llamax:tenant_active_sequences{tenant="globex"}' in text
     count = [ln for ln in text.splitlines() if ln.startswith('llamax:tenant_ttft_seconds_count{tenant="globex"}')]
     assert float(count[0].split()[-1]) >= 1

@@ -219,9 +219,12 @@ class LocalBackend:
             kw["share"] = llamax.Share(t.name, t.weight, t.priority, t.limits.concurrent)
         return kw
 
-    def _usage(self, request: Request, u: dict) -> None:
+    def _usage(self, request: Request, u: dict, prepared: list = ()) -> None:
         self.counters.usage(u)
         request.state.usage = u
+        waits = [p.queue_seconds for p in prepared if p.queue_seconds is not None]
+        if waits:
+            request.state.queue_time = max(waits)
 
     async def listing(self) -> list[dict]:
         """/lora-adapters: every offered adapter, its id, file, default scale
@@ -348,7 +351,7 @@ class LocalBackend:
             model_name=request.state.model_name, deadline=request.state.deadline,
             timeout_s=self.cfg.request_timeout, release=lambda: self.done(len(prepared)),
             on_status=lambda status: self._status(request, endpoint, status),
-            on_usage=lambda u: self._usage(request, u), on_first=lambda: _first_token(request))
+            on_usage=lambda u: self._usage(request, u, prepared), on_first=lambda: _first_token(request))
 
     def _status(self, request: Request, endpoint: str, status: int) -> None:
         self.counters.request(endpoint, status)

@@ -265,7 +265,7 @@ class LlamaReplica:
                 else:
                     yield part
             if tenant is not None:
-                yield {k: state.get(k) for k in ("usage", "outcome", "ttft")}
+                yield {k: state.get(k) for k in ("usage", "outcome", "ttft", "queue_time")}
         finally:
             if s is not None:
                 self._done(s)
