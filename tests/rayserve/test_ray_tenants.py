@@ -72,9 +72,11 @@ def test_ingress_enforces_the_file(ray_tenants):
 
 def test_cache_scope_reaches_the_replica(ray_tenants):
     with c(ray_tenants, "ka") as a, c(ray_tenants, "kb") as b:
-        assert cached(a, LONG + "Ray?") == 0
-        assert cached(a, LONG + "Ray?") > 50
-        assert cached(b, LONG + "Ray?") == 0
+        # (a tenant's earlier requests may have left the chat template's
+        # first ~20 tokens cached: LONG is the part that tells)
+        assert cached(a, LONG + "Ray?") < 40
+        assert cached(a, LONG + "Ray?") > 60
+        assert cached(b, LONG + "Ray?") < 40
 
 
 def test_concurrent_limit_reaches_the_replica(ray_tenants):

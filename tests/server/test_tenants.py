@@ -275,21 +275,23 @@ def cached(c, content=LONG + "What is tea?", **kw) -> int:
 
 
 def test_cache_is_per_tenant(srv):
+    # (a tenant's earlier requests may have left the chat template's first
+    # ~20 tokens cached: the ~70 tokens of LONG are the part that tells)
     with client(srv, "acme") as a, client(srv, "acme2") as a2, client(srv, "flood") as b:
-        assert cached(a) == 0
-        assert cached(a) > 50            # its own prompt again: a hit
-        assert cached(a2) > 50           # another key of the same tenant: the same cache
-        assert cached(b) == 0            # another tenant: no hit on acme's prompt
-        assert cached(a, cache_salt="s1") == 0     # a request's salt narrows it further
-        assert cached(a, cache_salt="s1") > 50
+        assert cached(a) < 40
+        assert cached(a) > 60            # its own prompt again: a hit
+        assert cached(a2) > 60           # another key of the same tenant: the same cache
+        assert cached(b) < 40            # another tenant: no hit on acme's prompt
+        assert cached(a, cache_salt="s1") < 40     # a request's salt narrows it further
+        assert cached(a, cache_salt="s1") > 60
 
 
 def test_shared_scope(srv):
     content = LONG + "What is coffee?"
     with client(srv, "shared1") as s1, client(srv, "shared2") as s2, client(srv, "globex") as g:
-        assert cached(s1, content) == 0
-        assert cached(s2, content) > 50   # both shared: one cache
-        assert cached(g, content, model="smol", active_loras=[]) == 0  # a tenant-scoped one sees nothing
+        assert cached(s1, content) < 40
+        assert cached(s2, content) > 60   # both shared: one cache
+        assert cached(g, content, model="smol", active_loras=[]) < 40  # a tenant-scoped one sees nothing of it
 
 
 # -- the noisy neighbour --------------------------------------------------------------------
