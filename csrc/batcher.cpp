@@ -294,6 +294,25 @@ SeqPtr Batcher::submit(llama_sampler * chain, llama_sampler * grammar, bool plai
                 preempt_ = true;
                 ctx_->cancel();
             }
+        } else if (decode_newcomer_preemptible_ && s->p_.tenant != 0 && n_prompt <= prompt_step_) {
+            // a tenant with nothing here yet, and a slot it can have
+            bool known = false;
+            int32_t n_free = 0;
+            for (const auto & o : slots_) {
+                if (o) {
+                    known = known || o->p_.tenant == s->p_.tenant;
+                } else {
+                    ++n_free;
+                }
+            }
+            for (const auto & o : pending_) {
+                known = known || (o != s && o->p_.tenant == s->p_.tenant);
+            }
+            if (!known && n_free > 0) {
+                decode_newcomer_preemptible_ = false;
+                preempt_ = true;
+                ctx_->cancel();
+            }
         }
     }
     cv_.notify_all();
@@ -345,6 +364,21 @@ void Batcher::admit(std::vector<SeqPtr> & gone) {
         s->queued_ns_.store(steady_ns() - s->submit_ns_, std::memory_order_relaxed);
         slots_[i] = s;
     }
+}
+
+// Whether s is a newcomer tenant's short first prompt, not started (see
+// last_newcomer_only_ in batcher.h): batcher thread.
+bool Batcher::newcomer(const Seq & s, const std::vector<SeqPtr> & running) const {
+    if (s.p_.tenant == 0 || s.n_fed_ >= s.n_prompt_ || s.n_prompt_ - s.n_fed_ > prompt_step_ ||
+        s.n_fed_ != s.n_cached_.load(std::memory_order_relaxed) || !s.leader_.expired()) {
+        return false;
+    }
+    for (const auto & o : running) {
+        if (o.get() != &s && o->p_.tenant == s.p_.tenant) {
+            return false;
+        }
+    }
+    return true;
 }
 
 // Which waiting sequence gets a free slot (under mu_, batcher thread).
@@ -961,6 +995,17 @@ void Batcher::step(std::vector<SeqPtr> & running) {
     // The batch: generating sequences first (one token each), then prompt
     // chunks, up to n_batch tokens.
     const int32_t budget = ctx_->n_batch();
+    bool newcomer_step = false;
+    if (reserve_.load(std::memory_order_relaxed) > 0 && !last_newcomer_only_) {
+        for (const auto & s : group) {
+            newcomer_step = newcomer_step || newcomer(*s, running);
+        }
+    }
+    last_newcomer_only_ = newcomer_step;
+    if (newcomer_step) {
+        std::lock_guard<std::mutex> lk(mu_);
+        ++stats_.n_newcomer_steps;
+    }
     tok_buf_.clear();
     pos_buf_.clear();
     seq_buf_.clear();
@@ -968,7 +1013,7 @@ void Batcher::step(std::vector<SeqPtr> & running) {
     std::vector<SeqPtr> in_batch;
     for (const auto & s : group) {
         s->batch_row_ = -1;
-        if (s->n_fed_ == s->n_prompt_ && ready(*s) && (int32_t) tok_buf_.size() < budget) {
+        if (!newcomer_step && s->n_fed_ == s->n_prompt_ && ready(*s) && (int32_t) tok_buf_.size() < budget) {
             s->batch_row_ = (int32_t) tok_buf_.size();
             tok_buf_.push_back(s->next_);
             pos_buf_.push_back(s->pos_);
@@ -988,7 +1033,7 @@ void Batcher::step(std::vector<SeqPtr> & running) {
     // prompt); alone, n_batch per step (a newcomer preempts it).
     std::vector<SeqPtr> prompts;
     for (const auto & s : group) {
-        if (s->n_fed_ < s->n_prompt_) {
+        if (s->n_fed_ < s->n_prompt_ && (!newcomer_step || newcomer(*s, running))) {
             prompts.push_back(s);
         }
     }
@@ -1064,6 +1109,8 @@ void Batcher::step(std::vector<SeqPtr> & running) {
     {
         std::lock_guard<std::mutex> lk(mu_);
         decode_preemptible_ = long_chunk && !just_preempted_ && !stop_;
+        decode_newcomer_preemptible_ = !long_chunk && !newcomer_step && !just_preempted_ && !stop_ &&
+                                       reserve_.load(std::memory_order_relaxed) > 0;
         decode_min_left_ = min_left;
         preempt_ = false;
     }
@@ -1076,6 +1123,7 @@ void Batcher::step(std::vector<SeqPtr> & running) {
         {
             std::lock_guard<std::mutex> lk(mu_);
             decode_preemptible_ = false;
+            decode_newcomer_preemptible_ = false;
             closing = stop_;
             preempted = preempt_ && !stop_;
             preempt_ = false;
@@ -1084,7 +1132,8 @@ void Batcher::step(std::vector<SeqPtr> & running) {
             }
         }
         if (preempted) {
-            // Aborted for a newcomer with a shorter prompt: llama.cpp dropped
+            // Aborted for a newcomer with a shorter prompt (or of a tenant
+            // with nothing running: see last_newcomer_only_): llama.cpp dropped
             // the aborted ubatch's cells; drop anything else of this batch
             // and redo it later, nothing advanced.
             ctx_->abort_.store(false, std::memory_order_relaxed);
@@ -1130,6 +1179,7 @@ void Batcher::step(std::vector<SeqPtr> & running) {
     {
         std::lock_guard<std::mutex> lk(mu_);
         decode_preemptible_ = false;
+        decode_newcomer_preemptible_ = false;
         if (preempt_) {  // (too late: the decode was done)
             preempt_ = false;
             ctx_->abort_.store(false, std::memory_order_relaxed);

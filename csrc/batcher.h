@@ -167,7 +167,8 @@ struct BatcherStats {
     int64_t n_seq_decoded = 0;    // sum over decodes of the sequences in each (/ n_decodes: sequences per decode)
     int64_t n_offloaded = 0;      // tokens sampled on a sampler thread (sequences with a grammar)
     int64_t n_sat_out = 0;        // decodes that went ahead while a sequence's token was still being sampled
-    int64_t n_preempted = 0;      // decodes of long prompt chunks aborted (and redone) for a shorter newcomer
+    int64_t n_preempted = 0;      // decodes aborted (and redone) for a shorter newcomer or a newcomer tenant
+    int64_t n_newcomer_steps = 0; // decodes of newcomer tenants' first prompts alone (reserve_slots > 0)
 };
 
 class Batcher {
@@ -243,6 +244,14 @@ private:
     // most once in a row, so long prompts always progress.
     int32_t prompt_step_;
     bool last_shorts_only_ = false;  // batcher thread: the last step left long chunks out
+    // Tenants (reserve_ > 0): a tenant's first sequence when it holds no
+    // other slot -- a newcomer -- with a short prompt gets a step of its own
+    // (its first token costs one short decode, not one beside every other
+    // tenant's tokens; not twice in a row), and it preempts a decode in
+    // flight that has no newcomer in it (at most once in a row).
+    bool last_newcomer_only_ = false;    // batcher thread: the last step was a newcomers' step
+    bool decode_newcomer_preemptible_ = false;  // (mu_) the decode in flight may be preempted by a newcomer
+    bool newcomer(const Seq & s, const std::vector<SeqPtr> & running) const;
     bool just_preempted_ = false;    // batcher thread: the last decode was preempted
     bool decode_preemptible_ = false;  // (mu_) the decode in flight may be preempted ...
     int32_t decode_min_left_ = 0;      // (mu_) ... by a prompt shorter than this

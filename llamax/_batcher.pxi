@@ -185,7 +185,11 @@ cdef class Batcher:
     order.  ``reserve_slots=R``: the last R free slots go only to a tenant
     holding fewer slots than its share with one more tenant of its weight
     active (``n_slots * w / (active weights + w)``), so a tenant that floods
-    the batcher leaves a slot free and a newcomer starts at once.
+    the batcher leaves a slot free and a newcomer starts at once; and with
+    a reserve, a tenant's short first prompt while it has nothing else
+    running (a newcomer) is decoded in a step of its own, preempting the
+    decode in flight (neither twice in a row): its first token costs one
+    short decode, as if it were alone.
     """
 
     cdef CBatcher * _b
@@ -298,13 +302,15 @@ cdef class Batcher:
         sequences in each (``n_seq_decoded / n_decodes``: sequences per decode);
         tokens sampled on a sampler thread (sequences with a grammar) and
         decodes that went ahead while such a token was still being sampled;
-        decodes of long prompt chunks preempted for a shorter newcomer."""
+        decodes preempted for a shorter newcomer (or a newcomer tenant), and
+        decodes of newcomer tenants' first prompts alone."""
         cdef CBatcherStats st = self._ptr().stats()
         return {"n_decodes": st.n_decodes, "n_tokens": st.n_tokens, "n_mixed_decodes": st.n_mixed_decodes,
                 "n_switches": st.n_switches, "n_finished": st.n_finished,
                 "n_cached_tokens": st.n_cached_tokens, "n_seq_copies": st.n_seq_copies,
                 "n_multi_adapter_decodes": st.n_multi_adapter_decodes, "n_seq_decoded": st.n_seq_decoded,
-                "n_offloaded": st.n_offloaded, "n_sat_out": st.n_sat_out, "n_preempted": st.n_preempted}
+                "n_offloaded": st.n_offloaded, "n_sat_out": st.n_sat_out, "n_preempted": st.n_preempted,
+                "n_newcomer_steps": st.n_newcomer_steps}
 
     def forget_cache(self):
         """Forget every cached prefix: sequences admitted from now on decode

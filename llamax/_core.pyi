@@ -449,6 +449,7 @@ class _BatcherStats(TypedDict):
     n_offloaded: int
     n_sat_out: int
     n_preempted: int
+    n_newcomer_steps: int
 
 _SeqFinish: TypeAlias = Literal["stop", "length", "stop_sequence", "cancelled", "error"]
 

@@ -240,6 +240,7 @@ cdef extern from "batcher.h" namespace "llamax" nogil:
         int64_t n_offloaded
         int64_t n_sat_out
         int64_t n_preempted
+        int64_t n_newcomer_steps
 
     cdef cppclass CBatcher "llamax::Batcher":
         CBatcher(CContext * ctx, int32_t quantum, int32_t prefix_chunk, cbool mix_adapters,

@@ -71,6 +71,8 @@ async def model_card(model_id: str, request: Request, backend=Depends(ready)):
 @router.post("/v1/chat/completions", dependencies=user)
 @router.post("/chat/completions", dependencies=user, include_in_schema=False)
 async def chat(body: protocol.ChatCompletionRequest, request: Request, backend=Depends(ready)):
+    request.state.model_route = True   # (counted per tenant, and logged, however it ends)
+    request.state.model_name = body.model
     limit = request.state.tenant.tenant.limits.max_tokens
     asked = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     if asked is None and limit is not None:
@@ -82,6 +84,8 @@ async def chat(body: protocol.ChatCompletionRequest, request: Request, backend=D
 @router.post("/v1/completions", dependencies=user)
 @router.post("/completions", dependencies=user, include_in_schema=False)
 async def completions(body: protocol.CompletionRequest, request: Request, backend=Depends(ready)):
+    request.state.model_route = True
+    request.state.model_name = body.model
     request.app.state.tenancy.admit(request, body.n * len(translate.split_prompts(body)),
                                     body.max_tokens if body.max_tokens is not None else 16)
     return await backend.completions(body, request)
@@ -90,6 +94,8 @@ async def completions(body: protocol.CompletionRequest, request: Request, backen
 @router.post("/v1/embeddings", dependencies=user)
 @router.post("/embeddings", dependencies=user, include_in_schema=False)
 async def embeddings(body: protocol.EmbeddingRequest, request: Request, backend=Depends(ready)):
+    request.state.model_route = True
+    request.state.model_name = body.model
     request.app.state.tenancy.admit(request, 1, None)
     return await backend.embeddings(body, request)
 

@@ -136,6 +136,18 @@ async def _merged(streams: list) -> AsyncIterator[tuple[int, dict]]:
             t.cancel()
 
 
+def _generated(chunk: dict) -> bool:
+    """Whether a chunk carries generated text (not the opening role chunk)."""
+    for c in chunk.get("choices", ()):
+        d = c.get("delta")
+        if d is None:
+            if c.get("text"):
+                return True
+        elif d.get("content") or d.get("tool_calls") or d.get("reasoning_content"):
+            return True
+    return False
+
+
 class _Stream:
     """One request's SSE events: every choice's chunks under one id, the
     usage at the end if asked, ``[DONE]``; an error (or the deadline) is
@@ -177,8 +189,9 @@ class _Stream:
             async for i, chunk in merged:
                 if self.timed_out:
                     break
-                if cid is None and self.on_first is not None:
+                if self.on_first is not None and _generated(chunk):
                     self.on_first()
+                    self.on_first = None
                 cid = cid or chunk["id"]
                 chunk["id"] = cid
                 chunk["model"] = self.model_name

@@ -178,8 +178,6 @@ class Tenancy:
         request.state.ratelimit_headers = headers
 
     def _refuse(self, request: Request, headers: dict, reset: float, what: str, concurrency: bool = False):
-        self._count_status(request.state.tenant.tenant.name, 429)
-        request.state.tenant_counted = True
         hint = "wait for one of its requests to finish" if concurrency else f"retry in {_reset(reset)}"
         raise APIError(429, f"rate limit reached for this key's tenant: {what}; {hint}", code="rate_limit_exceeded",
                        headers=dict(headers, **{"Retry-After": str(max(1, int(math.ceil(reset))))}))
@@ -201,12 +199,11 @@ class Tenancy:
         """A request is over: its counters, its tokens in the window, and a
         usage line (requests that reached a model route)."""
         caller = scope_state.get("tenant")
-        if caller is None:
-            return
+        if caller is None or not scope_state.get("model_route"):
+            return  # (what is counted: generation and embedding requests)
         name = caller.tenant.name
         status = scope_state.get("outcome", status)
-        if not scope_state.get("tenant_counted"):
-            self._count_status(name, status)
+        self._count_status(name, status)
         usage = scope_state.get("usage")
         u = self._use(name)
         prompt = completion = cached = 0
@@ -229,7 +226,7 @@ class Tenancy:
             if q is not None:
                 u.queue_time_sum += q
                 u.queue_time_n += 1
-        if self.usage_log is not None and scope_state.get("model_route"):
+        if self.usage_log is not None:
             self.usage_log.write({
                 "time": round(time.time(), 3), "tenant": name, "key_id": caller.key_id,
                 "route": path, "model": scope_state.get("model_name"),

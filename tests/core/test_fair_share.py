@@ -109,6 +109,34 @@ def test_reserve_keeps_a_slot_for_a_newcomer(model):
         assert sorted(s.admit_order for s in flood[3:]) == [5, 6, 7]
 
 
+def test_a_newcomer_tenant_is_decoded_as_if_alone(model):
+    """With a reserve, another tenant's first short prompt gets a decode of
+    its own: its first token (and logprobs) are those of the prompt decoded
+    alone, bit for bit, while the flood keeps generating."""
+    toks = model.tokenize("The capital of France is")
+    late_toks = model.tokenize("Water boils at")
+    ctx, b = batcher(model, slots=4, reserve_slots=1)
+    with ctx, b:
+        flood = [b.submit(toks, greedy(model), max_tokens=300, ignore_eos=True, tenant=A) for _ in range(3)]
+        for s in flood:
+            first_token(s)
+        late = b.submit(late_toks, greedy(model), max_tokens=1, logprobs=3, tenant=B)
+        got, _ = late.result()
+        lp = late.logprobs[0]
+        st = b.stats()
+        assert all(not s.done for s in flood)
+        for s in flood:
+            s.cancel()
+    assert st["n_newcomer_steps"] >= 1
+    ctx2, b2 = batcher(model, slots=4)
+    with ctx2, b2:
+        alone = b2.submit(late_toks, greedy(model), max_tokens=1, logprobs=3)
+        want, _ = alone.result()
+        assert b2.stats()["n_newcomer_steps"] == 0
+        assert got.tolist() == want.tolist()
+        assert lp == alone.logprobs[0]
+
+
 def test_reserve_holds_for_sequences_without_a_tenant(model):
     """Sequences without a tenant id count as one tenant: with a reserve,
     they too leave the last slot free while they hold their share."""
