@@ -43,7 +43,6 @@ import argparse
 import json
 import os
 import platform
-import re
 import statistics
 import subprocess
 import sys
@@ -52,6 +51,8 @@ import time
 from pathlib import Path
 
 import httpx
+
+from served import served_url  # benchmarks/served.py (this script's folder)
 
 HERE = Path(__file__).resolve().parent
 
@@ -94,16 +95,7 @@ class Server:
                "--request-timeout", "600", "--max-body-bytes", str(8 << 20)]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
                                      cwd=str(HERE))
-        self.url = None
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            line = self.proc.stdout.readline()
-            if not line:
-                break
-            m = re.search(r"at (http://[\d.]+:\d+)/v1", line)
-            if m:
-                self.url = m.group(1)
-                break
+        self.url = served_url(self.proc)
         if self.url is None:
             self.proc.kill()
             raise RuntimeError("the server did not start")

@@ -65,6 +65,8 @@ from pathlib import Path
 
 import httpx
 
+from served import served_url  # benchmarks/served.py (this script's folder)
+
 HERE = Path(__file__).resolve().parent
 
 KEY_A, KEY_B = "bench-tenant-a", "bench-tenant-b"
@@ -96,16 +98,7 @@ class Server:
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=str(HERE))
         self.log: collections.deque[str] = collections.deque(maxlen=400)  # stderr's last lines
         threading.Thread(target=lambda: self.log.extend(self.proc.stderr), daemon=True).start()
-        self.url = None
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            line = self.proc.stdout.readline()
-            if not line:
-                break
-            m = re.search(r"at (http://[\d.]+:\d+)/v1", line)
-            if m:
-                self.url = m.group(1)
-                break
+        self.url = served_url(self.proc)
         if self.url is None:
             self.proc.kill()
             self.proc.wait(30)

@@ -7,6 +7,7 @@ two cores); the tests in it are few and bounded in time.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
 import time
@@ -37,22 +38,33 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def ray_server(smollm2_path, adapters, gen_dir):
+@contextlib.contextmanager
+def local_serve():
+    """A local Ray cluster (2 CPUs) with Serve on a free loopback port; the
+    port.  Shut down on exit."""
     import ray
     from ray import serve
 
+    port = free_port()
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port},
+                    logging_config={"log_level": "WARNING", "enable_access_log": False})
+        yield port
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def ray_server(smollm2_path, adapters, gen_dir):
     from llamax.server.ray import RayOptions, ServerConfig, deploy
 
     d = gen_dir / "ray"
     d.mkdir(exist_ok=True)
     tenants = [(n, str(gt.make_lora(smollm2_path, d / f"{n}.gguf", rank=4, seed=40 + i, std=0.05)))
                for i, n in enumerate(TENANTS)]
-    port = free_port()
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING)
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port},
-                    logging_config={"log_level": "WARNING", "enable_access_log": False})
+    with local_serve() as port:
         cfg = ServerConfig(model=str(smollm2_path), alias="smol", parallel=4, n_ctx=1024, threads=1,
                            loras=[("coder", str(adapters["coder"])), ("writer", str(adapters["writer"])), *tenants],
                            control_vectors=[("calm", str(adapters["calm"]))])
@@ -60,9 +72,6 @@ def ray_server(smollm2_path, adapters, gen_dir):
         deploy(cfg, RayOptions(replicas=REPLICAS, max_sets=MAX_SETS))
         assert time.monotonic() - t0 < 120
         yield RayServer(f"http://127.0.0.1:{port}", cfg)
-    finally:
-        serve.shutdown()
-        ray.shutdown()
 
 
 # the names the server tests' fixtures have, so that their checks run here too

@@ -5,7 +5,6 @@ its `concurrent` limit."""
 from __future__ import annotations
 
 import json
-import logging
 import threading
 import time
 
@@ -15,7 +14,7 @@ import pytest
 from server.test_tenants import LONG, cached, chat, has_content, toml
 from llamax.server.tenants import hash_key
 
-from .conftest import RayServer, free_port
+from .conftest import RayServer, local_serve
 
 pytestmark = pytest.mark.slow
 
@@ -24,9 +23,6 @@ ADMIN = "ray-admin"
 
 @pytest.fixture(scope="module")
 def ray_tenants(smollm2_path, adapters, tmp_path_factory):
-    import ray
-    from ray import serve
-
     from llamax.server.ray import RayOptions, ServerConfig, deploy
 
     d = tmp_path_factory.mktemp("ray_tenants")
@@ -36,11 +32,7 @@ def ray_tenants(smollm2_path, adapters, tmp_path_factory):
         {"name": "b", "keys": [hash_key("kb")], "adapters": ["writer"]},
         {"name": "one", "keys": [hash_key("k1")], "adapters": [], "limits": {"concurrent": 1, "queued": 4}},
     ]))
-    port = free_port()
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING)
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port},
-                    logging_config={"log_level": "WARNING", "enable_access_log": False})
+    with local_serve() as port:
         cfg = ServerConfig(model=str(smollm2_path), alias="smol", parallel=4, n_ctx=1024, threads=1,
                            loras=[("coder", str(adapters["coder"])), ("writer", str(adapters["writer"]))],
                            admin_api_keys=[ADMIN], tenants=str(f), usage_log=str(d / "usage.jsonl"))
@@ -48,9 +40,6 @@ def ray_tenants(smollm2_path, adapters, tmp_path_factory):
         s = RayServer(f"http://127.0.0.1:{port}", cfg)
         s.usage = d / "usage.jsonl"
         yield s
-    finally:
-        serve.shutdown()
-        ray.shutdown()
 
 
 def c(s, key):
