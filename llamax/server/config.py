@@ -85,6 +85,12 @@ class ServerConfig:
         if self.tenants is not None:
             from llamax.server.tenants import load_tenants
             load_tenants(self.tenants)  # a bad file stops the server before it starts
+        if self.usage_log is not None:
+            try:
+                with open(self.usage_log, "ab"):
+                    pass
+            except OSError as e:
+                raise ValueError(f"--usage-log {self.usage_log}: {e.strerror or e}") from None
 
 
 @dataclasses.dataclass

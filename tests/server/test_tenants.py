@@ -480,6 +480,10 @@ def test_api_key_with_tenants_is_refused(smollm2_path, tenants_file):
     r = subprocess.run([sys.executable, "-m", "llamax", "serve", smollm2_path, "--tenants", str(tenants_file),
                         "--api-key", "k"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "--tenants" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "llamax", "serve", smollm2_path, "--tenants", str(tenants_file),
+                        "--usage-log", str(tenants_file.parent / "no-such-dir" / "u.jsonl")],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "--usage-log" in r.stderr
     bad = tenants_file.parent / "bad.toml"
     bad.write_text("[[tenant]]\nname = 'x'\n")
     r = subprocess.run([sys.executable, "-m", "llamax", "serve", smollm2_path, "--tenants", str(bad)],
