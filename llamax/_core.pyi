@@ -62,6 +62,7 @@ class _SamplerParams(TypedDict):
     mirostat_tau: float
     mirostat_eta: float
     grammar_triggers: list[str] | None
+    grammar_start_triggers: list[str] | None
 
 # -- module ------------------------------------------------------------------
 
@@ -295,6 +296,7 @@ class Sampler:
         mirostat_tau: float = 5.0,
         mirostat_eta: float = 0.1,
         grammar_triggers: list[str] | tuple[str, ...] | None = None,
+        grammar_start_triggers: list[str] | tuple[str, ...] | None = None,
     ) -> None: ...
     @property
     def model(self) -> Model: ...

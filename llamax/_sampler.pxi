@@ -3,6 +3,10 @@
 # ---------------------------------------------------------------------------
 # Sampler
 
+DEF MAX_GRAMMAR_TRIGGERS = 16
+DEF MAX_TRIGGER_CHARS = 256
+
+
 cdef class Sampler:
     """llama.cpp's sampler chain, configured once.
 
@@ -10,6 +14,12 @@ cdef class Sampler:
     or top-k, typical, top-p, min-p, temperature and a seeded draw.
     A sampler carries state (penalty history, grammar, RNG): use one per
     request at a time.
+
+    ``grammar_triggers`` (literal texts) make the grammar lazy: free text
+    until one of them is generated, anywhere, then the grammar from that
+    text on.  ``grammar_start_triggers`` likewise, but only where the output
+    begins (after at most 64 spaces, tabs or newlines): a Llama 3 call's
+    ``{``, a functionary recipient's ``name\n``.
     """
 
     def __cinit__(self):
@@ -18,7 +28,8 @@ cdef class Sampler:
     def __init__(self, model, *, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0,
                  typical_p=1.0, repeat_penalty=1.0, frequency_penalty=0.0, presence_penalty=0.0,
                  penalty_last_n=64, seed=None, grammar=None, grammar_root="root", logit_bias=None,
-                 mirostat=0, mirostat_tau=5.0, mirostat_eta=0.1, grammar_triggers=None):
+                 mirostat=0, mirostat_tau=5.0, mirostat_eta=0.1, grammar_triggers=None,
+                 grammar_start_triggers=None):
         cdef Model _mo_t = _typed(model, Model, "model")
         _mo_t._ptr()
         self.model = model
@@ -68,14 +79,19 @@ cdef class Sampler:
             raise ArgumentTypeError(f"grammar_root must be a str, not {type(grammar_root).__name__}")
         if grammar is not None:
             _check_grammar(grammar, grammar_root)
-        triggers = _check_triggers(grammar_triggers, grammar)
+        triggers = _check_triggers(grammar_triggers, grammar, "grammar_triggers")
+        starts = _check_triggers(grammar_start_triggers, grammar, "grammar_start_triggers")
+        if len(triggers) + len(starts) > MAX_GRAMMAR_TRIGGERS:
+            raise InvalidArgumentError(f"{len(triggers) + len(starts)} grammar triggers in all; at most "
+                                       f"{MAX_GRAMMAR_TRIGGERS}")
         self.params = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                            typical_p=typical_p, repeat_penalty=repeat_penalty,
                            frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
                            penalty_last_n=penalty_last_n, seed=seed, grammar=grammar,
                            logit_bias=dict(logit_bias) if logit_bias else None, mirostat=mirostat,
                            mirostat_tau=mirostat_tau, mirostat_eta=mirostat_eta,
-                           grammar_triggers=list(triggers) if triggers else None)
+                           grammar_triggers=list(triggers) if triggers else None,
+                           grammar_start_triggers=list(starts) if starts else None)
         cdef llama_sampler_chain_params cp = llama_sampler_chain_default_params()
         cp.no_perf = True
         cdef llama_sampler * chain = llama_sampler_chain_init(cp)
@@ -86,6 +102,10 @@ cdef class Sampler:
         cdef const llama_vocab * vocab = _mo_t._vocab
         # the trigger patterns, alive until the grammar is made (it copies them)
         cdef list bpatterns = [_trigger_pattern(t).encode("utf-8") for t in triggers]
+        # (llama.cpp matches a ^...$ pattern against the whole text so far: a
+        # start trigger; the text fed to the grammar begins at the group)
+        bpatterns += [("^[ \\t\\r\\n]{0,64}(" + _trigger_pattern(t) + ")[\\s\\S]*$").encode("utf-8")
+                      for t in starts]
         cdef vector[const char *] c_patterns
         for bp in bpatterns:
             c_patterns.push_back(<const char *> bp)
@@ -244,31 +264,28 @@ cdef class Sampler:
         return tok
 
 
-DEF MAX_GRAMMAR_TRIGGERS = 16
-DEF MAX_TRIGGER_CHARS = 256
 
-
-cdef tuple _check_triggers(object triggers, object grammar):
-    """``grammar_triggers``: literal texts (not patterns) that switch a lazy
-    grammar on; None or empty: the grammar applies from the first token."""
+cdef tuple _check_triggers(object triggers, object grammar, str name):
+    """``grammar_triggers`` / ``grammar_start_triggers``: literal texts (not
+    patterns) that switch a lazy grammar on; None or empty: none."""
     if triggers is None:
         return ()
     if isinstance(triggers, (str, bytes)) or not isinstance(triggers, (list, tuple)):
-        raise ArgumentTypeError("grammar_triggers must be a list of str (literal texts)")
+        raise ArgumentTypeError(f"{name} must be a list of str (literal texts)")
     if grammar is None and triggers:
-        raise InvalidArgumentError("grammar_triggers without a grammar: pass the grammar they switch on")
+        raise InvalidArgumentError(f"{name} without a grammar: pass the grammar they switch on")
     if len(triggers) > MAX_GRAMMAR_TRIGGERS:
-        raise InvalidArgumentError(f"{len(triggers)} grammar_triggers; at most {MAX_GRAMMAR_TRIGGERS}")
+        raise InvalidArgumentError(f"{len(triggers)} {name}; at most {MAX_GRAMMAR_TRIGGERS}")
     for i, t in enumerate(triggers):
         if not isinstance(t, str):
-            raise ArgumentTypeError(f"grammar_triggers[{i}] must be a str, not {type(t).__name__}")
+            raise ArgumentTypeError(f"{name}[{i}] must be a str, not {type(t).__name__}")
         if not t or len(t) > MAX_TRIGGER_CHARS or "\0" in t:
-            raise InvalidArgumentError(f"grammar_triggers[{i}] must be 1 to {MAX_TRIGGER_CHARS} characters, "
+            raise InvalidArgumentError(f"{name}[{i}] must be 1 to {MAX_TRIGGER_CHARS} characters, "
                                        "without NUL")
         try:
             t.encode("utf-8")
         except UnicodeEncodeError:
-            raise InvalidArgumentError(f"grammar_triggers[{i}] is not encodable as UTF-8") from None
+            raise InvalidArgumentError(f"{name}[{i}] is not encodable as UTF-8") from None
     return tuple(triggers)
 
 

@@ -841,7 +841,8 @@ class Llama(_SessionMixin):
             active_loras=active_loras, control_vector=control_vector, control_vectors=control_vectors,
             cancel=cancel, cache_prompt=cache_prompt, logits_processor=logits_processor,
             stopping_criteria=stopping_criteria, mirostat_mode=mirostat_mode, mirostat_tau=mirostat_tau,
-            mirostat_eta=mirostat_eta, grammar_triggers=None, share=share, cache_salt=cache_salt))
+            mirostat_eta=mirostat_eta, grammar_triggers=None, grammar_start_triggers=None, share=share,
+            cache_salt=cache_salt))
         cid = f"cmpl-{uuid.uuid4()}"
         created = int(time.time())
         name = model or self.model_path
@@ -941,12 +942,12 @@ class Llama(_SessionMixin):
                 if grammar is not None:
                     raise InvalidArgumentError("pass response_format or grammar, not both")
                 grammar = rf_grammar
-        triggers = None
+        triggers = starts = None
         if plan is not None and plan.grammar is not None:
             if grammar is not None:
                 raise InvalidArgumentError("tools with tool_choice other than 'none' constrain the reply with a "
                                            "grammar of their own: pass tools or grammar/response_format, not both")
-            grammar, triggers = plan.grammar, list(plan.triggers) or None
+            grammar, triggers, starts = plan.grammar, list(plan.triggers) or None, list(plan.start_triggers) or None
         if plan is not None:
             _check_messages(messages)
             messages = plan.messages(messages)
@@ -969,7 +970,8 @@ class Llama(_SessionMixin):
             active_loras=active_loras, control_vector=control_vector, control_vectors=control_vectors,
             cancel=cancel, cache_prompt=cache_prompt, logits_processor=logits_processor,
             stopping_criteria=stopping_criteria, mirostat_mode=mirostat_mode, mirostat_tau=mirostat_tau,
-            mirostat_eta=mirostat_eta, grammar_triggers=triggers, share=share, cache_salt=cache_salt))
+            mirostat_eta=mirostat_eta, grammar_triggers=triggers, grammar_start_triggers=starts, share=share,
+            cache_salt=cache_salt))
         cid = f"chatcmpl-{uuid.uuid4()}"
         created = int(time.time())
         name = model or self.model_path
@@ -1318,6 +1320,7 @@ class Llama(_SessionMixin):
                           frequency_penalty=p.frequency_penalty, presence_penalty=p.presence_penalty,
                           penalty_last_n=self.last_n_tokens_size,
                           seed=self._next_seed(p.seed), grammar=grammar, grammar_triggers=p.grammar_triggers,
+                          grammar_start_triggers=p.grammar_start_triggers,
                           logit_bias=p.logit_bias,
                           mirostat=0 if p.mirostat_mode is None else p.mirostat_mode, mirostat_tau=p.mirostat_tau,
                           mirostat_eta=p.mirostat_eta)

@@ -287,6 +287,7 @@ class RequestParams:
     mirostat_tau: Any
     mirostat_eta: Any
     grammar_triggers: Any  # literal texts that switch a lazy grammar on (tool calls)
+    grammar_start_triggers: Any  # ... only where the output begins
     share: Share | None    # who the request runs for (the batcher's fair share of slots)
     cache_salt: str | None  # the prefix cache's scope (None: shared)
 

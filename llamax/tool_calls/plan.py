@@ -34,13 +34,15 @@ from llamax.tool_calls.reasoning import Reasoning, detect_reasoning
 class ChatPlan:
     """One chat request's tool calls and reasoning (see the module).
 
-    ``grammar`` / ``triggers``: what the sampler runs (None / () when
-    nothing is constrained); :meth:`messages` is the conversation the
+    ``grammar`` / ``triggers`` / ``start_triggers``: what the sampler runs
+    (None / () when nothing is constrained; triggers arm a lazy grammar
+    anywhere, start triggers only where the output begins); :meth:`messages` is the conversation the
     template renders; :meth:`message` and :meth:`stream` read the generated
     text."""
 
     def __init__(self, fmt: Format | None, tools, mode: str, parallel: bool, legacy: bool,
-                 reasoning: Reasoning | None, grammar: str | None, triggers: tuple, prompt: str | None):
+                 reasoning: Reasoning | None, grammar: str | None, triggers: tuple, prompt: str | None,
+                 start_triggers: tuple = ()):
         self.format = fmt
         self.tools = tools
         self.mode = mode                  # "", none, auto, required, named
@@ -49,6 +51,7 @@ class ChatPlan:
         self.reasoning = reasoning
         self.grammar = grammar
         self.triggers = triggers
+        self.start_triggers = start_triggers
         self._prompt = prompt             # the generic format's system prompt, or None
 
     def open_reasoning(self, opened: bool) -> None:
@@ -235,10 +238,11 @@ def chat_plan(tools, tool_choice, parallel_tool_calls, template_source: str | No
     if not tools or mode == "none":
         return ChatPlan(fmt, tools, "none", parallel, legacy, reasoning, None, (), None)
     prompt = system_prompt(tools, tool_choice, parallel) if isinstance(fmt, Generic) else None
-    if mode == "auto" and fmt.triggers:
+    starts = tuple(fmt.start_triggers(tools, tool_choice)) if mode == "auto" else ()
+    if mode == "auto" and (fmt.triggers or starts):
         grammar = fmt.grammar(tools, tool_choice, parallel, lazy=True)
         triggers = tuple(fmt.triggers)
     else:
         grammar = fmt.grammar(tools, tool_choice, parallel)
         triggers = ()
-    return ChatPlan(fmt, tools, mode, parallel, legacy, reasoning, grammar, triggers, prompt)
+    return ChatPlan(fmt, tools, mode, parallel, legacy, reasoning, grammar, triggers, prompt, starts)

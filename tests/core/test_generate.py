@@ -323,6 +323,40 @@ def test_lazy_grammar_waits_for_its_trigger(model, ctx):
     assert s2.sample_logits(ctx, logits) == word
 
 
+def test_start_triggers_arm_only_where_the_output_begins(model, ctx):
+    """grammar_start_triggers: the grammar switches on when the output
+    begins (after whitespace) with a trigger -- a Llama 3 call's "{" -- and
+    never for one further on."""
+    g = 'root ::= "{" [0-9]+ "}"'
+    n = model.n_vocab
+    word = model.tokenize("hello", add_special=False)[0]
+    logits = np.zeros(n, np.float32)
+    logits[word] = 10.0
+    waiting = greedy(model, grammar=g, grammar_start_triggers=["{"])
+    assert waiting.sample_logits(ctx, logits) == word   # nothing generated yet: waiting
+    s = greedy(model, grammar=g, grammar_start_triggers=["{"])   # (a sampled token is generated text)
+    for tok in model.tokenize(" \n{", add_special=False):
+        s.accept(int(tok))
+    tok = s.sample_logits(ctx, logits)
+    assert tok != word and model.detokenize_text([tok]).strip().isdigit()
+    with pytest.raises(llamax.GrammarError):
+        s.accept(word)
+    assert s.params["grammar_start_triggers"] == ["{"]
+    # "{" after other text: still free text (an anywhere-trigger would have armed)
+    later = greedy(model, grammar=g, grammar_start_triggers=["{"])
+    anywhere = greedy(model, grammar=g, grammar_triggers=["{"])
+    for tok in model.tokenize("Sure: {", add_special=False):
+        later.accept(int(tok))
+        anywhere.accept(int(tok))
+    assert later.sample_logits(ctx, logits) == word
+    assert anywhere.sample_logits(ctx, logits) != word
+    # start triggers count with the others against the limit
+    with pytest.raises(llamax.InvalidArgumentError, match="in all"):
+        llamax.Sampler(model, grammar=g, grammar_triggers=["a"] * 9, grammar_start_triggers=["b"] * 8)
+    with pytest.raises(llamax.InvalidArgumentError, match="grammar_start_triggers"):
+        llamax.Sampler(model, grammar_start_triggers=["{"])
+
+
 @pytest.mark.parametrize("kw,err", [
     (dict(grammar_triggers=["x"]), llamax.InvalidArgumentError),             # no grammar to switch on
     (dict(grammar='root ::= "a"', grammar_triggers="x"), llamax.ArgumentTypeError),

@@ -469,3 +469,16 @@ def test_grammar_parameters_with_refs_and_no_type():
 def test_new_call_id():
     ids = {new_call_id() for _ in range(100)}
     assert len(ids) == 100 and all(re.fullmatch(r"call_[A-Za-z0-9]{24}", i) for i in ids)
+
+
+def test_auto_plans_arm_at_start_triggers():
+    """tool_choice "auto": a format whose call may open the output without a
+    marker (Llama 3's bare JSON, functionary v3.2's recipient) gets start
+    triggers next to its triggers, so such a call is constrained too."""
+    from llamax.tool_calls.plan import chat_plan
+    llama3 = chat_plan(TOOLS, "auto", None, '{{ "<|python_tag|>" }} ipython "parameters"', None)
+    assert llama3.triggers == ("<|python_tag|>",) and llama3.start_triggers == ("{",)
+    assert llama3.grammar is not None
+    assert chat_plan(TOOLS, "required", None, '{{ "<|python_tag|>" }}', None).start_triggers == ()
+    hermes = chat_plan(TOOLS, "auto", None, "{{ '<tool_call>' }} tools", None)
+    assert hermes.start_triggers == () and hermes.triggers
