@@ -2098,7 +2098,15 @@ llama_token sample_logits_with(llama_sampler * chain, llama_sampler * grammar, c
     }
     const llama_token_data & pick = arr.data[arr.selected];
     // Every candidate banned: greedy then picks the first, a random draw the
-    // last -- a token nothing allowed.
+    // last -- a token nothing allowed.  Under a grammar a pick at -inf is
+    // always a dead end, whatever p the draw gave it (top_k=1 leaves one
+    // candidate at -inf with p = 1: accepting it -- an end-of-generation
+    // token the grammar can't end on -- is a GGML_ABORT in llama.cpp).
+    if (grammar != nullptr && !(pick.logit > -INFINITY)) {
+        throw Error(ErrorKind::Grammar,
+                    "no token satisfies the grammar here (a dead end: the grammar allows nothing, or "
+                    "logit_bias bans every token it allows)");
+    }
     if (!(pick.logit > -INFINITY) && !(pick.p > 0.0f)) {
         if (grammar != nullptr) {
             throw Error(ErrorKind::Grammar,

@@ -172,6 +172,9 @@ class Tenancy:
                 self._refuse(request, headers, 1.0, f"{lim.concurrent} running and {lim.queued} queued requests",
                              concurrency=True)
         u.in_flight += n
+        # (a tenant with nothing else in flight: the server's queue, full of
+        # other tenants' requests, still takes it; see LocalBackend.admit)
+        request.state.tenant_newcomer = self.enabled and u.in_flight == n
         if lim.requests_per_minute is not None:
             u.requests.append(now)
         request.state.tenant_sequences = n

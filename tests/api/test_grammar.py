@@ -552,3 +552,20 @@ def test_parse_errors_say_why(model):
     now reach the GrammarError."""
     with pytest.raises(llamax.GrammarError, match="Undefined rule identifier 'nope'"):
         llamax.Sampler(model, grammar="root ::= nope")
+
+
+@pytest.mark.parametrize("n_parallel", [1, 4])
+@pytest.mark.parametrize("kw", [dict(temperature=0.0), dict(temperature=0.8, top_k=1),
+                                dict(temperature=0.8, top_k=1, typical_p=1e-300, repeat_penalty=0.9)])
+def test_a_grammar_nothing_satisfies_is_a_grammar_error(smollm2_path, n_parallel, kw):
+    """A character range nothing is in (reversed) allows no token, not even
+    the end: a GrammarError on every path -- not llama.cpp's abort when
+    top_k=1 leaves one banned candidate with p = 1 and it is the end token
+    (found by the HTTP fuzzer)."""
+    llm = llamax.Llama(smollm2_path, n_ctx=256, n_parallel=n_parallel, n_threads=2)
+    try:
+        with pytest.raises(llamax.GrammarError, match="no token satisfies"):
+            llm.create_completion([1, 2, 3], grammar="root ::= [\\U0010FFFF-\\U00000000]", max_tokens=3, **kw)
+        assert llm.create_completion("Hi", max_tokens=2, temperature=0)["choices"][0]["text"] is not None
+    finally:
+        llm.close()

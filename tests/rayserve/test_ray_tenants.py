@@ -70,7 +70,7 @@ def test_cache_scope_reaches_the_replica(ray_tenants):
 
 def test_concurrent_limit_reaches_the_replica(ray_tenants):
     body = {"messages": [{"role": "user", "content": "Count to a hundred."}], "max_tokens": 96,
-            "temperature": 0, "stream": True, "logit_bias": {"2": -100}}
+            "temperature": 0, "stream": True, "logit_bias": {"0": -100, "2": -100}}
     firsts, ends = {}, {}
 
     def stream(i):

@@ -160,12 +160,17 @@ class LocalBackend:
 
     # -- admission ------------------------------------------------------------
 
-    def admit(self, n: int) -> None:
+    def admit(self, n: int, request: Request | None = None) -> None:
         if n > self.capacity + self.cfg.max_queue:  # never admitted: retrying can't help
             raise APIError(400, f"the request needs {n} sequences (prompts x n), more than this server ever "
                            f"admits at once ({self.capacity} running and --max-queue {self.cfg.max_queue})",
                            param="n", code="too_many_sequences")
-        if self.in_flight + n > self.capacity + self.cfg.max_queue:
+        bound = self.capacity + self.cfg.max_queue
+        if request is not None and getattr(request.state, "tenant_newcomer", False):
+            # a tenant with nothing else in flight gets in past a queue other
+            # tenants filled (at most one request per configured tenant)
+            bound += len(self.tenancy.table or ())
+        if self.in_flight + n > bound:
             raise APIError(503, f"the server is at capacity ({self.in_flight} requests running or queued, "
                            f"--max-queue {self.cfg.max_queue}): retry later", code="queue_full",
                            headers={"Retry-After": "1"})
@@ -319,7 +324,7 @@ class LocalBackend:
         on-demand adapter, and echo scoring decodes the prompt."""
         cfg = self.cfg
         request.state.deadline = time.monotonic() + cfg.request_timeout
-        self.admit(n)
+        self.admit(n, request)
         prepared: list = []
         try:
             async with asyncio.timeout(cfg.request_timeout):
@@ -439,7 +444,7 @@ class LocalBackend:
             for p in running:
                 p.cancel()
 
-        self.admit(1)
+        self.admit(1, request)
         try:
             content, usage = await guarded(request, asyncio.to_thread(work), self.cfg.request_timeout,
                                            on_cancel=stop)
