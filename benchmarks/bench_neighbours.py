@@ -52,7 +52,7 @@ from pathlib import Path
 
 import httpx
 
-from served import served_url  # benchmarks/served.py (this script's folder)
+from served import cpu_name as _cpu, served_url  # benchmarks/served.py (this script's folder)
 
 HERE = Path(__file__).resolve().parent
 
@@ -274,17 +274,6 @@ def run(args) -> dict:
         })
     return {"machine": platform.processor() or platform.machine(), "cpu": _cpu(), "args": vars(args),
             "rows": rows, "loop": costs}
-
-
-def _cpu() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                flags = open("/proc/cpuinfo").read()
-                return line.split(":", 1)[1].strip() + (" (AVX-512)" if "avx512f" in flags else " (AVX2)")
-    except OSError:
-        pass
-    return platform.machine()
 
 
 def table(res) -> str:

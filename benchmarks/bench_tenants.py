@@ -65,7 +65,7 @@ from pathlib import Path
 
 import httpx
 
-from served import served_url  # benchmarks/served.py (this script's folder)
+from served import cpu_name as _cpu, served_url  # benchmarks/served.py (this script's folder)
 
 HERE = Path(__file__).resolve().parent
 
@@ -383,17 +383,6 @@ def _commit() -> str | None:
         return out.stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         return None
-
-
-def _cpu() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                flags = open("/proc/cpuinfo").read()
-                return line.split(":", 1)[1].strip() + (" (AVX-512)" if "avx512f" in flags else " (AVX2)")
-    except OSError:
-        pass
-    return platform.machine()
 
 
 def _f(v, fmt: str, suffix: str = "") -> str:

@@ -1,7 +1,8 @@
 """What the server benchmarks share: the URL a ``python -m llamax serve``
-process prints when it is ready."""
+process prints when it is ready, and the CPU's name for their tables."""
 from __future__ import annotations
 
+import platform
 import re
 import subprocess
 import time
@@ -19,3 +20,16 @@ def served_url(proc: subprocess.Popen, timeout: float = 180.0) -> str | None:
         if m:
             return m.group(1)
     return None
+
+
+def cpu_name() -> str:
+    """The CPU's model name and whether it has AVX-512 (else: AVX2)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            text = f.read()
+    except OSError:
+        return platform.machine()
+    for line in text.splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip() + (" (AVX-512)" if "avx512f" in text else " (AVX2)")
+    return platform.machine()

@@ -135,8 +135,8 @@ class Tenancy:
 
     def admit(self, request: Request, n: int, max_tokens: int | None) -> None:
         """Count a request of ``n`` sequences against its tenant's limits
-        (429 past one); ``release`` it when it is over.  Sets the answer's
-        x-ratelimit headers."""
+        (429 past one); TenantGate lets go of them when the answer is over.
+        Sets the answer's x-ratelimit headers."""
         caller: Caller = request.state.tenant
         t = caller.tenant
         lim = t.limits
@@ -184,12 +184,6 @@ class Tenancy:
         hint = "wait for one of its requests to finish" if concurrency else f"retry in {_reset(reset)}"
         raise APIError(429, f"rate limit reached for this key's tenant: {what}; {hint}", code="rate_limit_exceeded",
                        headers=dict(headers, **{"Retry-After": str(max(1, int(math.ceil(reset))))}))
-
-    def release(self, request: Request) -> None:
-        n = getattr(request.state, "tenant_sequences", 0)
-        if n:
-            request.state.tenant_sequences = 0
-            self._use(request.state.tenant.tenant.name).in_flight -= n
 
     # -- what it used ----------------------------------------------------------------
 
