@@ -2137,6 +2137,156 @@ llama_token Context::sample_chain(llama_sampler * chain, llama_sampler * grammar
     return sample_logits_with(chain, grammar, logits, n_vocab_, cand_, stop, this);
 }
 
+namespace {
+
+struct ReasoningBudget {
+    enum Phase { Before, Inside, Forcing, Done };
+    const llama_vocab * vocab;
+    int32_t budget;
+    std::string start, end;
+    std::vector<llama_token> forced;
+    bool started_open;
+    Phase phase = Before;
+    std::string text;        // Before: the output so far; Inside: its tail (to find `end` across pieces)
+    int32_t n_inside = 0;    // tokens accepted inside the open section
+    size_t n_forced = 0;     // forced tokens accepted
+
+    void restart() {
+        text.clear();
+        n_inside = 0;
+        n_forced = 0;
+        phase = Before;
+        if (started_open) {
+            open_at(0);
+        }
+    }
+    // The section is open; `from` = where its text begins in `text`.
+    void open_at(size_t from) {
+        text.erase(0, from);
+        phase = Inside;
+        check_inside();
+    }
+    void check_inside() {
+        if (text.find(end) != std::string::npos) {
+            phase = Done;
+            text.clear();
+            return;
+        }
+        if (text.size() > end.size() + 256) {  // keep only what may still hold the start of `end`
+            text.erase(0, text.size() - end.size());
+        }
+        if (n_inside >= budget) {
+            phase = forced.empty() ? Done : Forcing;
+            text.clear();
+        }
+    }
+    void accept(llama_token tok) {
+        switch (phase) {
+            case Done:
+                return;
+            case Forcing:
+                if (tok == forced[n_forced] && ++n_forced < forced.size()) {
+                    return;
+                }
+                phase = Done;
+                return;
+            case Before:
+            case Inside:
+                break;
+        }
+        char buf[256];
+        int32_t n = llama_token_to_piece(vocab, tok, buf, sizeof buf, 0, false);
+        std::string piece;
+        if (n >= 0) {
+            piece.assign(buf, (size_t) n);
+        } else {
+            piece.resize((size_t) -n);
+            n = llama_token_to_piece(vocab, tok, piece.data(), (int32_t) piece.size(), 0, false);
+            piece.resize(n > 0 ? (size_t) n : 0);
+        }
+        if (phase == Inside) {
+            ++n_inside;
+            text += piece;
+            check_inside();
+            return;
+        }
+        text += piece;
+        const size_t lead = text.find_first_not_of(" \t\r\n\v\f");
+        if (lead == std::string::npos) {
+            if (text.size() > 4096) {  // only whitespace, for long: no section here
+                phase = Done;
+                text.clear();
+            }
+            return;
+        }
+        const std::string_view rest(text.data() + lead, text.size() - lead);
+        if (rest.size() >= start.size() && rest.compare(0, start.size(), start) == 0) {
+            open_at(lead + start.size());  // (the token that completed `start` is not counted)
+        } else if (start.compare(0, rest.size(), rest) != 0) {
+            phase = Done;  // the output does not begin with the section
+            text.clear();
+        }
+    }
+    void apply(llama_token_data_array * cur) const {
+        if (phase != Forcing) {
+            return;
+        }
+        const llama_token want = forced[n_forced];
+        for (size_t i = 0; i < cur->size; ++i) {
+            if (cur->data[i].id != want) {
+                cur->data[i].logit = -INFINITY;
+            }
+        }
+    }
+};
+
+const char * rb_name(const llama_sampler *) { return "llamax-reasoning-budget"; }
+void rb_accept(llama_sampler * s, llama_token tok) { static_cast<ReasoningBudget *>(s->ctx)->accept(tok); }
+void rb_apply(llama_sampler * s, llama_token_data_array * cur) { static_cast<ReasoningBudget *>(s->ctx)->apply(cur); }
+void rb_reset(llama_sampler * s) { static_cast<ReasoningBudget *>(s->ctx)->restart(); }
+llama_sampler * rb_clone(const llama_sampler * s);
+void rb_free(llama_sampler * s) { delete static_cast<ReasoningBudget *>(s->ctx); }
+
+llama_sampler_i rb_iface() {
+    llama_sampler_i i{};
+    i.name = rb_name;
+    i.accept = rb_accept;
+    i.apply = rb_apply;
+    i.reset = rb_reset;
+    i.clone = rb_clone;
+    i.free = rb_free;
+    return i;
+}
+
+llama_sampler_i kReasoningBudgetIface = rb_iface();
+
+llama_sampler * rb_clone(const llama_sampler * s) {
+    auto * copy = new ReasoningBudget(*static_cast<const ReasoningBudget *>(s->ctx));
+    return llama_sampler_init(&kReasoningBudgetIface, copy);
+}
+
+}  // namespace
+
+llama_sampler * reasoning_budget_init(const llama_vocab * vocab, int32_t budget, const std::string & start,
+                                      const std::string & end, const std::vector<llama_token> & forced,
+                                      bool started_open) {
+    if (budget < 0) {
+        throw Error(ErrorKind::InvalidArgument, "the reasoning budget must be >= 0 tokens");
+    }
+    if (start.empty() || end.empty()) {
+        throw Error(ErrorKind::InvalidArgument, "the reasoning section's start and end tags must not be empty");
+    }
+    const int32_t n_vocab = llama_vocab_n_tokens(vocab);
+    for (llama_token t : forced) {
+        if (t < 0 || t >= n_vocab) {
+            throw Error(ErrorKind::InvalidArgument, "a forced token id is out of the vocabulary");
+        }
+    }
+    auto * rb = new ReasoningBudget{vocab, budget, start, end, forced, started_open};
+    rb->restart();
+    return llama_sampler_init(&kReasoningBudgetIface, rb);
+}
+
 int64_t gbnf_max_nesting(const std::string & t) {
     int64_t depth = 0, deepest = 0;
     for (size_t i = 0; i < t.size(); ++i) {

@@ -264,6 +264,21 @@ llama_token sample_logits_with(llama_sampler * chain, llama_sampler * grammar, c
                                int32_t n_vocab, std::vector<llama_token_data> & cand,
                                void (*stop)(void * user), void * user);
 
+// A reasoning budget, as a sampler of llama.cpp's interface (put it first
+// in a chain).  It reads the text of the tokens the chain accepts (rendered
+// as the text assembler renders them: special tokens not as text).  The
+// section opens with `start` where the output begins (after whitespace), or
+// at once when `started_open` (the prompt opened it); it closes by itself
+// when `end` appears.  After `budget` tokens inside an open section (0: at
+// once), the chain's next picks are forced to `forced` (the closing text's
+// tokens: every other candidate is set to -inf), one per token; then the
+// budget is spent and the sampler does nothing more.  A pick that is not
+// the forced token (a grammar that rejects it raises before that) ends the
+// forcing.  Clone copies the progress; reset starts over.
+llama_sampler * reasoning_budget_init(const llama_vocab * vocab, int32_t budget, const std::string & start,
+                                      const std::string & end, const std::vector<llama_token> & forced,
+                                      bool started_open);
+
 // The deepest nesting of parentheses in a GBNF text, outside string
 // literals, character classes and comments.  llama.cpp's grammar parser
 // recurses once per level (a stack overflow on deep nesting).

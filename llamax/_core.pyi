@@ -63,6 +63,10 @@ class _SamplerParams(TypedDict):
     mirostat_eta: float
     grammar_triggers: list[str] | None
     grammar_start_triggers: list[str] | None
+    reasoning_budget: int | None
+    reasoning_started_open: bool
+    reasoning_tags: tuple[str, str]
+    reasoning_budget_message: str | None
 
 # -- module ------------------------------------------------------------------
 
@@ -297,6 +301,10 @@ class Sampler:
         mirostat_eta: float = 0.1,
         grammar_triggers: list[str] | tuple[str, ...] | None = None,
         grammar_start_triggers: list[str] | tuple[str, ...] | None = None,
+        reasoning_budget: int | None = None,
+        reasoning_started_open: bool = False,
+        reasoning_tags: tuple[str, str] | list[str] = ("<think>", "</think>"),
+        reasoning_budget_message: str | None = None,
     ) -> None: ...
     @property
     def model(self) -> Model: ...

@@ -20,6 +20,14 @@ cdef class Sampler:
     text on.  ``grammar_start_triggers`` likewise, but only where the output
     begins (after at most 64 spaces, tabs or newlines): a Llama 3 call's
     ``{``, a functionary recipient's ``name\n``.
+
+    ``reasoning_budget`` (tokens; None: unbounded) bounds a reasoning
+    section: it opens where the output begins with ``reasoning_tags[0]``
+    (or at once, ``reasoning_started_open=True``: the prompt opened it) and
+    closes at ``reasoning_tags[1]``; after that many tokens inside it, the
+    next tokens are forced to ``reasoning_budget_message`` followed by the
+    closing tag, and generation goes on from there.  It comes first in the
+    chain, so penalties and the grammar see the forced tokens as sampled.
     """
 
     def __cinit__(self):
@@ -29,7 +37,8 @@ cdef class Sampler:
                  typical_p=1.0, repeat_penalty=1.0, frequency_penalty=0.0, presence_penalty=0.0,
                  penalty_last_n=64, seed=None, grammar=None, grammar_root="root", logit_bias=None,
                  mirostat=0, mirostat_tau=5.0, mirostat_eta=0.1, grammar_triggers=None,
-                 grammar_start_triggers=None):
+                 grammar_start_triggers=None, reasoning_budget=None, reasoning_started_open=False,
+                 reasoning_tags=("<think>", "</think>"), reasoning_budget_message=None):
         cdef Model _mo_t = _typed(model, Model, "model")
         _mo_t._ptr()
         self.model = model
@@ -84,6 +93,24 @@ cdef class Sampler:
         if len(triggers) + len(starts) > MAX_GRAMMAR_TRIGGERS:
             raise InvalidArgumentError(f"{len(triggers) + len(starts)} grammar triggers in all; at most "
                                        f"{MAX_GRAMMAR_TRIGGERS}")
+        cdef vector[llama_token] forced
+        cdef string c_start, c_end
+        if reasoning_budget is not None:
+            _check_int(reasoning_budget, "reasoning_budget", 0, INT32_MAX)
+            if not isinstance(reasoning_started_open, bool):
+                raise ArgumentTypeError("reasoning_started_open must be a bool")
+            if not isinstance(reasoning_tags, (tuple, list)) or len(reasoning_tags) != 2 or \
+                    not all(isinstance(t, str) and t for t in reasoning_tags):
+                raise ArgumentTypeError("reasoning_tags must be two non-empty str: (start, end)")
+            if reasoning_budget_message is not None and not isinstance(reasoning_budget_message, str):
+                raise ArgumentTypeError("reasoning_budget_message must be a str or None")
+            forced_text = (reasoning_budget_message or "") + reasoning_tags[1]
+            for t in model.tokenize(forced_text, add_special=False, parse_special=True):
+                forced.push_back(<llama_token> t)
+            c_start = reasoning_tags[0].encode("utf-8")
+            c_end = reasoning_tags[1].encode("utf-8")
+        elif reasoning_budget_message is not None or reasoning_started_open:
+            raise InvalidArgumentError("reasoning_budget_message / reasoning_started_open need a reasoning_budget")
         self.params = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                            typical_p=typical_p, repeat_penalty=repeat_penalty,
                            frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
@@ -91,7 +118,11 @@ cdef class Sampler:
                            logit_bias=dict(logit_bias) if logit_bias else None, mirostat=mirostat,
                            mirostat_tau=mirostat_tau, mirostat_eta=mirostat_eta,
                            grammar_triggers=list(triggers) if triggers else None,
-                           grammar_start_triggers=list(starts) if starts else None)
+                           grammar_start_triggers=list(starts) if starts else None,
+                           reasoning_budget=reasoning_budget,
+                           reasoning_started_open=bool(reasoning_started_open) if reasoning_budget is not None else False,
+                           reasoning_tags=tuple(reasoning_tags),
+                           reasoning_budget_message=reasoning_budget_message)
         cdef llama_sampler_chain_params cp = llama_sampler_chain_default_params()
         cp.no_perf = True
         cdef llama_sampler * chain = llama_sampler_chain_init(cp)
@@ -111,6 +142,10 @@ cdef class Sampler:
             c_patterns.push_back(<const char *> bp)
         self._smpl = chain
         self._grammar = NULL
+        if reasoning_budget is not None:
+            # first: what follows (penalties, grammar, the draw) sees a forced token as the only candidate
+            llama_sampler_chain_add(chain, reasoning_budget_init(vocab, reasoning_budget, c_start, c_end, forced,
+                                                                 reasoning_started_open))
         if repeat_penalty != 1.0 or frequency_penalty != 0.0 or presence_penalty != 0.0:
             llama_sampler_chain_add(chain, llama_sampler_init_penalties(
                 n_vocab, penalty_last_n, repeat_penalty, frequency_penalty, presence_penalty))

@@ -842,7 +842,7 @@ class Llama(_SessionMixin):
             cancel=cancel, cache_prompt=cache_prompt, logits_processor=logits_processor,
             stopping_criteria=stopping_criteria, mirostat_mode=mirostat_mode, mirostat_tau=mirostat_tau,
             mirostat_eta=mirostat_eta, grammar_triggers=None, grammar_start_triggers=None, share=share,
-            cache_salt=cache_salt))
+            cache_salt=cache_salt, reasoning_budget=None))
         cid = f"cmpl-{uuid.uuid4()}"
         created = int(time.time())
         name = model or self.model_path
@@ -909,7 +909,8 @@ class Llama(_SessionMixin):
                                stopping_criteria=None, parallel_tool_calls: bool | None = None,
                                chat_template_kwargs: dict | None = None,
                                reasoning_effort: str | None = None, share: Share | None = None,
-                               cache_salt: str | None = None) -> PreparedRequest:
+                               cache_salt: str | None = None, max_reasoning_tokens: int | None = None,
+                               reasoning_budget_message: str | None = None) -> PreparedRequest:
         """An OpenAI-style chat completion through the model's chat template,
         checked and ready to run (see :class:`~llamax.request.PreparedRequest`);
         :meth:`create_chat_completion` runs it at once.
@@ -922,6 +923,12 @@ class Llama(_SessionMixin):
         ``chat_template_kwargs``: extra variables for the Jinja2 template
         (e.g. ``{"enable_thinking": False}``); ``reasoning_effort`` is passed
         to it as the variable of that name.
+        ``max_reasoning_tokens``: a thinking budget.  After that many tokens
+        inside the reply's ``<think>`` section (opened by the prompt, or by
+        the reply's first words), the section is closed for the model: the
+        next tokens are ``reasoning_budget_message`` (if given) and
+        ``</think>``, and the reply goes on from there (0: close it at once).
+        It counts toward ``max_tokens`` like any generated token.
         ``response_format``: ``{"type": "json_object"}`` (any JSON object,
         optionally with a ``"schema"``) or ``{"type": "json_schema",
         "json_schema": {"schema": {...}}}``: the reply is constrained by a
@@ -958,6 +965,16 @@ class Llama(_SessionMixin):
             plan.open_reasoning(rendered.rstrip().endswith("<think>"))
         if format_stops:
             stop = _merge_stops(stop, format_stops)
+        budget = None
+        if max_reasoning_tokens is not None:
+            max_reasoning_tokens = check_int(max_reasoning_tokens, "max_reasoning_tokens", 0, 2**31 - 1)
+            if reasoning_budget_message is not None and not isinstance(reasoning_budget_message, str):
+                raise ArgumentTypeError("reasoning_budget_message must be a str or None")
+            opened = plan is not None and plan.reasoning is not None and plan.reasoning.started_open
+            budget = (max_reasoning_tokens, reasoning_budget_message, opened)
+        elif reasoning_budget_message is not None:
+            raise InvalidArgumentError("reasoning_budget_message is the text that closes a thinking budget: "
+                                       "it needs max_reasoning_tokens")
         n_top = None
         if logprobs:
             n_top = 0 if top_logprobs is None else top_logprobs
@@ -971,7 +988,7 @@ class Llama(_SessionMixin):
             cancel=cancel, cache_prompt=cache_prompt, logits_processor=logits_processor,
             stopping_criteria=stopping_criteria, mirostat_mode=mirostat_mode, mirostat_tau=mirostat_tau,
             mirostat_eta=mirostat_eta, grammar_triggers=triggers, grammar_start_triggers=starts, share=share,
-            cache_salt=cache_salt))
+            cache_salt=cache_salt, reasoning_budget=budget))
         cid = f"chatcmpl-{uuid.uuid4()}"
         created = int(time.time())
         name = model or self.model_path
@@ -1323,7 +1340,10 @@ class Llama(_SessionMixin):
                           grammar_start_triggers=p.grammar_start_triggers,
                           logit_bias=p.logit_bias,
                           mirostat=0 if p.mirostat_mode is None else p.mirostat_mode, mirostat_tau=p.mirostat_tau,
-                          mirostat_eta=p.mirostat_eta)
+                          mirostat_eta=p.mirostat_eta,
+                          **({} if p.reasoning_budget is None else dict(
+                              reasoning_budget=p.reasoning_budget[0], reasoning_budget_message=p.reasoning_budget[1],
+                              reasoning_started_open=p.reasoning_budget[2])))
         share = p.share
         if share is not None and not isinstance(share, Share):
             raise ArgumentTypeError(f"share must be a llamax.Share, not {type(share).__name__}")

@@ -290,6 +290,7 @@ class RequestParams:
     grammar_start_triggers: Any  # ... only where the output begins
     share: Share | None    # who the request runs for (the batcher's fair share of slots)
     cache_salt: str | None  # the prefix cache's scope (None: shared)
+    reasoning_budget: Any  # (tokens, message, started_open): a bound on the reply's <think> section, or None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -184,6 +184,9 @@ cdef extern from "llamax.h" namespace "llamax" nogil:
     cbool check_model_gguf(const string & path) except +translate_exception
     void accept_checked(llama_sampler * chain, llama_sampler * grammar, llama_token token) except +translate_exception
     int64_t gbnf_max_nesting(const string & text)
+    llama_sampler * reasoning_budget_init(const llama_vocab * vocab, int32_t budget, const string & start,
+                                          const string & end, const vector[llama_token] & forced,
+                                          cbool started_open) except +translate_exception
     int32_t tokenize_safe(const llama_vocab * vocab, const char * text, int32_t n_text, llama_token * out,
                           int32_t n_max, cbool add_special, cbool parse_special) except +translate_exception
     int32_t wpm_long_words_to_unk(const llama_vocab * vocab, llama_token unk, llama_token * tokens, int32_t n)

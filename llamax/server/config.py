@@ -53,6 +53,10 @@ class ServerConfig:
     tenants: str | None = None
     usage_log: str | None = None
     reserve_slots: int | None = None
+    # the thinking budget of chat requests that set none (-1: none), and the
+    # text put before the closing tag when it runs out
+    reasoning_budget: int = -1
+    reasoning_budget_message: str | None = None
 
     def __post_init__(self):
         if self.alias is None:
@@ -82,6 +86,12 @@ class ServerConfig:
             self.reserve_slots = 1 if self.tenants is not None and self.parallel > 1 else 0
         if not 0 <= self.reserve_slots < max(1, self.parallel):
             raise ValueError(f"--reserve-slots must be in [0, --parallel - 1], not {self.reserve_slots}")
+        if isinstance(self.reasoning_budget, bool) or not isinstance(self.reasoning_budget, int) \
+                or self.reasoning_budget < -1:
+            raise ValueError(f"--reasoning-budget must be -1 (none) or a number of tokens >= 0, "
+                             f"not {self.reasoning_budget!r}")
+        if self.reasoning_budget_message is not None and self.reasoning_budget < 0:
+            raise ValueError("--reasoning-budget-message needs --reasoning-budget N (N >= 0)")
         if self.tenants is not None:
             from llamax.server.tenants import load_tenants
             load_tenants(self.tenants)  # a bad file stops the server before it starts
@@ -221,6 +231,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat-format", help="a built-in chat format instead of the GGUF's template")
     p.add_argument("--chat-template", help="a Jinja2 chat template file instead of the GGUF's")
     p.add_argument("--verbose", action="store_true", help="llama.cpp's log and an access log")
+    p.add_argument("--reasoning-budget", type=int, default=-1, metavar="N",
+                   help="thinking budget of chat requests that set none: the <think> section is closed after N "
+                        "tokens (0: at once; -1: no budget, the default); a request's max_reasoning_tokens "
+                        "(llama-server: thinking_budget_tokens) wins")
+    p.add_argument("--reasoning-budget-message", metavar="TEXT",
+                   help="text put before the closing tag when the budget runs out (default: none)")
     t = p.add_argument_group("tenants (docs/tenants.md)")
     t.add_argument("--tenants", metavar="FILE",
                    help="a tenants file (TOML or JSON): keys, allowed adapters, weights, limits, cache scope; "
@@ -292,7 +308,8 @@ def server_config(args):
                         request_timeout=args.request_timeout, shutdown_timeout=args.shutdown_timeout,
                         chat_format=args.chat_format, chat_template=template, verbose=args.verbose,
                         lora_scales=scales, llama_options=llama_options(args), tenants=args.tenants,
-                        usage_log=args.usage_log, reserve_slots=args.reserve_slots)
+                        usage_log=args.usage_log, reserve_slots=args.reserve_slots,
+                        reasoning_budget=args.reasoning_budget, reasoning_budget_message=args.reasoning_budget_message)
 
 
 def ray_options(args):

@@ -97,6 +97,12 @@ class ChatCompletionRequest(SamplingFields):
     function_call: Union[str, dict[str, Any], None] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None  # extra template variables (llama-server, vLLM)
     reasoning_effort: Optional[str] = None
+    # a thinking budget: the <think> section is closed after this many tokens
+    # (llama-server's names too; its -1 is "no budget")
+    max_reasoning_tokens: Optional[int] = Field(default=None, ge=0)
+    thinking_budget_tokens: Optional[int] = Field(default=None, ge=-1)
+    reasoning_budget_message: Optional[str] = Field(default=None, max_length=4096)
+    thinking_budget_message: Optional[str] = Field(default=None, max_length=4096)
     assistant_prefill: bool = False
 
 

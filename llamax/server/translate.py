@@ -81,12 +81,40 @@ def sampling(body: protocol.SamplingFields, n_ctx: int, max_tokens) -> dict:
                 mirostat_mode=body.mirostat, mirostat_tau=body.mirostat_tau, mirostat_eta=body.mirostat_eta)
 
 
-def chat_kwargs(body: protocol.ChatCompletionRequest, n_ctx: int, loras, cvecs) -> dict:
+def reasoning_budget(body: protocol.ChatCompletionRequest, default: int = -1,
+                     default_message: str | None = None) -> tuple:
+    """``(max_reasoning_tokens, reasoning_budget_message)`` of a chat body:
+    ours or llama-server's names (not two different values), else the
+    server's ``--reasoning-budget`` (-1: none)."""
+    def one(ours, theirs):
+        a, b = getattr(body, ours), getattr(body, theirs)
+        if a is not None and b is not None and a != b:
+            raise APIError(400, f"{ours}={a!r} and {theirs}={b!r} disagree: send one", param=ours)
+        return a if a is not None else b
+
+    n = one("max_reasoning_tokens", "thinking_budget_tokens")
+    message = one("reasoning_budget_message", "thinking_budget_message")
+    if n is None:
+        n = default
+    if message is None:
+        message = default_message
+    if n < 0:
+        if message is not None and (body.reasoning_budget_message is not None or
+                                    body.thinking_budget_message is not None):
+            raise APIError(400, "reasoning_budget_message needs a budget (max_reasoning_tokens)",
+                           param="reasoning_budget_message")
+        return None, None
+    return n, message
+
+
+def chat_kwargs(body: protocol.ChatCompletionRequest, n_ctx: int, loras, cvecs, budget: tuple = (-1, None)) -> dict:
     """``prepare_chat_completion`` keywords for one choice (the caller sets
-    ``seed`` per choice)."""
+    ``seed`` per choice); ``budget``: the server's default thinking budget
+    and message."""
     messages = text_content(body.messages)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     kw = sampling(body, n_ctx, max_tokens)
+    kw["max_reasoning_tokens"], kw["reasoning_budget_message"] = reasoning_budget(body, *budget)
     rf = body.response_format
     if rf is not None and rf.get("type") == "text":
         rf = None

@@ -110,3 +110,10 @@ def test_bad_llama_cpp_flags(smollm2_path, adapters):
     assert r.returncode == 2 and "'x' is not a int" in r.stderr
     r = serve(smollm2_path, "--lora-scaled", str(adapters["coder"]), "big")
     assert r.returncode == 2 and "the scale is not a number" in r.stderr
+
+
+def test_bad_reasoning_budget_flags(smollm2_path):
+    r = serve(smollm2_path, "--reasoning-budget", "-3")
+    assert r.returncode == 2 and "--reasoning-budget must be -1" in r.stderr, r.stderr[-2000:]
+    r = serve(smollm2_path, "--reasoning-budget-message", "Enough.")
+    assert r.returncode == 2 and "needs --reasoning-budget" in r.stderr, r.stderr[-2000:]

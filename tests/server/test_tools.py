@@ -96,3 +96,70 @@ def test_bad_tool_requests_are_400(http, body, param):
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["type"] == "invalid_request_error" and param in json.dumps(err), err
+
+
+# -- a thinking budget over HTTP (issue #35 item 4) ----------------------------
+
+THINK_ASK = [{"role": "user", "content": "What is the capital of France? Think step by step."}]
+
+
+@pytest.fixture(scope="module")
+def thinking_server(smollm2_path, tmp_path_factory):
+    """A template that opens <think> in its generation prompt, and a
+    server-wide budget of 2 tokens for requests that set none."""
+    from llamax_dev.chat_templates import THINKING
+
+    from .conftest import Server
+    tpl = tmp_path_factory.mktemp("thinking") / "thinking.jinja"
+    tpl.write_text(THINKING)
+    s = Server([smollm2_path, "--alias", "smol", "--parallel", "2", "--n-ctx", "1024", "--chat-template", tpl,
+                "--reasoning-budget", "2", "--prefix-cache", "off"])
+    yield s
+    s.stop()
+
+
+def _think(url, **body):
+    import httpx
+    r = httpx.post(url + "/v1/chat/completions", timeout=120, json={
+        "model": "smol", "messages": THINK_ASK, "max_tokens": 16, "temperature": 0, "logprobs": True, **body})
+    return r
+
+
+def _toks(r):
+    return [t["token"] for t in r.json()["choices"][0]["logprobs"]["content"]]
+
+
+def test_thinking_budget_over_http(thinking_server):
+    url = thinking_server.url
+    free = _toks(_think(url, thinking_budget_tokens=-1))  # llama-server's "no budget"
+    assert "</think>" not in "".join(free)
+    default = _think(url)  # the server's --reasoning-budget 2
+    assert _toks(default)[:2] == free[:2] and "".join(_toks(default)[2:]).startswith("</think>")
+    ours = _think(url, max_reasoning_tokens=5, reasoning_budget_message=" Enough.")
+    theirs = _think(url, thinking_budget_tokens=5, thinking_budget_message=" Enough.")
+    assert _toks(ours) == _toks(theirs) and _toks(ours)[:5] == free[:5]
+    assert "".join(_toks(ours)[5:]).startswith(" Enough.</think>")
+    msg = ours.json()["choices"][0]["message"]
+    assert msg["reasoning_content"] == ("".join(free[:5]) + " Enough.").strip()
+    # the official client: extra_body, streamed deltas with reasoning_content
+    import openai
+    with openai.OpenAI(base_url=thinking_server.v1, api_key="unused", max_retries=0, timeout=120) as oai:
+        chunks = list(oai.chat.completions.create(model="smol", messages=THINK_ASK, max_tokens=16, temperature=0,
+                                                  stream=True, extra_body={"max_reasoning_tokens": 5,
+                                                                           "reasoning_budget_message": " Enough."}))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == msg["reasoning_content"]
+    assert "".join(d.content or "" for d in deltas) == msg["content"]
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"max_reasoning_tokens": 3, "thinking_budget_tokens": 4}, "max_reasoning_tokens"),
+    ({"max_reasoning_tokens": -1}, "max_reasoning_tokens"),
+    ({"thinking_budget_tokens": -2}, "thinking_budget_tokens"),
+    ({"max_reasoning_tokens": "many"}, "max_reasoning_tokens"),
+    ({"thinking_budget_tokens": -1, "reasoning_budget_message": "stop"}, "reasoning_budget_message"),
+])
+def test_bad_thinking_budgets_are_400(thinking_server, body, param):
+    r = _think(thinking_server.url, **body)
+    assert r.status_code == 400, r.text
+    assert param in json.dumps(r.json()["error"]), r.text

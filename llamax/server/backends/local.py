@@ -364,7 +364,8 @@ class LocalBackend:
 
     async def chat(self, body: protocol.ChatCompletionRequest, request: Request):
         loras, cvecs = self.resolve(body, request)
-        base = dict(translate.chat_kwargs(body, self.cfg.n_ctx, loras, cvecs), **self.scheduling(body, request))
+        base = dict(translate.chat_kwargs(body, self.cfg.n_ctx, loras, cvecs,
+                                             (self.cfg.reasoning_budget, self.cfg.reasoning_budget_message)), **self.scheduling(body, request))
         request.state.model_name = model_name = body.model or self.cfg.alias
         request.state.model_route = True
         seed = body.seed
