@@ -37,8 +37,10 @@ def test_openai_client_required_tool_call(oai, model):
 
 
 def test_openai_client_named_tool_streamed(oai):
+    # both cold: a prompt partly reused from the prefix cache is decoded in
+    # other chunks, which changes its numbers on AVX2 kernels (issue #33)
     kw = dict(model="smol", messages=ASK, tools=TOOLS, max_tokens=80, temperature=0, seed=3,
-              tool_choice={"type": "function", "function": {"name": "add"}})
+              tool_choice={"type": "function", "function": {"name": "add"}}, extra_body={"cache_prompt": False})
     whole = oai.chat.completions.create(**kw)
     call = whole.choices[0].message.tool_calls[0]
     assert valid(call) == "add"
