@@ -1215,8 +1215,33 @@ void Context::set_threads(int32_t n_threads, int32_t n_threads_batch) {
 #else
     packed_.reset();
 #endif
+#ifdef GGML_THREADPOOL_HAS_USE_REF
+    ggml_threadpool_set_use_ref(tp_, deterministic_);
+    ggml_threadpool_set_use_ref(tp_batch_, deterministic_);
+#endif
     llama_attach_threadpool(ctx_, tp_, tp_batch_ == tp_ ? nullptr : tp_batch_);
     llama_set_n_threads(ctx_, n_threads, n_threads_batch);
+}
+
+void Context::set_deterministic(bool on) {
+#ifdef GGML_THREADPOOL_HAS_USE_REF
+    if (on && tp_ == nullptr) {
+        throw Error(ErrorKind::InvalidArgument,
+                    "deterministic decoding needs llamax's own thread pools, and this context could not make "
+                    "them (it runs on ggml's per-graph pools)");
+    }
+    deterministic_ = on;
+    if (tp_ != nullptr) {
+        ggml_threadpool_set_use_ref(tp_, on);
+        ggml_threadpool_set_use_ref(tp_batch_, on);
+    }
+#else
+    if (on) {
+        throw Error(ErrorKind::InvalidArgument,
+                    "deterministic decoding needs llamax's patched llama.cpp (patch 0012); this build's "
+                    "llama.cpp (LLAMAX_LLAMA_CPP_DIR) is unpatched");
+    }
+#endif
 }
 
 bool Context::set_state(const StatePtr & want_in) {

@@ -385,6 +385,14 @@ public:
 
     void cancel() { abort_.store(true, std::memory_order_relaxed); }
 
+    // Deterministic decoding (patch 0012): every graph on ggml's reference
+    // kernels, so a row's numbers depend neither on what else is in the
+    // batch nor on the thread count (flash attention per query row,
+    // products by vec_dot, no fusion).  Kept across set_threads().  Throws
+    // where the context has no threadpools of llamax's own.
+    void set_deterministic(bool on);
+    bool deterministic() const { return deterministic_; }
+
     // Ctrl-C: while watching, a SIGINT (seen by a chained C handler, see
     // llamax.cpp) aborts the running decode/generate/embed with
     // ErrorKind::Interrupted, within one graph node.  The Python layer watches
@@ -484,6 +492,7 @@ private:
     ggml_threadpool_t tp_ = nullptr;
     ggml_threadpool_t tp_batch_ = nullptr;
     void free_threadpools();
+    bool deterministic_ = false;
 };
 
 // llama_tokenize, made safe for long texts.  Some BPE pre-tokenizers

@@ -124,6 +124,12 @@ cdef class Context:
     n_threads=None, n_threads_batch=None, embeddings=False, pooling=None)``.
     One thread drives a context at a time (others wait); different contexts
     of one model run in parallel.
+
+    ``deterministic=True``: every decode runs ggml's reference kernels
+    (flash attention one query row at a time, products by ``vec_dot``, no
+    fusion), so a token's numbers do not depend on the other tokens or
+    sequences decoded with it, on how its prompt was split into chunks, or
+    on the thread count (CPU; with a model loaded ``repack=False``).
     """
 
     def __cinit__(self):
@@ -134,7 +140,7 @@ cdef class Context:
                  flash_attn=None, kv_unified=True, type_k=None, type_v=None, rope_scaling_type=None,
                  rope_freq_base=None, rope_freq_scale=None, yarn_ext_factor=None, yarn_attn_factor=None,
                  yarn_beta_fast=None, yarn_beta_slow=None, yarn_orig_ctx=None, attention_type=None,
-                 swa_full=None, op_offload=None, offload_kqv=None):
+                 swa_full=None, op_offload=None, offload_kqv=None, deterministic=False):
         cdef Model _mo_t = _typed(model, Model, "model")
         cdef llama_model * m = _mo_t._ptr()
         if model.vocab_only:
@@ -223,6 +229,13 @@ cdef class Context:
         with _ModelUse(_mo_t), nogil:  # allocates the KV cache and reserves compute graphs
             c = new CContext(_mo_t._own, p, max_pos)
         self._c = c
+        if _bool_arg(deterministic, "deterministic"):
+            try:
+                c.set_deterministic(True)
+            except BaseException:
+                self._c = NULL
+                del c
+                raise
         _LIVE_CONTEXTS.add(self)
         self.model = model
         self.embeddings = bool(embeddings)
@@ -360,6 +373,11 @@ cdef class Context:
     @property
     def n_threads(self):
         return llama_n_threads(self._get().raw())
+
+    @property
+    def deterministic(self):
+        """Whether every decode runs ggml's reference kernels (see ``Context(deterministic=True)``)."""
+        return self._get().deterministic()
 
     @property
     def pooling(self):

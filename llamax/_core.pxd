@@ -16,6 +16,7 @@ cdef class Model:
     cdef readonly str path
     cdef readonly bint vocab_only
     cdef readonly int n_gpu_layers  # as asked (-1: all); supports_gpu_offload() says whether any GPU runs them
+    cdef readonly bint repack       # weights may be repacked for llama.cpp's CPU GEMM kernels
     cdef object _children      # weakref.WeakSet of Context / LoraAdapter / Sampler
     cdef int32_t _max_positions    # learned position embeddings: rows (n_ctx_train), else 0
     cdef int _busy             # calls running without the GIL (tokenize, ...): close() refuses

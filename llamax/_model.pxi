@@ -172,6 +172,9 @@ cdef class Model:
     variable ``LLAMAX_N_GPU_LAYERS``, else 0.  A build without a GPU backend,
     or a machine without a GPU, runs every layer on the CPU whatever the
     number (``supports_gpu_offload()`` tells which).
+
+    ``repack=False`` keeps the weights in the file's layout (no repacking
+    for llama.cpp's CPU GEMM kernels): what deterministic decoding needs.
     """
 
     def __cinit__(self):
@@ -180,7 +183,7 @@ cdef class Model:
         self._children = weakref.WeakSet()
 
     def __init__(self, path, *, n_gpu_layers=None, use_mmap=True, vocab_only=False, use_mlock=False,
-                 kv_overrides=None, split_mode=None, main_gpu=None, tensor_split=None):
+                 kv_overrides=None, split_mode=None, main_gpu=None, tensor_split=None, repack=True):
         self.path = _fspath(path)
         n_gpu_layers = _default_gpu_layers(n_gpu_layers)
         self.n_gpu_layers = n_gpu_layers
@@ -192,6 +195,10 @@ cdef class Model:
         else:
             params.load_mode = LLAMA_LOAD_MODE_MLOCK if mlock else LLAMA_LOAD_MODE_NONE
         params.vocab_only = bool(vocab_only)
+        # False: no repacked weight layouts (ggml's "extra" buffer types), whose
+        # kernels differ between one row and many (deterministic decoding)
+        params.use_extra_bufts = _bool_arg(repack, "repack")
+        self.repack = bool(repack)
         # the overrides and the split are read while the model loads: kept here until then
         cdef vector[llama_model_kv_override] overrides
         cdef vector[float] split

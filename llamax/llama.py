@@ -20,7 +20,7 @@ from typing import Optional
 
 import numpy as np
 
-from llamax._core import Batcher, Context, ControlVector, Model, Sampler, State, numa_init
+from llamax._core import Batcher, Context, ControlVector, Model, Sampler, State, numa_init, supports_gpu_offload
 from llamax._errors import (
     ArgumentTypeError, ContextBusyError, ContextOverflowError, ControlVectorError, InvalidArgumentError, TokenError, UnknownAdapterError,
 )
@@ -272,6 +272,11 @@ class Llama(_SessionMixin):
     slots a tenant over its fair share leaves free for others, so that a
     request with ``share=`` of another tenant starts at once (see
     :class:`llamax.Batcher` and docs/tenants.md).
+    ``deterministic=True``: a request's tokens and logprobs are bit for bit
+    the same whatever it is batched with, whatever prefix the cache reused
+    and whatever the thread count (generation runs ggml's reference CPU
+    kernels on weights kept in the file's layout; every cached prefix is
+    then exact, so any common prefix is reused).  See docs/determinism.md.
     """
 
     def __init__(self, model_path: str, *, n_gpu_layers: int | None = None, use_mmap: bool = True,
@@ -282,7 +287,7 @@ class Llama(_SessionMixin):
                  chat_template: str | None = None, verbose: bool = False, n_contexts: int = 1,
                  max_loaded_adapters: int | None = None, prefix_cache: bool = True, prefix_cache_chunk: int | None = None,
                  prefix_cache_exact: bool = True,
-                 n_parallel: int = 1, reserve_slots: int = 0,
+                 n_parallel: int = 1, reserve_slots: int = 0, deterministic: bool = False,
                  lora_path=None, lora_scale=None, lora_base=None,
                  # llama-cpp-python's other keywords (see _compat_keywords)
                  logits_all: bool = False, last_n_tokens_size: int = 64, draft_model=None,
@@ -352,12 +357,20 @@ class Llama(_SessionMixin):
         self.verbose = verbose
         if numa is not False and numa != 0:
             numa_init(numa)
+        deterministic = check_bool(deterministic, "deterministic")
+        self.deterministic = deterministic
         self._model = Model(self.model_path, n_gpu_layers=n_gpu_layers, use_mmap=use_mmap, vocab_only=vocab_only,
                             use_mlock=use_mlock, kv_overrides=kv_overrides, split_mode=split_mode,
-                            main_gpu=main_gpu, tensor_split=tensor_split)
+                            main_gpu=main_gpu, tensor_split=tensor_split, repack=not deterministic)
+        if deterministic and self._model.n_gpu_layers != 0 and supports_gpu_offload():
+            self._model.close()
+            raise InvalidArgumentError("deterministic=True runs the CPU's reference kernels: it needs "
+                                       "n_gpu_layers=0 (GPU kernels are not made batch-invariant here)")
         self.n_batch = n_batch
         self._ctx_kwargs = dict(n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, n_threads=n_threads,
                                 n_threads_batch=n_threads_batch, flash_attn=flash_attn, **ctx_extra)
+        if deterministic:
+            self._ctx_kwargs["deterministic"] = True  # (generation contexts; embedding ones are batch-invariant already)
         self._ctx_extra = ctx_extra  # (the embedding context's too: RoPE, attention type, cache types)
         self._seed = seed
         self._rng = random.Random(None if seed == _DEFAULT_SEED else seed)
@@ -373,6 +386,9 @@ class Llama(_SessionMixin):
                                        msg=f"prefix_cache_chunk must be an int in [1, n_batch={n_batch}], "
                                            f"got {prefix_cache_chunk!r}")
         self._prefix_exact = check_bool(prefix_cache_exact, "prefix_cache_exact")
+        if deterministic:
+            # every prefix is exact: its KV is the cold run's whatever chunks decoded it
+            prefix_cache_exact = self._prefix_exact = False
         self.n_parallel = n_parallel
         reserve_slots = check_int(reserve_slots, "reserve_slots", 0, n_parallel - 1 if n_parallel > 1 else 0,
                                   error=InvalidArgumentError,
@@ -805,7 +821,7 @@ class Llama(_SessionMixin):
                           tfs_z: float = 1.0, mirostat_mode: int = 0, mirostat_tau: float = 5.0,
                           mirostat_eta: float = 0.1, logits_processor=None,
                           stopping_criteria=None, share: Share | None = None,
-                          cache_salt: str | None = None) -> PreparedRequest:
+                          cache_salt: str | None = None, deterministic: bool | None = None) -> PreparedRequest:
         """An OpenAI-style text completion, checked and ready to run (see
         :class:`~llamax.request.PreparedRequest`); :meth:`create_completion`
         runs it at once (``stream=True`` gives chunks).
@@ -827,6 +843,7 @@ class Llama(_SessionMixin):
         requests with the same salt (None: the shared cache).
         """
         self._check_open()
+        self._check_deterministic(deterministic)
         check_bools(stream=stream, echo=echo, cache_prompt=cache_prompt)
         if suffix is not None:
             raise InvalidArgumentError("suffix (fill-in-the-middle) is not supported")
@@ -910,7 +927,8 @@ class Llama(_SessionMixin):
                                chat_template_kwargs: dict | None = None,
                                reasoning_effort: str | None = None, share: Share | None = None,
                                cache_salt: str | None = None, max_reasoning_tokens: int | None = None,
-                               reasoning_budget_message: str | None = None) -> PreparedRequest:
+                               reasoning_budget_message: str | None = None,
+                               deterministic: bool | None = None) -> PreparedRequest:
         """An OpenAI-style chat completion through the model's chat template,
         checked and ready to run (see :class:`~llamax.request.PreparedRequest`);
         :meth:`create_chat_completion` runs it at once.
@@ -938,6 +956,7 @@ class Llama(_SessionMixin):
         if self.chat_handler is not None:
             raise InvalidArgumentError("a chat_handler runs chat completions itself: call create_chat_completion")
         self._check_open()
+        self._check_deterministic(deterministic)
         check_bools(stream=stream, assistant_prefill=assistant_prefill, cache_prompt=cache_prompt)
         legacy = functions is not None or function_call is not None
         if legacy:
@@ -1038,6 +1057,19 @@ class Llama(_SessionMixin):
                                  [chunk({}, deltas.finish_reason(res.finish_reason))])
 
         return PreparedRequest(req, result, _Chunks(head, pieces, tail), stream)
+
+    def _check_deterministic(self, deterministic) -> None:
+        """A request's ``deterministic=True`` is honoured by a Llama made with
+        ``deterministic=True`` (every request then is); elsewhere it is refused,
+        not ignored."""
+        if deterministic is None or deterministic is False:
+            return
+        if deterministic is not True:
+            raise ArgumentTypeError(f"deterministic must be a bool or None, not {type(deterministic).__name__}")
+        if not self.deterministic:
+            raise InvalidArgumentError("deterministic=True: this model runs the fast kernels, whose numbers depend on "
+                                       "the batch; create it with Llama(deterministic=True) (python -m llamax serve "
+                                       "--deterministic) to get batch-invariant answers")
 
     def _chat_plan(self, tools, tool_choice, parallel_tool_calls, legacy):
         """The request's tool calls and reasoning (llamax.tool_calls.plan), or

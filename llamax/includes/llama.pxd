@@ -139,6 +139,7 @@ cdef extern from "llama.h" nogil:
         const llama_model_kv_override * kv_overrides
         bint vocab_only
         bint check_tensors
+        bint use_extra_bufts
 
     cdef struct llama_context_params:
         uint32_t n_ctx

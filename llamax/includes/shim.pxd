@@ -151,6 +151,8 @@ cdef extern from "llamax.h" namespace "llamax" nogil:
         void watch_sigint(cbool on)
         cbool interrupted()
         void set_threads(int32_t n_threads, int32_t n_threads_batch) except +translate_exception
+        void set_deterministic(cbool on) except +translate_exception
+        cbool deterministic()
         int32_t last_n_outputs()
         int64_t output_capacity()
         int64_t n_state_calls()

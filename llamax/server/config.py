@@ -57,6 +57,9 @@ class ServerConfig:
     # text put before the closing tag when it runs out
     reasoning_budget: int = -1
     reasoning_budget_message: str | None = None
+    # every generation on the reference kernels: the same answer whoever
+    # else is in the batch, whatever the cache reused (docs/determinism.md)
+    deterministic: bool = False
 
     def __post_init__(self):
         if self.alias is None:
@@ -231,6 +234,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat-format", help="a built-in chat format instead of the GGUF's template")
     p.add_argument("--chat-template", help="a Jinja2 chat template file instead of the GGUF's")
     p.add_argument("--verbose", action="store_true", help="llama.cpp's log and an access log")
+    p.add_argument("--deterministic", action="store_true",
+                   help="bit-identical answers whatever a request is batched with and whatever prefix the cache "
+                        "reused (ggml's reference CPU kernels: decode at the same speed, long prompts ~15%% "
+                        "slower; docs/determinism.md)")
     p.add_argument("--reasoning-budget", type=int, default=-1, metavar="N",
                    help="thinking budget of chat requests that set none: the <think> section is closed after N "
                         "tokens (0: at once; -1: no budget, the default); a request's max_reasoning_tokens "
@@ -309,7 +316,8 @@ def server_config(args):
                         chat_format=args.chat_format, chat_template=template, verbose=args.verbose,
                         lora_scales=scales, llama_options=llama_options(args), tenants=args.tenants,
                         usage_log=args.usage_log, reserve_slots=args.reserve_slots,
-                        reasoning_budget=args.reasoning_budget, reasoning_budget_message=args.reasoning_budget_message)
+                        reasoning_budget=args.reasoning_budget, reasoning_budget_message=args.reasoning_budget_message,
+                        deterministic=args.deterministic)
 
 
 def ray_options(args):

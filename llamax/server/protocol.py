@@ -79,6 +79,7 @@ class SamplingFields(AdapterFields):
     mirostat_tau: float = Field(default=5.0, ge=0.0, allow_inf_nan=False)
     mirostat_eta: float = Field(default=0.1, ge=0.0, allow_inf_nan=False)
     cache_prompt: bool = True
+    deterministic: Optional[bool] = None             # true: only where the server runs --deterministic
     metadata: Optional[dict[str, Any]] = None        # accepted, no effect
     store: Optional[bool] = None                      # accepted, no effect
     service_tier: Optional[str] = None                # accepted, no effect

@@ -78,6 +78,7 @@ def sampling(body: protocol.SamplingFields, n_ctx: int, max_tokens) -> dict:
                 repeat_penalty=d(body.repeat_penalty, 1.0), frequency_penalty=d(body.frequency_penalty, 0.0),
                 presence_penalty=d(body.presence_penalty, 0.0), stop=stops(body.stop),
                 logit_bias=logit_bias(body.logit_bias), grammar=body.grammar, cache_prompt=body.cache_prompt,
+                deterministic=body.deterministic,
                 mirostat_mode=body.mirostat, mirostat_tau=body.mirostat_tau, mirostat_eta=body.mirostat_eta)
 
 

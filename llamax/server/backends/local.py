@@ -102,7 +102,7 @@ class LocalBackend:
             llm = llamax.Llama(cfg.model, n_ctx=cfg.n_ctx, n_batch=max(cfg.n_batch, cfg.parallel),
                                n_threads=cfg.threads, n_gpu_layers=cfg.n_gpu_layers, n_contexts=cfg.n_contexts,
                                n_parallel=cfg.parallel, max_loaded_adapters=cfg.max_loaded_adapters,
-                               reserve_slots=cfg.reserve_slots or 0,
+                               reserve_slots=cfg.reserve_slots or 0, deterministic=cfg.deterministic,
                                chat_format=cfg.chat_format, prefix_cache=cfg.prefix_cache != "off",
                                prefix_cache_exact=cfg.prefix_cache == "exact", chat_template=cfg.chat_template,
                                verbose=cfg.verbose, **cfg.llama_options)

@@ -1,0 +1,95 @@
+"""``Llama(deterministic=True)`` (issue #33): a request's tokens and
+logprobs do not depend on the requests it is batched with, on the prefix
+the cache reused, or on speculative decoding's verify batches -- compared
+within one run, so on every CPU."""
+import threading
+
+import pytest
+
+import llamax
+from llamax.llama_speculative import LlamaPromptLookupDecoding
+
+from .conftest import make_llama
+
+# long enough that their prompts are decoded in chunks of 64 rows and more
+# (where the fast kernels differ from a decode's), sharing a long prefix
+BASE = ("You are a careful assistant. Answer in one short paragraph, plainly, without lists. "
+        "The user is a student who wants the main idea, not every detail. ") * 3
+QUESTIONS = ["Why is the sky blue?", "What is a prime number?", "How do plants make food?",
+             "What causes the tides?", "Why do we have seasons?", "What is gravity?"]
+
+
+def completion(m, q, **kw):
+    r = m.create_completion(BASE + q, max_tokens=12, temperature=0, logprobs=2, **kw)
+    c = r["choices"][0]
+    return c["text"], c["logprobs"]["token_logprobs"], c["logprobs"]["top_logprobs"], \
+        r["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0)
+
+
+@pytest.fixture(scope="module")
+def det(smollm2_path):
+    m = make_llama(smollm2_path, n_parallel=4, n_threads=2, deterministic=True)
+    yield m
+    m.close()
+
+
+def test_concurrent_and_cached_requests_answer_as_alone(det):
+    alone = []
+    for q in QUESTIONS:
+        det.reset_cache()  # cold: nothing reused
+        alone.append(completion(det, q)[:3])
+    together = [None] * len(QUESTIONS)
+
+    def one(i):
+        together[i] = completion(det, QUESTIONS[i])
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(QUESTIONS))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [t[:3] for t in together] == alone
+    # one after another: each reuses the shared prefix (any common prefix, token by token)
+    again = [completion(det, q) for q in QUESTIONS]
+    assert sum(a[3] for a in again) > 0
+    assert [a[:3] for a in again] == alone
+
+
+def test_greedy_speculative_decoding_is_plain_greedy(smollm2_path, det):
+    """Prompt-lookup drafts verified in batches of up to 11 rows: with the
+    reference kernels each verified row is the plain decode's row, so the
+    greedy answer is the plain greedy answer, on 20 prompts, at 2 threads."""
+    prompts = [f"List the numbers from {i} to {i + 12}, separated by commas: {i}, {i + 1}, {i + 2}," for i in range(10)]
+    prompts += [f"Repeat after me three times: the {w} is on the table. The {w} is on the table." for w in
+                ("cup", "book", "lamp", "phone", "plate", "key", "pen", "box", "hat", "coin")]
+    plain = make_llama(smollm2_path, n_threads=2, deterministic=True)
+    spec = make_llama(smollm2_path, n_threads=2, deterministic=True,
+                      draft_model=LlamaPromptLookupDecoding(num_pred_tokens=10))
+    try:
+        accepted = 0
+        for p in prompts:
+            want = plain.create_completion(p, max_tokens=32, temperature=0, cache_prompt=False)["choices"][0]["text"]
+            got = spec.create_completion(p, max_tokens=32, temperature=0, cache_prompt=False)["choices"][0]["text"]
+            assert got == want, p
+            accepted += spec._pool.slots[0].ctx.draft_stats["accepted"]
+        assert accepted > 40  # (drafts were verified and kept: the comparison is about them)
+    finally:
+        plain.close()
+        spec.close()
+
+
+def test_per_request_keyword(det, smollm2_path):
+    assert det.create_completion("Hi", max_tokens=2, deterministic=True)["choices"][0]["text"] is not None
+    fast = make_llama(smollm2_path)
+    try:
+        with pytest.raises(llamax.InvalidArgumentError, match="Llama\\(deterministic=True\\)"):
+            fast.create_completion("Hi", max_tokens=2, deterministic=True)
+        with pytest.raises(llamax.InvalidArgumentError, match="deterministic"):
+            fast.create_chat_completion([{"role": "user", "content": "Hi"}], max_tokens=2, deterministic=True)
+        with pytest.raises(llamax.ArgumentTypeError, match="deterministic"):
+            det.create_completion("Hi", max_tokens=2, deterministic="yes")
+        assert fast.create_completion("Hi", max_tokens=2, deterministic=False)["choices"]
+    finally:
+        fast.close()
+    with pytest.raises(llamax.ArgumentTypeError, match="deterministic"):
+        llamax.Llama(str(smollm2_path), deterministic=1)
