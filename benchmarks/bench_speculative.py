@@ -51,10 +51,13 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--tokens", type=int, default=160)
     ap.add_argument("--drafts", default="4,8,16")
+    ap.add_argument("--deterministic", action="store_true",
+                    help="every Llama with deterministic=True (writes speculative-deterministic.md)")
     args = ap.parse_args()
     path = str(data.smollm2())
     drafts = [int(x) for x in args.drafts.split(",")]
-    kw = dict(n_ctx=2048, n_threads=args.threads, n_threads_batch=args.threads)
+    kw = dict(n_ctx=2048, n_threads=args.threads, n_threads_batch=args.threads, deterministic=args.deterministic)
+    stem = "speculative-deterministic" if args.deterministic else "speculative"
     llms = {0: llamax.Llama(path, **kw)}
     for k in drafts:
         llms[k] = llamax.Llama(path, draft_model=LlamaPromptLookupDecoding(num_pred_tokens=k), **kw)
@@ -86,10 +89,12 @@ def main() -> None:
     info = {"model": "SmolLM2-135M-Instruct Q4_1", "threads": args.threads, "tokens": args.tokens,
             "runs": args.runs, "system": llamax.system_info()}
     OUT.mkdir(exist_ok=True)
-    (OUT / "speculative.json").write_text(json.dumps({"info": info, "results": results}, indent=1))
+    (OUT / f"{stem}.json").write_text(json.dumps({"info": info, "results": results}, indent=1))
     lines = [f"Prompt-lookup speculative decoding, {info['model']}, {args.threads} threads, greedy, "
-             f"{args.tokens} tokens, median of {args.runs} interleaved rounds "
-             "(`python3 benchmarks/bench_speculative.py`)", "",
+             f"{args.tokens} tokens, median of {args.runs} interleaved rounds"
+             + (", every Llama with deterministic=True" if args.deterministic else "")
+             + f" (`python3 benchmarks/bench_speculative.py --runs {args.runs}"
+             + (" --deterministic" if args.deterministic else "") + "`)", "",
              "| task | draft tokens | tok/s | × no draft | drafts kept / made | decodes | same text |",
              "|---|---|---|---|---|---|---|"]
     for name, row in results.items():
@@ -97,7 +102,7 @@ def main() -> None:
             label = "none" if k == 0 else f"{k}" if k > 0 else f"{-k}, always verified"
             lines.append(f"| {name} | {label} | {v['tok_s']:.1f} | {v['ratio']:.2f} | "
                          f"{v['kept']} / {v['drafted']} | {v['decodes']} | {'yes' if v['same_as_plain'] else 'no'} |")
-    (OUT / "speculative.md").write_text("\n".join(lines) + "\n")
+    (OUT / f"{stem}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

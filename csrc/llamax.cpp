@@ -1259,6 +1259,38 @@ bool Context::set_state(const StatePtr & want_in) {
         throw Error(ErrorKind::ControlVector, "control vector n_embd " + std::to_string(want->cvec->n_embd) +
                                                   " != model n_embd " + std::to_string(llama_model_n_embd(model_)));
     }
+#ifdef LLAMA_HAS_ADAPTERS_LORA_SEQ
+    if (deterministic_ && !want->adapters.empty()) {
+        // One arithmetic for an adapter set, alone or beside others: the
+        // per-sequence path scales each delta by alpha/rank, then by the
+        // token's scale; the plain path by the product of the two, which
+        // rounds differently.  So a set alone is applied per sequence too
+        // (every sequence at its scales), as the batcher mixes sets.
+        if (per_seq_ && det_state_ == want) {
+            return false;
+        }
+        std::vector<AdapterPtr> ads;
+        for (const auto & p : want->adapters) {
+            ads.push_back(p.first);
+        }
+        std::sort(ads.begin(), ads.end(), [](const AdapterPtr & a, const AdapterPtr & b) {
+            return std::less<llama_adapter_lora *>()(a->ptr, b->ptr);
+        });
+        std::vector<float> sc(ads.size() * (size_t) n_seq_max_);
+        for (size_t a = 0; a < ads.size(); ++a) {
+            for (const auto & p : want->adapters) {
+                if (p.first == ads[a]) {
+                    std::fill(sc.begin() + (ptrdiff_t) (a * (size_t) n_seq_max_),
+                              sc.begin() + (ptrdiff_t) ((a + 1) * (size_t) n_seq_max_), p.second);
+                }
+            }
+        }
+        set_state_per_seq(want->cvec ? state_intern(model_, {}, {}, want->cvec) : state_base(), ads, sc);
+        det_state_ = want;
+        return true;
+    }
+#endif
+    det_state_.reset();
     // Only what differs reaches llama.cpp (each call re-reserves its graph).
     bool same_adapters = !per_seq_ && want->adapters.size() == state_->adapters.size();
     for (size_t i = 0; same_adapters && i < want->adapters.size(); ++i) {
@@ -1378,6 +1410,7 @@ void Context::set_state_per_seq(const StatePtr & cv_state, const std::vector<Ada
     per_seq_adapters_ = adapters;  // held while applied
     per_seq_scales_ = scales;
     state_ = cv_state;
+    det_state_.reset();  // (set_state sets it again when it is the caller)
 }
 
 bool Context::per_seq_covers(const State & st, llama_seq_id seq) const {

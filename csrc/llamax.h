@@ -463,6 +463,7 @@ private:
     bool per_seq_ = false;                  // set_state_per_seq is in effect
     std::vector<AdapterPtr> per_seq_adapters_;  // ... with these adapters (held while applied)
     std::vector<float> per_seq_scales_;         // ... at these scales (adapter-major)
+    StatePtr det_state_;  // deterministic: the plain state set_state applied per sequence (else null)
     int64_t out_capacity_ = 0;
     int32_t last_n_outputs_ = 0;
     int64_t n_state_calls_ = 0;

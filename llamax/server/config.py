@@ -236,7 +236,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--verbose", action="store_true", help="llama.cpp's log and an access log")
     p.add_argument("--deterministic", action="store_true",
                    help="bit-identical answers whatever a request is batched with and whatever prefix the cache "
-                        "reused (ggml's reference CPU kernels: decode at the same speed, long prompts ~15%% "
+                        "reused (ggml's reference CPU kernels: decode a few percent slower, long prompts ~20%% "
                         "slower; docs/determinism.md)")
     p.add_argument("--reasoning-budget", type=int, default=-1, metavar="N",
                    help="thinking budget of chat requests that set none: the <think> section is closed after N "

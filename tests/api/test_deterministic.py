@@ -55,6 +55,7 @@ def test_concurrent_and_cached_requests_answer_as_alone(det):
     assert [a[:3] for a in again] == alone
 
 
+@pytest.mark.slow
 def test_greedy_speculative_decoding_is_plain_greedy(smollm2_path, det):
     """Prompt-lookup drafts verified in batches of up to 11 rows: with the
     reference kernels each verified row is the plain decode's row, so the
@@ -93,3 +94,37 @@ def test_per_request_keyword(det, smollm2_path):
         fast.close()
     with pytest.raises(llamax.ArgumentTypeError, match="deterministic"):
         llamax.Llama(str(smollm2_path), deterministic=1)
+
+
+def test_mixed_adapter_sets_in_one_decode_answer_as_alone(smollm2_path, api_loras, third_lora):
+    """Requests with different adapter sets share decodes (each token scaled
+    by its own request's set, patch 0004); in the mode each answers as it
+    does alone, logprobs and all, the base model included."""
+    m = make_llama(smollm2_path, n_parallel=4, n_threads=2, deterministic=True)
+    try:
+        m.load_lora("coder", api_loras["coder"])
+        m.load_lora("translator", api_loras["translator"])
+        m.load_lora("third", third_lora)
+        sets = [[], [{"name": "coder", "scale": 1.0}], [{"name": "translator", "scale": 0.7}],
+                [{"name": "coder", "scale": 0.5}, {"name": "third", "scale": 1.0}],
+                [{"name": "third", "scale": 1.0}, {"name": "translator", "scale": 1.0}], []]
+        q = QUESTIONS[3]
+        alone = []
+        for s in sets:
+            m.reset_cache()
+            alone.append(completion(m, q, active_loras=s)[:3])
+        assert len({str(a[1]) for a in alone}) == 5  # (each set gives its own numbers; the base twice)
+        together = [None] * len(sets)
+
+        def one(i):
+            together[i] = completion(m, q, active_loras=sets[i])[:3]
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(sets))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert together == alone
+        assert m._pool.slots[0].batcher.stats()["n_mixed_decodes"] > 0
+    finally:
+        m.close()

@@ -62,8 +62,11 @@ def alone(flat_model, prompts):
     return run(flat_model, prompts, slots=1, threads=1)
 
 
-@pytest.mark.parametrize("slots,threads,prefix", [(10, 1, False), (4, 2, False), (2, 2, True)],
-                         ids=["batched", "two-threads", "prefix-reused"])
+@pytest.mark.parametrize("slots,threads,prefix", [
+    pytest.param(10, 1, False, id="batched"),
+    pytest.param(4, 2, False, id="two-threads", marks=pytest.mark.slow),   # (the default tier: tests/api's
+    pytest.param(2, 2, True, id="prefix-reused", marks=pytest.mark.slow),  # and tests/server's cover both)
+])
 def test_a_sequence_is_bit_for_bit_its_alone_self(flat_model, prompts, alone, slots, threads, prefix):
     got = run(flat_model, prompts, slots=slots, threads=threads, prefix=prefix)
     for i, (want, have) in enumerate(zip(alone, got)):
