@@ -902,7 +902,19 @@ void Batcher::release_orphaned_state() {
     // were unloaded, and their last sequence has ended): apply the base
     // state so that they are freed now rather than at the next switch.
     std::lock_guard<std::mutex> ctx_lock(ctx_->mutex());
-    if (ctx_->per_seq()) {
+    if (ctx_->det_applied()) {
+        // (deterministic mode: a plain state applied per sequence; its
+        // adapters are held by it and by the per-sequence set)
+        const StatePtr & st = ctx_->applied_state();
+        if (st.use_count() != 1) {
+            return;
+        }
+        for (const auto & p : st->adapters) {
+            if (p.first.use_count() != 2) {
+                return;
+            }
+        }
+    } else if (ctx_->per_seq()) {
         for (const auto & a : ctx_->per_seq_adapters_) {
             if (a.use_count() != 1) {
                 return;
@@ -1202,7 +1214,7 @@ void Batcher::step(std::vector<SeqPtr> & running) {
         }
         for (const auto & s : in_batch) {
             if (multi ? s->cv_state_ != ctx_->state() || !ctx_->per_seq_covers(*s->p_.state, s->seq_)
-                      : s->p_.state != ctx_->state() || ctx_->per_seq()) {
+                      : s->p_.state != ctx_->applied_state() || (ctx_->per_seq() && !ctx_->det_applied())) {
                 ++stats_.n_mixed_decodes;
                 break;
             }

@@ -1200,6 +1200,10 @@ void Context::set_threads(int32_t n_threads, int32_t n_threads_batch) {
         free_threadpools();
         sgemm_ = nullptr;
         packed_.reset();
+        if (deterministic_) {
+            // ggml's per-graph pools would run the fast kernels: not silently
+            throw Error(ErrorKind::OutOfMemory, "could not make the thread pools deterministic decoding runs on");
+        }
         llama_set_n_threads(ctx_, n_threads, n_threads_batch);  // ggml's per-graph pools
         return;
     }
@@ -1438,7 +1442,8 @@ bool Context::per_seq_covers(const State & st, llama_seq_id seq) const {
 }
 
 bool Context::has_saved_logits(llama_seq_id seq) const {
-    return saved_valid_ && !per_seq_ && seq == saved_seq_ && saved_state_ == state_->id && !prompt_logits_.empty() &&
+    return saved_valid_ && (!per_seq_ || det_state_) && seq == saved_seq_ && saved_state_ == applied_state()->id &&
+           !prompt_logits_.empty() &&
            llama_memory_seq_pos_max(llama_get_memory(ctx_), seq) + 1 == saved_pos_;
 }
 
@@ -1466,6 +1471,10 @@ void Context::check_tokens(const llama_token * tokens, int32_t n) const {
 }
 
 void Context::raw_decode(llama_batch & batch, int32_t n_outputs) {
+    if (deterministic_ && tp_ == nullptr) {  // (set_threads could not remake the pools)
+        throw Error(ErrorKind::OutOfMemory, "this deterministic context lost its thread pools (out of memory "
+                                            "in set_threads): nothing decodes on the fast kernels in its place");
+    }
     if (saved_valid_) {
         if (batch.pos == nullptr) {
             // positions continue each sequence: at or past saved_pos_ while
@@ -1778,7 +1787,7 @@ GenResult Context::generate(llama_sampler * smpl, const llama_token * prompt, in
             saved_valid_ = true;
             saved_seq_ = gp.seq_id;
             saved_pos_ = pos;
-            saved_state_ = state_->id;
+            saved_state_ = applied_state()->id;
         }
     }
     const int32_t max_tokens = gp.max_tokens < 0 ? INT32_MAX : gp.max_tokens;

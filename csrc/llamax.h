@@ -328,6 +328,11 @@ public:
     void set_state_per_seq(const StatePtr & cv_state, const std::vector<AdapterPtr> & adapters,
                            const std::vector<float> & scales);
     bool per_seq() const { return per_seq_; }
+    // The state the caller asked for: state() -- or, in deterministic mode,
+    // the adapter state set_state applied through the per-sequence path
+    // (then per_seq() is true and state() holds only its control vector).
+    const StatePtr & applied_state() const { return det_state_ ? det_state_ : state_; }
+    bool det_applied() const { return det_state_ != nullptr; }
     // Whether llama.cpp has per-sequence LoRA scales (patch 0004; a tree
     // given with LLAMAX_LLAMA_CPP_DIR is built unpatched).
     static constexpr bool kHasPerSeq =
@@ -388,7 +393,7 @@ public:
     // Deterministic decoding (patch 0012): every graph on ggml's reference
     // kernels, so a row's numbers depend neither on what else is in the
     // batch nor on the thread count (flash attention per query row,
-    // products by vec_dot, no fusion).  Kept across set_threads().  Throws
+    // products by vec_dot; the row-local fusion stays).  Kept across set_threads().  Throws
     // where the context has no threadpools of llamax's own.
     void set_deterministic(bool on);
     bool deterministic() const { return deterministic_; }

@@ -126,8 +126,8 @@ cdef class Context:
     of one model run in parallel.
 
     ``deterministic=True``: every decode runs ggml's reference kernels
-    (flash attention one query row at a time, products by ``vec_dot``, no
-    fusion), so a token's numbers do not depend on the other tokens or
+    (flash attention one query row at a time, products by ``vec_dot``), so
+    a token's numbers do not depend on the other tokens or
     sequences decoded with it, on how its prompt was split into chunks, or
     on the thread count (CPU; with a model loaded ``repack=False``).
     """
@@ -220,6 +220,14 @@ cdef class Context:
             p.swa_full = _bool_arg(swa_full, "swa_full")
         if op_offload is not None:
             p.op_offload = _bool_arg(op_offload, "op_offload")
+        if _bool_arg(deterministic, "deterministic"):
+            if model.n_gpu_layers != 0 and supports_gpu_offload():
+                raise InvalidArgumentError("deterministic=True runs the CPU's reference kernels: the model must "
+                                           "be loaded with n_gpu_layers=0")
+            if op_offload:
+                raise InvalidArgumentError("deterministic=True with op_offload=True: large batches' products "
+                                           "would run on a GPU, small ones on the CPU; leave op_offload unset")
+            p.op_offload = False  # (every product on the CPU, whatever the batch)
         if offload_kqv is not None:
             p.offload_kqv = _bool_arg(offload_kqv, "offload_kqv")
         cdef CContext * c = NULL
@@ -229,7 +237,7 @@ cdef class Context:
         with _ModelUse(_mo_t), nogil:  # allocates the KV cache and reserves compute graphs
             c = new CContext(_mo_t._own, p, max_pos)
         self._c = c
-        if _bool_arg(deterministic, "deterministic"):
+        if deterministic:
             try:
                 c.set_deterministic(True)
             except BaseException:

@@ -125,6 +125,29 @@ def test_mixed_adapter_sets_in_one_decode_answer_as_alone(smollm2_path, api_lora
         for t in threads:
             t.join()
         assert together == alone
-        assert m._pool.slots[0].batcher.stats()["n_mixed_decodes"] > 0
+        st = m._pool.slots[0].batcher.stats()
+        assert st["n_multi_adapter_decodes"] > 0 and st["n_mixed_decodes"] == 0  # sets shared decodes, none misapplied
+    finally:
+        m.close()
+
+
+def test_a_repeat_under_adapters_answers_from_the_saved_logits(smollm2_path, api_loras):
+    """One context: an exact repeat under an adapter set samples from the
+    logits saved at the end of its prompt (nothing decoded again) -- with
+    the set applied the mode's way too."""
+    m = make_llama(smollm2_path, deterministic=True)
+    try:
+        m.load_lora("coder", api_loras["coder"])
+        kw = dict(active_loras=[{"name": "coder", "scale": 0.8}])
+        first = completion(m, QUESTIONS[3], **kw)
+        assert len(first[1]) == 12
+        # without logprobs an exact repeat samples from the saved logits
+        again = m.create_completion(BASE + QUESTIONS[3], max_tokens=12, temperature=0, **kw)
+        assert again["choices"][0]["text"] == first[0]
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == again["usage"]["prompt_tokens"]
+        # and the base model after it gets the base model's answer, not the saved one
+        base = m.create_completion(BASE + QUESTIONS[3], max_tokens=12, temperature=0)
+        assert base["choices"][0]["text"] == completion(m, QUESTIONS[3])[0]
+        assert completion(m, QUESTIONS[3])[1] != first[1]
     finally:
         m.close()
