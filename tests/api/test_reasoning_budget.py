@@ -40,7 +40,8 @@ LOOPS = {
 }
 
 
-@pytest.fixture(scope="module", params=list(LOOPS))
+@pytest.fixture(scope="module", params=[pytest.param(k, marks=pytest.mark.slow) if k == "speculative" else k
+                                        for k in LOOPS])
 def thinking(request, smollm2_path):
     m = make_llama(smollm2_path, chat_template=THINKING, **LOOPS[request.param])
     yield m

@@ -98,6 +98,7 @@ def test_keywords(flat_model, smollm2_path):
     ctx.close()
 
 
+@pytest.mark.slow  # (the default tier: tests/api/test_deterministic.py mixes five sets)
 def test_mixed_adapter_sets_match_alone_exactly(flat_model, lora_paths):
     """test_batcher.py::test_mixed_adapter_sets_match_alone with the tolerance
     gone: base, A, B and A+B decoded together in one batch of 16 give every

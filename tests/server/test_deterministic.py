@@ -32,6 +32,7 @@ def ask(url, q, **extra):
     return body["choices"][0]["logprobs"]["content"], body["usage"]["prompt_tokens_details"]["cached_tokens"]
 
 
+@pytest.mark.slow  # (a server of its own; the default tier checks the mode in process)
 def test_same_request_same_answer(det_server):
     url = det_server.url
     cold = [ask(url, q, cache_prompt=False)[0] for q in QUESTIONS]
