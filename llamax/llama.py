@@ -20,7 +20,7 @@ from typing import Optional
 
 import numpy as np
 
-from llamax._core import Batcher, Context, ControlVector, Model, Sampler, State, numa_init, supports_gpu_offload
+from llamax._core import Batcher, Context, ControlVector, Model, Sampler, State, numa_init
 from llamax._errors import (
     ArgumentTypeError, ContextBusyError, ContextOverflowError, ControlVectorError, InvalidArgumentError, TokenError, UnknownAdapterError,
 )
@@ -362,15 +362,12 @@ class Llama(_SessionMixin):
         self._model = Model(self.model_path, n_gpu_layers=n_gpu_layers, use_mmap=use_mmap, vocab_only=vocab_only,
                             use_mlock=use_mlock, kv_overrides=kv_overrides, split_mode=split_mode,
                             main_gpu=main_gpu, tensor_split=tensor_split, repack=not deterministic)
-        if deterministic and self._model.n_gpu_layers != 0 and supports_gpu_offload():
-            self._model.close()
-            raise InvalidArgumentError("deterministic=True runs the CPU's reference kernels: it needs "
-                                       "n_gpu_layers=0 (GPU kernels are not made batch-invariant here)")
         self.n_batch = n_batch
         self._ctx_kwargs = dict(n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, n_threads=n_threads,
                                 n_threads_batch=n_threads_batch, flash_attn=flash_attn, **ctx_extra)
         if deterministic:
-            self._ctx_kwargs["deterministic"] = True  # (generation contexts; embedding ones are batch-invariant already)
+            # (generation contexts, which refuse GPU layers in the mode; embedding ones are batch-invariant already)
+            self._ctx_kwargs["deterministic"] = True
         self._ctx_extra = ctx_extra  # (the embedding context's too: RoPE, attention type, cache types)
         self._seed = seed
         self._rng = random.Random(None if seed == _DEFAULT_SEED else seed)

@@ -95,17 +95,13 @@ def reasoning_budget(body: protocol.ChatCompletionRequest, default: int = -1,
 
     n = one("max_reasoning_tokens", "thinking_budget_tokens")
     message = one("reasoning_budget_message", "thinking_budget_message")
-    if n is None:
-        n = default
-    if message is None:
-        message = default_message
+    n = default if n is None else n
     if n < 0:
-        if message is not None and (body.reasoning_budget_message is not None or
-                                    body.thinking_budget_message is not None):
+        if message is not None:
             raise APIError(400, "reasoning_budget_message needs a budget (max_reasoning_tokens)",
                            param="reasoning_budget_message")
         return None, None
-    return n, message
+    return n, default_message if message is None else message
 
 
 def chat_kwargs(body: protocol.ChatCompletionRequest, n_ctx: int, loras, cvecs, budget: tuple = (-1, None)) -> dict:
