@@ -1248,6 +1248,55 @@ void Context::set_deterministic(bool on) {
 #endif
 }
 
+void Context::set_lora_table(int32_t n_slots, int32_t max_rank) {
+#ifdef LLAMA_HAS_LORA_TABLE
+    if (n_slots < 1 || n_slots > 4096 || max_rank < 1 || max_rank > 4096) {
+        throw Error(ErrorKind::InvalidArgument, "max_lora_slots must be in [1, 4096] and max_lora_rank in [1, 4096]");
+    }
+    if (!state_->adapters.empty() || per_seq_ || table_info_.n_slots > 0) {
+        throw Error(ErrorKind::InvalidArgument, "a LoRA table is set once, before any adapter is applied");
+    }
+    if (llama_lora_table_init(ctx_, n_slots, max_rank) != 0) {
+        throw Error(ErrorKind::InvalidArgument, "llama.cpp refused the LoRA table");
+    }
+    snap_table_info();
+#else
+    (void) n_slots;
+    (void) max_rank;
+    throw Error(ErrorKind::InvalidArgument,
+                "a LoRA table needs llamax's patched llama.cpp (patch 0013); this build's llama.cpp "
+                "(LLAMAX_LLAMA_CPP_DIR) is unpatched");
+#endif
+}
+
+bool Context::lora_table_fits(const AdapterPtr & adapter) {
+#ifdef LLAMA_HAS_LORA_TABLE
+    return adapter && llama_lora_table_fits(ctx_, adapter->ptr) == 1;
+#else
+    (void) adapter;
+    return false;
+#endif
+}
+
+void Context::snap_table_info() {
+#ifdef LLAMA_HAS_LORA_TABLE
+    llama_lora_table_info li;
+    llama_lora_table_get_info(ctx_, &li);
+    LoraTableInfo out;
+    out.n_slots = li.n_slots;
+    out.max_rank = li.max_rank;
+    out.n_filled = li.n_filled;
+    out.n_per_row = li.n_per_row;
+    out.n_table = li.n_table;
+    out.n_fallback = li.n_fallback;
+    out.n_fills = li.n_fills;
+    out.n_evictions = li.n_evictions;
+    out.n_bytes = li.n_bytes;
+    std::lock_guard<std::mutex> lk(info_mu_);
+    table_info_ = out;
+#endif
+}
+
 bool Context::set_state(const StatePtr & want_in) {
     const StatePtr & want = want_in ? want_in : state_base();
     if (want == state_ && !per_seq_) {
@@ -1330,6 +1379,7 @@ bool Context::set_state(const StatePtr & want_in) {
             state_ = state_->cvec ? state_intern(model_, {}, {}, state_->cvec) : state_base();
             per_seq_ = false;
             per_seq_adapters_.clear();
+            snap_table_info();
             throw Error(ErrorKind::AdapterMismatch, with_reason("llama.cpp refused the adapter set"), rc);
         }
         per_seq_ = false;  // (llama_set_adapters_lora ends per-sequence scales too)
@@ -1356,6 +1406,7 @@ bool Context::set_state(const StatePtr & want_in) {
         }
     }
     state_ = want;
+    snap_table_info();
     return true;
 }
 
@@ -1404,7 +1455,14 @@ void Context::set_state_per_seq(const StatePtr & cv_state, const std::vector<Ada
     }
 #ifdef LLAMA_HAS_ADAPTERS_LORA_SEQ
     if (llama_set_adapters_lora_seq(ctx_, ptrs.data(), ptrs.size(), scales.data(), n_seq_max_) != 0) {
-        throw Error(ErrorKind::InvalidArgument, "llama.cpp refused the per-sequence adapter scales");
+        // (no adapter is applied now: llama.cpp cleared them, or never set them)
+        llama_set_adapters_lora(ctx_, nullptr, 0, nullptr);
+        per_seq_ = false;
+        per_seq_adapters_.clear();
+        state_ = cv_state;
+        det_state_.reset();
+        snap_table_info();
+        throw Error(ErrorKind::InvalidArgument, with_reason("llama.cpp refused the per-sequence adapter scales"));
     }
 #else
     throw Error(ErrorKind::InvalidArgument,
@@ -1415,6 +1473,7 @@ void Context::set_state_per_seq(const StatePtr & cv_state, const std::vector<Ada
     per_seq_scales_ = scales;
     state_ = cv_state;
     det_state_.reset();  // (set_state sets it again when it is the caller)
+    snap_table_info();
 }
 
 bool Context::per_seq_covers(const State & st, llama_seq_id seq) const {

@@ -398,6 +398,25 @@ public:
     void set_deterministic(bool on);
     bool deterministic() const { return deterministic_; }
 
+    // The LoRA table (patch 0013): adapters that fit it get a slot of
+    // per-weight stacked tensors, and each token is multiplied by its own
+    // sequence's adapters only (ggml_mul_mat_id), so a decode mixing n
+    // adapter sets costs what one set costs; the rest go the per-sequence
+    // way of patch 0004.  Every adapter set of the context goes through it
+    // from then on.  Once, before any adapter is applied; throws where
+    // llama.cpp is unpatched.
+    struct LoraTableInfo {
+        int32_t n_slots = 0, max_rank = 0, n_filled = 0, n_per_row = 0, n_table = 0, n_fallback = 0;
+        int64_t n_fills = 0, n_evictions = 0, n_bytes = 0;
+    };
+    void set_lora_table(int32_t n_slots, int32_t max_rank);
+    // Any thread, no mutex() needed: as of the last adapter change.
+    LoraTableInfo lora_table_info() const {
+        std::lock_guard<std::mutex> lk(info_mu_);
+        return table_info_;
+    }
+    bool lora_table_fits(const AdapterPtr & adapter);
+
     // Ctrl-C: while watching, a SIGINT (seen by a chained C handler, see
     // llamax.cpp) aborts the running decode/generate/embed with
     // ErrorKind::Interrupted, within one graph node.  The Python layer watches
@@ -499,6 +518,9 @@ private:
     ggml_threadpool_t tp_batch_ = nullptr;
     void free_threadpools();
     bool deterministic_ = false;
+    mutable std::mutex info_mu_;
+    LoraTableInfo table_info_;
+    void snap_table_info();  // after every change of the applied adapters
 };
 
 // llama_tokenize, made safe for long texts.  Some BPE pre-tokenizers

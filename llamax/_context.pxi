@@ -130,6 +130,17 @@ cdef class Context:
     a token's numbers do not depend on the other tokens or
     sequences decoded with it, on how its prompt was split into chunks, or
     on the thread count (CPU; with a model loaded ``repack=False``).
+
+    ``max_lora_slots=N`` (0: off): a LoRA table of N slots (llama.cpp
+    patch 0013).  Adapters whose every weight is a 2-D product of the model
+    with one rank <= ``max_lora_rank`` are copied into per-weight stacked
+    tensors, and each token is multiplied by its own sequence's adapters
+    only (``ggml_mul_mat_id``): a decode mixing N adapter sets costs what
+    one set costs.  Every adapter set of the context goes through it; the
+    others (and sets naming more such adapters than there are slots) are
+    applied the union way.  Memory, allocated when an adapter first names a
+    weight: ``(N + 1) * max_lora_rank * (n_in + n_out) * 2`` bytes per
+    weight (see ``lora_table``).
     """
 
     def __cinit__(self):
@@ -140,7 +151,8 @@ cdef class Context:
                  flash_attn=None, kv_unified=True, type_k=None, type_v=None, rope_scaling_type=None,
                  rope_freq_base=None, rope_freq_scale=None, yarn_ext_factor=None, yarn_attn_factor=None,
                  yarn_beta_fast=None, yarn_beta_slow=None, yarn_orig_ctx=None, attention_type=None,
-                 swa_full=None, op_offload=None, offload_kqv=None, deterministic=False):
+                 swa_full=None, op_offload=None, offload_kqv=None, deterministic=False,
+                 max_lora_slots=0, max_lora_rank=16):
         cdef Model _mo_t = _typed(model, Model, "model")
         cdef llama_model * m = _mo_t._ptr()
         if model.vocab_only:
@@ -230,6 +242,11 @@ cdef class Context:
             p.op_offload = False  # (every product on the CPU, whatever the batch)
         if offload_kqv is not None:
             p.offload_kqv = _bool_arg(offload_kqv, "offload_kqv")
+        _check_int(max_lora_slots, "max_lora_slots", 0, 4096)
+        _check_int(max_lora_rank, "max_lora_rank", 1, 4096)
+        if max_lora_slots and embeddings:
+            raise InvalidArgumentError("max_lora_slots: an embedding context applies one adapter set to "
+                                       "every input; leave the LoRA table off (0)")
         cdef CContext * c = NULL
         cdef int32_t max_pos = _mo_t._max_positions
         if _shutting_down:
@@ -237,13 +254,15 @@ cdef class Context:
         with _ModelUse(_mo_t), nogil:  # allocates the KV cache and reserves compute graphs
             c = new CContext(_mo_t._own, p, max_pos)
         self._c = c
-        if deterministic:
-            try:
+        try:
+            if deterministic:
                 c.set_deterministic(True)
-            except BaseException:
-                self._c = NULL
-                del c
-                raise
+            if max_lora_slots:
+                c.set_lora_table(max_lora_slots, max_lora_rank)
+        except BaseException:
+            self._c = NULL
+            del c
+            raise
         _LIVE_CONTEXTS.add(self)
         self.model = model
         self.embeddings = bool(embeddings)
@@ -386,6 +405,30 @@ cdef class Context:
     def deterministic(self):
         """Whether every decode runs ggml's reference kernels (see ``Context(deterministic=True)``)."""
         return self._get().deterministic()
+
+    @property
+    def lora_table(self):
+        """The LoRA table (``max_lora_slots``), as of the last adapter change:
+        a dict with ``slots``, ``max_rank``, ``filled`` (slots holding an
+        adapter), ``per_row`` (adapters a token carries in the current graph),
+        ``table``/``fallback`` (adapters of the applied set(s) served by the
+        table / the union way), ``fills``, ``evictions`` and ``bytes``; None
+        without a table."""
+        cdef CLoraTableInfo i = self._get().lora_table_info()
+        if i.n_slots == 0:
+            return None
+        return {"slots": i.n_slots, "max_rank": i.max_rank, "filled": i.n_filled, "per_row": i.n_per_row,
+                "table": i.n_table, "fallback": i.n_fallback, "fills": i.n_fills,
+                "evictions": i.n_evictions, "bytes": i.n_bytes}
+
+    def lora_table_fits(self, adapter):
+        """Whether ``adapter`` would be served by this context's LoRA table
+        (False without one)."""
+        cdef LoraAdapter a = _typed(adapter, LoraAdapter, "adapter")
+        a._ptr()
+        if a.model is not self.model:
+            raise AdapterMismatchError("the adapter was loaded for another model than this context's")
+        return self._get().lora_table_fits(a._a)
 
     @property
     def pooling(self):

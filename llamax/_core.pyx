@@ -36,7 +36,7 @@ from llamax.includes.llama cimport *
 from llamax.includes.shim cimport *
 
 from llamax._errors import (
-    AdapterInUseError, ArgumentTypeError, ClosedError, DecodeError, ContextBusyError, ContextOverflowError, ControlVectorError,
+    AdapterInUseError, AdapterMismatchError, ArgumentTypeError, ClosedError, DecodeError, ContextBusyError, ContextOverflowError, ControlVectorError,
     GrammarError, InvalidArgumentError, InvalidGGUFError, InvalidUtf8Error, LlamaxError, LoadError, OutOfMemoryError, TokenError,
     OversubscriptionWarning, ViewsExportedError,
 )

@@ -277,6 +277,11 @@ class Llama(_SessionMixin):
     and whatever the thread count (generation runs ggml's reference CPU
     kernels on weights kept in the file's layout; every cached prefix is
     then exact, so any common prefix is reused).  See docs/determinism.md.
+    ``max_lora_slots`` (default: ``n_parallel`` when it is > 1, else 0: off)
+    and ``max_lora_rank`` (default 16): the generation contexts' LoRA table
+    (see :class:`llamax.Context`): requests with different adapters share
+    a decode at the cost of one adapter, each token multiplied by its own
+    adapters only.  See docs/adapters.md.
     """
 
     def __init__(self, model_path: str, *, n_gpu_layers: int | None = None, use_mmap: bool = True,
@@ -288,6 +293,7 @@ class Llama(_SessionMixin):
                  max_loaded_adapters: int | None = None, prefix_cache: bool = True, prefix_cache_chunk: int | None = None,
                  prefix_cache_exact: bool = True,
                  n_parallel: int = 1, reserve_slots: int = 0, deterministic: bool = False,
+                 max_lora_slots: int | None = None, max_lora_rank: int = 16,
                  lora_path=None, lora_scale=None, lora_base=None,
                  # llama-cpp-python's other keywords (see _compat_keywords)
                  logits_all: bool = False, last_n_tokens_size: int = 64, draft_model=None,
@@ -368,6 +374,10 @@ class Llama(_SessionMixin):
         if deterministic:
             # (generation contexts, which refuse GPU layers in the mode; embedding ones are batch-invariant already)
             self._ctx_kwargs["deterministic"] = True
+        if max_lora_slots is None:
+            max_lora_slots = n_parallel if n_parallel > 1 else 0
+        # (generation contexts only; Context checks the values)
+        self._ctx_kwargs.update(max_lora_slots=max_lora_slots, max_lora_rank=max_lora_rank)
         self._ctx_extra = ctx_extra  # (the embedding context's too: RoPE, attention type, cache types)
         self._seed = seed
         self._rng = random.Random(None if seed == _DEFAULT_SEED else seed)

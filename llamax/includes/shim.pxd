@@ -125,6 +125,10 @@ cdef extern from "llamax.h" namespace "llamax" nogil:
         int32_t n_accepted
         int32_t n_decodes
 
+    cdef cppclass CLoraTableInfo "llamax::Context::LoraTableInfo":
+        int32_t n_slots, max_rank, n_filled, n_per_row, n_table, n_fallback
+        int64_t n_fills, n_evictions, n_bytes
+
     cdef cppclass CContext "llamax::Context":
         CContext(const CModelPtr & model, llama_context_params params, int32_t max_positions) except +translate_exception
         llama_context * raw()
@@ -153,6 +157,9 @@ cdef extern from "llamax.h" namespace "llamax" nogil:
         void set_threads(int32_t n_threads, int32_t n_threads_batch) except +translate_exception
         void set_deterministic(cbool on) except +translate_exception
         cbool deterministic()
+        void set_lora_table(int32_t n_slots, int32_t max_rank) except +translate_exception
+        CLoraTableInfo lora_table_info()
+        cbool lora_table_fits(const CAdapterPtr & adapter) except +translate_exception
         int32_t last_n_outputs()
         int64_t output_capacity()
         int64_t n_state_calls()
