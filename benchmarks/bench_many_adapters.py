@@ -23,7 +23,11 @@ memory, fills and evictions, and "same text as alone": whether every
 request's greedy text equals that request run by itself on the same Llama
 (checked once per row, outside the timing).
 
-Writes benchmarks/results/many_adapters.json and .md (and .png with matplotlib).
+``--qwen2``: the same on a random Qwen2-architecture model of SmolLM2's
+shape (Q8_0, biases on q/k/v), written once with ``gguf``: a second
+architecture (its text is noise; the speeds and "same text" are what count).
+
+Writes benchmarks/results/many_adapters[_qwen2].json and .md (and .png with matplotlib).
 """
 from __future__ import annotations
 
@@ -49,6 +53,64 @@ TARGETS = ("attn_q", "attn_k", "attn_v", "attn_output")
 PROMPTS = ["The history of the city begins", "A recipe for bread:", "In the morning the train",
            "Three facts about the ocean:", "def parse(line):", "The committee met to discuss",
            "Dear customer, thank you for", "The theorem states that"]
+
+
+def make_qwen2(out: Path, tokenizer_from: Path, *, n_embd=576, n_layer=30, n_head=9, n_head_kv=3, n_ff=1536,
+               seed=0) -> Path:
+    """A random Qwen2-architecture model of SmolLM2-135M's shape (Q8_0
+    matrices; q/k/v biases; SmolLM2's tokenizer): a second architecture
+    for throughput, not for text."""
+    import numpy as np
+    gguf = gguf_tools._gguf()
+    if out.exists():
+        return out
+    src = gguf.GGUFReader(str(tokenizer_from))
+    n_vocab = len(src.fields["tokenizer.ggml.tokens"].data)
+    rng = np.random.default_rng(seed)
+    q8 = gguf.GGMLQuantizationType.Q8_0
+
+    def fill(w):
+        w.add_string("general.name", "llamax random qwen2 (benchmark)")
+        w.add_uint32("general.file_type", 7)
+        w.add_context_length(2048)
+        w.add_embedding_length(n_embd)
+        w.add_block_count(n_layer)
+        w.add_feed_forward_length(n_ff)
+        w.add_head_count(n_head)
+        w.add_head_count_kv(n_head_kv)
+        w.add_rope_freq_base(10000.0)
+        w.add_layer_norm_rms_eps(1e-6)
+        for key, field in src.fields.items():
+            if key.startswith("tokenizer."):
+                w.add_key_value(key, field.contents(), field.types[0],
+                                sub_type=field.types[1] if len(field.types) > 1 else None)
+
+        def mat(name, n_out, n_in):
+            m = (rng.standard_normal((n_out, n_in)) / np.sqrt(n_in)).astype(np.float32)
+            w.add_tensor(name, gguf.quants.quantize(m, q8), raw_shape=m.shape, raw_dtype=q8)
+
+        def vec(name, n, one=False):
+            w.add_tensor(name, np.ones(n, np.float32) if one else (rng.standard_normal(n) * 0.02).astype(np.float32))
+
+        mat("token_embd.weight", n_vocab, n_embd)
+        vec("output_norm.weight", n_embd, one=True)
+        hd = n_embd // n_head
+        for i in range(n_layer):
+            p = f"blk.{i}."
+            vec(p + "attn_norm.weight", n_embd, one=True)
+            mat(p + "attn_q.weight", n_embd, n_embd)
+            vec(p + "attn_q.bias", n_embd)
+            mat(p + "attn_k.weight", n_head_kv * hd, n_embd)
+            vec(p + "attn_k.bias", n_head_kv * hd)
+            mat(p + "attn_v.weight", n_head_kv * hd, n_embd)
+            vec(p + "attn_v.bias", n_head_kv * hd)
+            mat(p + "attn_output.weight", n_embd, n_embd)
+            vec(p + "ffn_norm.weight", n_embd, one=True)
+            mat(p + "ffn_gate.weight", n_ff, n_embd)
+            mat(p + "ffn_up.weight", n_ff, n_embd)
+            mat(p + "ffn_down.weight", n_embd, n_ff)
+
+    return gguf_tools.write_gguf(out, "qwen2", fill)
 
 
 def make_adapters(model_path: Path, work: Path, rank: int, n: int) -> list[Path]:
@@ -112,6 +174,8 @@ class Contestant:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None)
+    ap.add_argument("--qwen2", action="store_true",
+                    help="a random Qwen2-architecture model of SmolLM2's shape (Q8_0) instead: a second architecture")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seqs", type=int, default=16)
     ap.add_argument("--distinct", default="1,4,16,64")
@@ -121,13 +185,15 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="rank 8, N in 1,16, one run, 16 tokens")
     ap.add_argument("--out", default=str(HERE / "results"))
     a = ap.parse_args(argv)
+    work = llamax._fetch.cache_dir() / "bench"
+    work.mkdir(parents=True, exist_ok=True)
     model_path = Path(a.model) if a.model else data.smollm2()
+    if a.qwen2:
+        model_path = make_qwen2(work / "random-qwen2-135m-q8_0.gguf", data.smollm2())
     ranks = [8] if a.quick else [int(x) for x in a.ranks.split(",")]
     distinct = [1, 16] if a.quick else [int(x) for x in a.distinct.split(",")]
     runs = 1 if a.quick else a.runs
     ntg = 16 if a.quick else a.ntg
-    work = llamax._fetch.cache_dir() / "bench"
-    work.mkdir(parents=True, exist_ok=True)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     res = {"model": model_path.name, "threads": a.threads, "seqs": a.seqs, "ntg": ntg, "runs": runs,
@@ -139,12 +205,17 @@ def main(argv=None):
         try:
             cases = [("base", 0)] + [(p, n) for n in distinct for p in ("table", "union")]
             speeds = {c: [] for c in cases}
+            churn = {}
             texts = {}
             for run in range(runs):
                 for case in cases:
                     path, n = case
                     c = cons["table" if path == "base" else path]
+                    t0 = c.table_info() or {}
                     tps, tx = c.round(n)
+                    t1 = c.table_info() or {}
+                    churn.setdefault(case, []).append((t1.get("fills", 0) - t0.get("fills", 0),
+                                                       t1.get("evictions", 0) - t0.get("evictions", 0)))
                     speeds[case].append(tps)
                     texts.setdefault(case, tx)
                     print(f"rank {rank} run {run} {path} N={n}: {tps:.1f} tok/s", flush=True)
@@ -158,6 +229,8 @@ def main(argv=None):
                        "n_same": sum(x == y for x, y in zip(alone, texts[case])), "n_requests": len(alone)}
                 if path == "table":
                     row["table"] = c.table_info()
+                    row["fills_per_round"] = statistics.mean(f for f, _ in churn[case])
+                    row["evictions_per_round"] = statistics.mean(e for _, e in churn[case])
                 res["rows"].append(row)
         finally:
             for c in cons.values():
@@ -168,12 +241,13 @@ def main(argv=None):
                if r["rank"] == row["rank"] and r["path"] == row["path"] and r["distinct"] == 1]
         row["vs_base"] = row["tok_s"] / base
         row["vs_one_adapter"] = row["tok_s"] / one[0] if one else None
-    (out / "many_adapters.json").write_text(json.dumps(res, indent=1))
+    stem = "many_adapters_qwen2" if a.qwen2 else "many_adapters"
+    (out / f"{stem}.json").write_text(json.dumps(res, indent=1))
     md = render(res)
-    (out / "many_adapters.md").write_text(md)
+    (out / f"{stem}.md").write_text(md)
     print(md)
     try:
-        plot(res, out / "many_adapters.png")
+        plot(res, out / f"{stem}.png")
     except ImportError:
         pass
 
@@ -195,14 +269,14 @@ def render(res) -> str:
              f"(targets {', '.join(res['targets'])}); median of {res['runs']} interleaved run(s).",
              "",
              "| rank | path | distinct adapters N | generated tok/s | vs N=1 (same path) | vs base | "
-             "table MiB | fills | evictions | same text as alone |",
+             "table MiB | slot fills per round | evictions per round | same text as alone |",
              "|---:|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in res["rows"]:
         t = r.get("table") or {}
         one = f"{r['vs_one_adapter']:.2f}" if r["vs_one_adapter"] is not None else ""
         lines.append(f"| {r['rank']} | {r['path']} | {r['distinct'] or '-'} | {r['tok_s']:.1f} | {one} | "
-                     f"{r['vs_base']:.2f} | {t.get('bytes', 0) / 2**20:.1f} | {t.get('fills', '')} | "
-                     f"{t.get('evictions', '')} | "
+                     f"{r['vs_base']:.2f} | {t.get('bytes', 0) / 2**20:.1f} | {r.get('fills_per_round', '')} | "
+                     f"{r.get('evictions_per_round', '')} | "
                      f"{'yes' if r['same_text_as_alone'] else 'no'} ({r['n_same']}/{r['n_requests']}) |")
     return "\n".join(lines) + "\n"
 

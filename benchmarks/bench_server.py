@@ -19,6 +19,9 @@ Adapter modes (two seeded adapters made with llamax.gguf_tools):
   ``lora``; llama-cpp-python: an instance started with ``--lora_path A``);
 - mixed: requests cycle through base, A, B and A+B (llama-server: per-request
   ``lora`` lists; llama-cpp-python has no per-request adapters: not run).
+- many: request i uses adapter i % 16 of 16 more (rank 8 on q/k/v/o): a
+  tenant per adapter (llamax's LoRA table; llama-server runs one adapter
+  set per batch; llama-cpp-python: not run).  ``--modes`` picks modes.
 
 Sequences: llamax ``--parallel 16 --n-ctx 1024``; llama-server ``-np 16
 -c 16384`` (1024 per slot), adapters with ``--lora-init-without-apply``;
@@ -55,6 +58,7 @@ PROMPTS = ["Write a short poem about autumn leaves.", "Explain how a bicycle wor
            "Describe a busy city street.", "How do birds know where to fly in winter?"]
 N_PAR = 16
 N_CTX = 1024
+N_MANY = 16
 
 
 def free_port() -> int:
@@ -168,6 +172,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--quick", action="store_true", help="one round at 1 and 8 clients")
     p.add_argument("--no-peers", action="store_true", help="llamax only")
+    p.add_argument("--modes", default="one,mixed,many", help="adapter modes (default one,mixed,many)")
     a = p.parse_args(argv)
     if a.quick:
         a.rounds, a.concurrency = 1, "1,8"
@@ -177,6 +182,9 @@ def main(argv=None) -> int:
     d.mkdir(parents=True, exist_ok=True)
     la = gguf_tools.make_lora(model, d / "srv-coder.gguf", rank=8, seed=1, std=0.05)
     lb = gguf_tools.make_lora(model, d / "srv-writer.gguf", rank=8, seed=2, std=0.05)
+    many = [gguf_tools.make_lora(model, d / f"srv-many{i}.gguf", rank=8, seed=100 + i, std=0.05,
+                                 targets=("attn_q", "attn_k", "attn_v", "attn_output")) for i in range(N_MANY)]
+    modes = a.modes.split(",")
     m = llamax.Model(str(model), vocab_only=True)
     ban = {}
     for t in ("<|im_end|>", "<|endoftext|>"):
@@ -195,12 +203,16 @@ def main(argv=None) -> int:
 
     def llamax_body(mode):
         def f(i):
+            if mode == "many":
+                return {"model": "smol", "logit_bias": ban, "active_loras": [{"name": f"m{i % N_MANY}", "scale": 1.0}]}
             loras = [{"name": "coder", "scale": 1.0}] if mode == "one" else mixed_llamax[i % 4]
             return {"model": "smol", "logit_bias": ban, "active_loras": loras or []}
         return f
 
     def ls_body(mode):
         def f(i):
+            if mode == "many":  # (ids 0, 1: coder, writer; the rest at scale 0)
+                return {"logit_bias": ban, "lora": [{"id": 2 + i % N_MANY, "scale": 1.0}]}
             return {"logit_bias": ban, "lora": [{"id": 0, "scale": 1.0}, {"id": 1, "scale": 0.0}]
                     if mode == "one" else mixed_ls[i % 4]}
         return f
@@ -214,14 +226,16 @@ def main(argv=None) -> int:
         contestants.append(Contestant(
             "llamax", [sys.executable, "-m", "llamax", "serve", str(model), "--alias", "smol", "--port", str(port),
                        "--threads", T, "--parallel", str(N_PAR), "--n-ctx", str(N_CTX), "--lora", f"coder={la}",
-                       "--lora", f"writer={lb}"], port, llamax_body, ["one", "mixed"]))
+                       "--lora", f"writer={lb}"] + [x for i, f in enumerate(many) for x in ("--lora", f"m{i}={f}")],
+            port, llamax_body, ["one", "mixed", "many"]))
         if not a.no_peers:
             exe = server_peers.llama_server()
             port = free_port()
             contestants.append(Contestant(
                 "llama-server", [str(exe), "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "-t", T,
                                  "-tb", T, "-np", str(N_PAR), "-c", str(N_PAR * N_CTX), "--lora", str(la),
-                                 "--lora", str(lb), "--lora-init-without-apply"], port, ls_body, ["one", "mixed"]))
+                                 "--lora", str(lb)] + [x for f in many for x in ("--lora", str(f))] +
+                ["--lora-init-without-apply"], port, ls_body, ["one", "mixed", "many"]))
             py = server_peers.llama_cpp_python_server()
             port = free_port()
             contestants.append(Contestant(
@@ -231,11 +245,12 @@ def main(argv=None) -> int:
                 port, lcp_body, ["one"]))
         for c in contestants:  # warm-up
             for mode in c.modes:
-                asyncio.run(load(c.url, 2, 2, c.body_for(mode), 8))
+                if mode in modes:
+                    asyncio.run(load(c.url, 2, 2, c.body_for(mode), 8))
         runs = []
         for r in range(a.rounds):
             for n in conc:
-                for mode in ("one", "mixed"):
+                for mode in modes:
                     order = contestants if r % 2 == 0 else contestants[::-1]  # alternate who goes first
                     for c in order:
                         if mode not in c.modes:
@@ -294,8 +309,8 @@ def table(summary, meta) -> str:
                      f"{ratio} | {s['errors']} |")
     lines.append("")
     for s in summary:
-        if s["contestant"] == "llamax" and s["mode"] == "mixed" and s["clients"] in one:
-            lines.append(f"- llamax mixed / one adapter at {s['clients']} clients: "
+        if s["contestant"] == "llamax" and s["mode"] in ("mixed", "many") and s["clients"] in one:
+            lines.append(f"- llamax {s['mode']} / one adapter at {s['clients']} clients: "
                          f"{s['tok_s'] / one[s['clients']]['tok_s']:.2f}×")
     lcp = {s["clients"]: s for s in summary if s["contestant"] == "llama-cpp-python"}
     for n, s in sorted(lcp.items()):

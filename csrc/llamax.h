@@ -301,6 +301,15 @@ struct GenResult {
 // -1 when the callback raised (the loop stops, the caller re-raises).
 typedef int (*token_cb_fn)(void * user, llama_token token);
 
+// Whether this build's llama.cpp has llamax's LoRA table (patch 0013).
+inline bool lora_table_supported() {
+#ifdef LLAMA_HAS_LORA_TABLE
+    return true;
+#else
+    return false;
+#endif
+}
+
 class Context {
 public:
     // GIL-free.  max_positions > 0: the model has learned (absolute) position

@@ -139,7 +139,7 @@ cdef class Context:
     one set costs.  Every adapter set of the context goes through it; the
     others (and sets naming more such adapters than there are slots) are
     applied the union way.  Memory, allocated when an adapter first names a
-    weight: ``(N + 1) * max_lora_rank * (n_in + n_out) * 2`` bytes per
+    weight: ``(N + 1) * max_lora_rank * (n_in + n_out) * 4`` bytes per
     weight (see ``lora_table``).
     """
 

@@ -253,6 +253,13 @@ def system_info():
     return llama_print_system_info().decode("utf-8", "replace")
 
 
+def lora_table_supported():
+    """Whether this build's llama.cpp has llamax's LoRA table (patch 0013;
+    see ``Context(max_lora_slots=)``): False for a tree given unpatched
+    with ``LLAMAX_LLAMA_CPP_DIR``."""
+    return c_lora_table_supported()
+
+
 def supports_gpu_offload():
     """Whether this build has a GPU backend *and* it found a GPU: a CUDA build
     on a machine without an NVIDIA GPU or driver says False (and runs on the

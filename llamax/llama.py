@@ -20,7 +20,7 @@ from typing import Optional
 
 import numpy as np
 
-from llamax._core import Batcher, Context, ControlVector, Model, Sampler, State, numa_init
+from llamax._core import Batcher, Context, ControlVector, Model, Sampler, State, lora_table_supported, numa_init
 from llamax._errors import (
     ArgumentTypeError, ContextBusyError, ContextOverflowError, ControlVectorError, InvalidArgumentError, TokenError, UnknownAdapterError,
 )
@@ -374,8 +374,8 @@ class Llama(_SessionMixin):
         if deterministic:
             # (generation contexts, which refuse GPU layers in the mode; embedding ones are batch-invariant already)
             self._ctx_kwargs["deterministic"] = True
-        if max_lora_slots is None:
-            max_lora_slots = n_parallel if n_parallel > 1 else 0
+        if max_lora_slots is None:  # (a tree built unpatched has none: the union way then)
+            max_lora_slots = n_parallel if n_parallel > 1 and lora_table_supported() else 0
         # (generation contexts only; Context checks the values)
         self._ctx_kwargs.update(max_lora_slots=max_lora_slots, max_lora_rank=max_lora_rank)
         self._ctx_extra = ctx_extra  # (the embedding context's too: RoPE, attention type, cache types)
@@ -496,6 +496,8 @@ class Llama(_SessionMixin):
             b = getattr(s, "batcher", None)
             if b is not None and not b.closed:
                 d.update(n_requests=s.n_requests, n_active=b.n_active, **b.stats())
+            if not s.ctx.closed:
+                d["lora_table"] = s.ctx.lora_table  # (None without one; see Context.lora_table)
             out.append(d)
         return out
 

@@ -94,6 +94,7 @@ cdef extern from "llamax.h" namespace "llamax" nogil:
     CStatePtr state_intern(const llama_model * model, const vector[CAdapterPtr] & adapters,
                            const vector[float] & scales, const CControlVectorPtr & cvec) except +translate_exception
     const CStatePtr & state_base()
+    cbool c_lora_table_supported "llamax::lora_table_supported"()
     size_t state_n_interned()
 
     cdef cppclass CGenParams "llamax::GenParams":

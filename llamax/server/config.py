@@ -185,6 +185,14 @@ def llama_options(args) -> dict:
             out[flag] = getattr(args, flag)
     if args.override_kv:
         out["kv_overrides"] = dict(args.override_kv)
+    if args.max_lora_slots is not None:
+        if args.max_lora_slots < 0:
+            raise ValueError("--max-lora-slots must be >= 0 (0: no LoRA table)")
+        out["max_lora_slots"] = args.max_lora_slots
+    if args.max_lora_rank is not None:
+        if args.max_lora_rank < 1:
+            raise ValueError("--max-lora-rank must be >= 1")
+        out["max_lora_rank"] = args.max_lora_rank
     return out
 
 
@@ -244,6 +252,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(llama-server: thinking_budget_tokens) wins")
     p.add_argument("--reasoning-budget-message", metavar="TEXT",
                    help="text put before the closing tag when the budget runs out (default: none)")
+    p.add_argument("--max-lora-slots", type=int, default=None, metavar="N",
+                   help="slots of the LoRA table: requests with different adapters share a decode at the cost "
+                        "of one adapter, each token multiplied by its own adapters only (default: --parallel; "
+                        "0: off, every decode runs the union of its adapters; docs/adapters.md)")
+    p.add_argument("--max-lora-rank", type=int, default=None, metavar="R",
+                   help="the largest adapter rank the LoRA table holds (default 16; higher ranks go the union "
+                        "way); a table costs (N + 1) * R * (n_in + n_out) * 4 bytes per adapted weight")
     t = p.add_argument_group("tenants (docs/tenants.md)")
     t.add_argument("--tenants", metavar="FILE",
                    help="a tenants file (TOML or JSON): keys, allowed adapters, weights, limits, cache scope; "

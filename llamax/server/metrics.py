@@ -23,10 +23,14 @@ class _Collector:
         c = e.counters
         stats = {"n_decodes": 0, "n_tokens": 0, "n_switches": 0, "n_cached_tokens": 0, "n_seq_copies": 0,
                  "n_multi_adapter_decodes": 0, "n_seq_decoded": 0}
+        table = {"slots": 0, "filled": 0, "fills": 0, "evictions": 0, "bytes": 0, "fallback": 0}
         for s in e.llm.context_stats():
             for k, v in s.items():
                 if k in stats:
                     stats[k] += v
+            for k, v in (s.get("lora_table") or {}).items():
+                if k in table:
+                    table[k] += v
         with c.lock:
             prompt, predicted, cached = c.prompt_tokens, c.predicted_tokens, c.cached_tokens
             requests = dict(c.requests)
@@ -66,6 +70,15 @@ class _Collector:
         loras = e.llm.list_loras()
         yield gauge("llamax:adapters_loaded", "LoRA adapters in memory.", sum(1 for x in loras if x["loaded"]))
         yield gauge("llamax:adapters_registered", "LoRA adapters offered (loaded or on demand).", len(loras))
+        yield gauge("llamax:lora_table_slots", "Slots of the contexts' LoRA tables (--max-lora-slots).",
+                    table["slots"])
+        yield gauge("llamax:lora_table_slots_filled", "LoRA-table slots holding an adapter.", table["filled"])
+        yield gauge("llamax:lora_table_bytes", "Memory the LoRA tables' stacked weights hold.", table["bytes"])
+        yield counter("llamax:lora_table_fills", "Adapters copied into a LoRA-table slot.", table["fills"])
+        yield counter("llamax:lora_table_evictions", "LoRA-table fills that replaced the least recently used "
+                      "idle adapter.", table["evictions"])
+        yield gauge("llamax:lora_table_fallback_adapters", "Adapters of the applied sets that don't fit the "
+                    "table (other weights or ranks, or no free slot) and run the union way.", table["fallback"])
         m = CounterMetricFamily("llamax:requests", "Requests answered, by endpoint and status code.",
                                 labels=["endpoint", "code"])
         for (endpoint, code), v in sorted(requests.items()):
