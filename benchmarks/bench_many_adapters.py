@@ -87,7 +87,7 @@ def make_qwen2(out: Path, tokenizer_from: Path, *, n_embd=576, n_layer=30, n_hea
 
         def mat(name, n_out, n_in):
             m = (rng.standard_normal((n_out, n_in)) / np.sqrt(n_in)).astype(np.float32)
-            w.add_tensor(name, gguf.quants.quantize(m, q8), raw_shape=m.shape, raw_dtype=q8)
+            w.add_tensor(name, gguf.quants.quantize(m, q8), raw_dtype=q8)
 
         def vec(name, n, one=False):
             w.add_tensor(name, np.ones(n, np.float32) if one else (rng.standard_normal(n) * 0.02).astype(np.float32))
