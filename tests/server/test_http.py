@@ -351,6 +351,20 @@ def test_health_and_metrics(http):
     assert 'llamax:requests_total{code="200",endpoint="chat"}' in text
 
 
+
+def test_lora_table_in_metrics(http):
+    """The server's contexts have a LoRA table of --parallel slots (4); a
+    request on an adapter fills a slot, and /metrics reports it."""
+    r = http.post("/v1/chat/completions", json=dict(CHAT, active_loras=[{"name": "coder", "scale": 1.0}]))
+    assert r.status_code == 200, r.text
+    vals = {line.split(" ")[0]: float(line.split(" ")[1]) for line in http.get("/metrics").text.splitlines()
+            if line and not line.startswith("#") and "{" not in line}
+    assert vals["llamax:lora_table_slots"] == 4
+    assert vals["llamax:lora_table_fills_total"] >= 1 and vals["llamax:lora_table_slots_filled"] >= 1
+    assert vals["llamax:lora_table_bytes"] > 0
+    assert vals["llamax:lora_table_evictions_total"] >= 0 and "llamax:lora_table_fallback_adapters" in vals
+
+
 def test_metrics_off(locked):
     r = httpx.get(locked.url + "/metrics", headers={"X-Api-Key": KEYS[0]})
     err(r, 404, "metrics_disabled")

@@ -117,3 +117,10 @@ def test_bad_reasoning_budget_flags(smollm2_path):
     assert r.returncode == 2 and "--reasoning-budget must be -1" in r.stderr, r.stderr[-2000:]
     r = serve(smollm2_path, "--reasoning-budget-message", "Enough.")
     assert r.returncode == 2 and "needs --reasoning-budget" in r.stderr, r.stderr[-2000:]
+
+
+def test_bad_lora_table_flags(smollm2_path):
+    r = serve(smollm2_path, "--max-lora-slots", "-1")
+    assert r.returncode == 2 and "--max-lora-slots must be >= 0" in r.stderr, r.stderr[-2000:]
+    r = serve(smollm2_path, "--max-lora-rank", "0")
+    assert r.returncode == 2 and "--max-lora-rank must be >= 1" in r.stderr, r.stderr[-2000:]
