@@ -172,6 +172,8 @@ def main(argv=None) -> int:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--quick", action="store_true", help="one round at 1 and 8 clients")
     p.add_argument("--no-peers", action="store_true", help="llamax only")
+    p.add_argument("--no-llama-cpp-python", action="store_true", help="llamax and llama-server only")
+    p.add_argument("--name", default="server", help="results file stem (default: server)")
     p.add_argument("--modes", default="one,mixed,many", help="adapter modes (default one,mixed,many)")
     a = p.parse_args(argv)
     if a.quick:
@@ -236,6 +238,7 @@ def main(argv=None) -> int:
                                  "-tb", T, "-np", str(N_PAR), "-c", str(N_PAR * N_CTX), "--lora", str(la),
                                  "--lora", str(lb)] + [x for f in many for x in ("--lora", str(f))] +
                 ["--lora-init-without-apply"], port, ls_body, ["one", "mixed", "many"]))
+        if not a.no_peers and not a.no_llama_cpp_python:
             py = server_peers.llama_cpp_python_server()
             port = free_port()
             contestants.append(Contestant(
@@ -270,12 +273,12 @@ def main(argv=None) -> int:
     meta = {"model": model.name, "threads": a.threads, "max_tokens": a.max_tokens, "rounds": a.rounds,
             "cpu": platform.processor() or platform.machine(), "date": time.strftime("%Y-%m-%d"),
             "command": "python3 benchmarks/bench_server.py " + " ".join(argv if argv is not None else sys.argv[1:])}
-    (out / "server.json").write_text(json.dumps({"meta": meta, "summary": summary, "runs": runs}, indent=1))
+    (out / f"{a.name}.json").write_text(json.dumps({"meta": meta, "summary": summary, "runs": runs}, indent=1))
     md = table(summary, meta)
-    (out / "server.md").write_text(md)
+    (out / f"{a.name}.md").write_text(md)
     print(md)
     try:
-        plot(summary, out / "server.png")
+        plot(summary, out / f"{a.name}.png")
     except ImportError:
         pass
     return 0

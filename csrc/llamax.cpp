@@ -1400,6 +1400,7 @@ bool Context::set_state(const StatePtr & want_in) {
             }
             llama_set_adapter_cvec(ctx_, nullptr, 0, 0, 0, 0);
             state_ = state_intern(model_, ads, sc, nullptr);
+            snap_table_info();
             throw Error(ErrorKind::ControlVector,
                         with_reason(cv ? "llama.cpp refused the control vector"
                                        : "llama.cpp refused to clear the control vector"), rc);
@@ -1442,6 +1443,7 @@ void Context::set_state_per_seq(const StatePtr & cv_state, const std::vector<Ada
             state_ = state_base();
             per_seq_ = false;
             per_seq_adapters_.clear();
+            snap_table_info();
             throw Error(ErrorKind::ControlVector, with_reason("llama.cpp refused the control vector"), rc);
         }
     }

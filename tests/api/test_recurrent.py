@@ -67,3 +67,30 @@ def test_recurrent_session(mamba):
         m.reset()
         m.eval(toks)
         assert m.n_tokens == len(toks)
+
+
+def test_recurrent_adapters_in_the_lora_table(mamba, gen_dir):
+    """A LoRA on a Mamba model's ssm_in (whose input is 3-D in the batched
+    graph: [n_embd, tokens per sequence, sequences]) through the batcher's
+    LoRA table: several sequences with and without it run at once (the
+    graph takes the 3-D input as rows in order instead of failing)."""
+    from llamax import gguf_tools as gt
+    lora = gt.make_lora(mamba, gen_dir / "mamba_ssm_in.gguf", rank=4, seed=3, std=0.2, targets=("ssm_in",))
+    with llamax.Llama(mamba, n_ctx=256, n_threads=1, n_parallel=3) as m:
+        assert m._pool.slots[0].ctx.lora_table is not None
+        m.load_lora("s", lora)
+        bias = _no_eos(m)
+        sets = [[], [{"name": "s", "scale": 1.0}], [{"name": "s", "scale": 0.5}]]
+        alone = [m("Once upon a time", logit_bias=bias, cache_prompt=False, active_loras=s, **G) for s in sets]
+        assert alone[0]["choices"][0]["text"] != alone[1]["choices"][0]["text"]  # the adapter is applied
+        out = [None] * 3
+
+        def run(i):
+            out[i] = m("Once upon a time", logit_bias=bias, cache_prompt=False, active_loras=sets[i], **G)
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert [o["usage"]["completion_tokens"] for o in out] == [12, 12, 12]
+        assert m._pool.slots[0].ctx.lora_table["fills"] == 1
