@@ -78,7 +78,10 @@ def test_affinity(http, server, smollm2_path):
     assert len(set().union(*served.values())) == REPLICAS  # the sets are spread over the replicas
     # and the answers are the single-process engine's
     toks = http.post("/tokenize", json={"content": PROMPT}).json()["tokens"]
-    llm = llamax.Llama(str(smollm2_path), n_ctx=1024, n_threads=1)
+    # (the replicas' contexts have a LoRA table of --parallel slots: adapters in
+    # the same arithmetic here; the plain path sums in another order, which
+    # SmolLM2's 8-bit input quantization can turn into another greedy token)
+    llm = llamax.Llama(str(smollm2_path), n_ctx=1024, n_threads=1, max_lora_slots=server.cfg.parallel)
     try:
         for name, path in server.cfg.loras:
             if name in tenants:
