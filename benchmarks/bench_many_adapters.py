@@ -47,7 +47,7 @@ from llamax_dev import data  # noqa: E402
 import llamax  # noqa: E402
 from llamax import gguf_tools  # noqa: E402
 
-from served import cpu_name  # noqa: E402
+from served import commit, cpu_name  # noqa: E402
 
 TARGETS = ("attn_q", "attn_k", "attn_v", "attn_output")
 PROMPTS = ["The history of the city begins", "A recipe for bread:", "In the morning the train",
@@ -250,15 +250,6 @@ def main(argv=None):
         plot(res, out / f"{stem}.png")
     except ImportError:
         pass
-
-
-def commit() -> str:
-    import subprocess
-    try:
-        r = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=HERE, capture_output=True, text=True)
-        return r.stdout.strip()
-    except OSError:
-        return "?"
 
 
 def render(res) -> str:

@@ -65,7 +65,7 @@ from pathlib import Path
 
 import httpx
 
-from served import cpu_name as _cpu, served_url  # benchmarks/served.py (this script's folder)
+from served import commit as _commit, cpu_name as _cpu, served_url  # benchmarks/served.py (this script's folder)
 
 HERE = Path(__file__).resolve().parent
 
@@ -374,15 +374,6 @@ def run(args) -> dict:
 
 def _command() -> str:
     return "python3 benchmarks/bench_tenants.py" + "".join(" " + shlex.quote(x) for x in sys.argv[1:])
-
-
-def _commit() -> str | None:
-    try:
-        out = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=HERE, capture_output=True, text=True,
-                             timeout=10)
-        return out.stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
 
 
 def _f(v, fmt: str, suffix: str = "") -> str:

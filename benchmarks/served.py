@@ -1,8 +1,9 @@
 """What the server benchmarks share: the URL a ``python -m llamax serve``
-process prints when it is ready, and the CPU's name for their tables."""
+process prints when it is ready, the CPU's name and the commit for their tables."""
 from __future__ import annotations
 
 import platform
+from pathlib import Path
 import re
 import subprocess
 import time
@@ -20,6 +21,16 @@ def served_url(proc: subprocess.Popen, timeout: float = 180.0) -> str | None:
         if m:
             return m.group(1)
     return None
+
+
+def commit() -> str | None:
+    """``git describe --always --dirty`` of the checkout the benchmark ran from (None outside one)."""
+    try:
+        out = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=Path(__file__).resolve().parent,
+                             capture_output=True, text=True, timeout=10)
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
 
 
 def cpu_name() -> str:
