@@ -1094,6 +1094,12 @@ Context::Context(const ModelPtr & model_ref, llama_context_params params, int32_
     check_context_params(model, params);
     params.abort_callback = &Context::abort_cb;
     params.abort_callback_data = this;
+#ifdef LLAMA_HAS_FA_KV_F32
+    // Patch 0014: an encoder's K and V reach flash attention in F32, not cast
+    // to F16 and widened again by the CPU kernels (two copies per layer).  GPU
+    // builds keep the cast: their kernels want F16 K/V.
+    params.fa_kv_f32 = params.embeddings && !llama_supports_gpu_offload();
+#endif
     take_last_log_error();
     ctx_ = llama_init_from_model(model, params);
     if (ctx_ == nullptr) {

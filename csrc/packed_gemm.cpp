@@ -178,12 +178,21 @@ __attribute__((target("avx2,fma"))) void kernel_avx2(int K, const float * A, lon
         c0[i] = _mm256_setzero_ps();
         c1[i] = _mm256_setzero_ps();
     }
+    // one pointer per row, set once (recomputing row i's address from lda
+    // took two LEAs per k), and k unrolled by 4: the loop's bookkeeping
+    // had crowded the FMAs out of the front end on Zen 3
+    const float * a_row[MR];
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; i++) {
+        a_row[i] = A + i * lda;
+    }
+#pragma GCC unroll 4
     for (int k = 0; k < K; k++) {
         const __m256 b0 = _mm256_load_ps(B + (long) k * 16);
         const __m256 b1 = _mm256_load_ps(B + (long) k * 16 + 8);
 #pragma GCC unroll 8
         for (int i = 0; i < MR; i++) {
-            const __m256 a = _mm256_broadcast_ss(A + i * lda + k);
+            const __m256 a = _mm256_broadcast_ss(a_row[i] + k);
             c0[i] = _mm256_fmadd_ps(a, b0, c0[i]);
             c1[i] = _mm256_fmadd_ps(a, b1, c1[i]);
         }
