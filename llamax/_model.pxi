@@ -404,6 +404,7 @@ cdef class Model:
         return {
             "bos": llama_vocab_bos(v), "eos": llama_vocab_eos(v), "eot": llama_vocab_eot(v),
             "sep": llama_vocab_sep(v), "nl": llama_vocab_nl(v), "pad": llama_vocab_pad(v),
+            "fim_pre": llama_vocab_fim_pre(v), "fim_suf": llama_vocab_fim_suf(v), "fim_mid": llama_vocab_fim_mid(v),
         }
 
     @property

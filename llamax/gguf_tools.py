@@ -17,7 +17,8 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-__all__ = ["make_lora", "make_control_vector", "make_tiny_llama", "make_tiny_mamba", "merge_lora", "model_shapes"]
+__all__ = ["make_lora", "make_control_vector", "make_tiny_llama", "make_tiny_mamba", "merge_lora", "model_shapes",
+           "tokenizer_fields"]
 
 DEFAULT_TARGETS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 
@@ -36,11 +37,44 @@ def _field(reader, key):
 
 
 def model_shapes(model_path: str | os.PathLike) -> tuple[str, dict[str, tuple[int, ...]]]:
-    """(architecture, {tensor name: ggml shape}) of a GGUF model, without loading its data."""
-    gguf = _gguf()
-    r = gguf.GGUFReader(os.fspath(model_path))
-    arch = _field(r, "general.architecture")
-    return arch, {t.name: tuple(int(x) for x in t.shape) for t in r.tensors}
+    """(architecture, {tensor name: ggml shape}) of a GGUF model, without loading its data.
+
+    Remembered per file (path, inode, size and modification time): gguf's
+    reader parses every metadata array, SmolLM2's 49,152 tokens and merges
+    included, which took ~5 s per call, and tests make many adapters for
+    one model."""
+    st = os.stat(model_path)
+    key = (os.path.realpath(model_path), st.st_ino, st.st_size, st.st_mtime_ns)
+    hit = _SHAPES.get(key)
+    if hit is None:
+        gguf = _gguf()
+        r = gguf.GGUFReader(os.fspath(model_path))
+        hit = (_field(r, "general.architecture"), {t.name: tuple(int(x) for x in t.shape) for t in r.tensors})
+        if len(_SHAPES) >= 32:
+            _SHAPES.pop(next(iter(_SHAPES)))
+        _SHAPES[key] = hit
+    return hit[0], dict(hit[1])
+
+
+_SHAPES: dict = {}  # model_shapes' answers, by file
+
+
+def tokenizer_fields(path: str | os.PathLike) -> list:
+    """The ``tokenizer.*`` metadata of a GGUF file as (key, contents,
+    value type, array item type) tuples, what a GGUFWriter needs to copy
+    them; remembered per file like :func:`model_shapes` (the contents are
+    lists the caller must not change)."""
+    st = os.stat(path)
+    key = ("tok", os.path.realpath(path), st.st_ino, st.st_size, st.st_mtime_ns)
+    hit = _SHAPES.get(key)
+    if hit is None:
+        r = _gguf().GGUFReader(os.fspath(path))
+        hit = [(k, f.contents(), f.types[0], f.types[1] if len(f.types) > 1 else None)
+               for k, f in r.fields.items() if k.startswith("tokenizer.")]
+        if len(_SHAPES) >= 32:
+            _SHAPES.pop(next(iter(_SHAPES)))
+        _SHAPES[key] = hit
+    return hit
 
 
 def make_lora(model_path, out_path, *, rank: int = 8, alpha: float | None = None, seed: int = 0,
@@ -164,8 +198,8 @@ def make_tiny_llama(out_path, tokenizer_from, *, n_embd: int = 64, n_layer: int 
     model, which run-time LoRA must reproduce.
     """
     gguf = _gguf()
-    src = gguf.GGUFReader(os.fspath(tokenizer_from))
-    n_vocab = len(src.fields["tokenizer.ggml.tokens"].data)
+    tok_fields = tokenizer_fields(tokenizer_from)
+    n_vocab = len(next(c for k, c, _, _ in tok_fields if k == "tokenizer.ggml.tokens"))
     rng = np.random.default_rng(seed)
     w = gguf.GGUFWriter(os.fspath(out_path), "llama")
     w.add_string("general.name", "llamax tiny test llama")
@@ -180,12 +214,8 @@ def make_tiny_llama(out_path, tokenizer_from, *, n_embd: int = 64, n_layer: int 
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_vocab_size(n_vocab)
-    for key, field in src.fields.items():
-        if not key.startswith("tokenizer."):
-            continue
-        vtype = field.types[0]
-        sub = field.types[1] if len(field.types) > 1 else None
-        w.add_key_value(key, field.contents(), vtype, sub_type=sub)
+    for key, contents, vtype, sub in tok_fields:
+        w.add_key_value(key, contents, vtype, sub_type=sub)
     deltas = deltas or {}
     head_dim = n_embd // n_head
 
@@ -223,8 +253,8 @@ def make_tiny_mamba(out_path, tokenizer_from, *, n_embd: int = 64, n_layer: int 
     for them) without a downloaded model.  d_inner is 2 x n_embd, the only
     expansion llama.cpp's Mamba takes."""
     gguf = _gguf()
-    src = gguf.GGUFReader(os.fspath(tokenizer_from))
-    n_vocab = len(src.fields["tokenizer.ggml.tokens"].data)
+    tok_fields = tokenizer_fields(tokenizer_from)
+    n_vocab = len(next(c for k, c, _, _ in tok_fields if k == "tokenizer.ggml.tokens"))
     d_inner = 2 * n_embd
     rng = np.random.default_rng(seed)
 
@@ -242,10 +272,8 @@ def make_tiny_mamba(out_path, tokenizer_from, *, n_embd: int = 64, n_layer: int 
         w.add_ssm_time_step_rank(dt_rank)
         w.add_layer_norm_rms_eps(1e-5)
         w.add_vocab_size(n_vocab)
-        for key, field in src.fields.items():
-            if key.startswith("tokenizer."):
-                w.add_key_value(key, field.contents(), field.types[0],
-                                sub_type=field.types[1] if len(field.types) > 1 else None)
+        for key, contents, vtype, sub in tok_fields:
+            w.add_key_value(key, contents, vtype, sub_type=sub)
 
         def mat(name, n_out, n_in, scale=1.0):
             w.add_tensor(name, (scale * rng.standard_normal((n_out, n_in)) / np.sqrt(n_in)).astype(np.float32))

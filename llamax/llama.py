@@ -44,12 +44,6 @@ _DEFAULT_SEED = 0xFFFFFFFF
 # llama.cpp's LLAMA_POOLING_TYPE_* (llama-cpp-python's pooling_type=)
 _POOLING_TYPES = {-1: None, 0: "none", 1: "mean", 2: "cls", 3: "last", 4: "rank"}
 
-# llama-cpp-python keywords llamax takes only at their defaults: each value
-# here is what they do by default; anything else is refused, not ignored.
-_COMPAT_DEFAULTS = {
-    "spm_infill": (False,),
-}
-
 # llama-cpp-python's defaults of the context keywords passed on to llama.cpp:
 # a keyword at this value is left to llama.cpp (which takes the model's own
 # RoPE/YaRN settings), so a model runs as it does without the keyword.
@@ -58,14 +52,6 @@ _CONTEXT_DEFAULTS = {
     "yarn_attn_factor": 1.0, "yarn_beta_fast": 32.0, "yarn_beta_slow": 1.0, "yarn_orig_ctx": 0,
     "attention_type": -1, "type_k": None, "type_v": None, "swa_full": None, "op_offload": None,
 }
-
-
-def _compat_keywords(given: dict) -> None:
-    for name, value in given.items():
-        if not any(value is d or (type(value) is type(d) and value == d) for d in _COMPAT_DEFAULTS[name]):
-            raise InvalidArgumentError(f"Llama({name}={value!r}) is not supported by llamax (only the default, "
-                                       f"{_COMPAT_DEFAULTS[name][0]!r}); see docs/guide.md, 'Deliberate "
-                                       "differences' from llama-cpp-python")
 
 
 EMBED_SEQS = 64  # inputs per embedding decode (llama.cpp's n_seq_max)
@@ -295,7 +281,7 @@ class Llama(_SessionMixin):
                  n_parallel: int = 1, reserve_slots: int = 0, deterministic: bool = False,
                  max_lora_slots: int | None = None, max_lora_rank: int = 16,
                  lora_path=None, lora_scale=None, lora_base=None,
-                 # llama-cpp-python's other keywords (see _compat_keywords)
+                 # llama-cpp-python's other keywords
                  logits_all: bool = False, last_n_tokens_size: int = 64, draft_model=None,
                  pooling_type: int = -1, offload_kqv: bool = True, no_perf: bool = False,
                  split_mode: int = 1, main_gpu: int = 0, tensor_split=None, use_mlock: bool = False,
@@ -308,7 +294,7 @@ class Llama(_SessionMixin):
             raise InvalidArgumentError("lora_scale and lora_base go with lora_path (the adapter they are for)")
         if lora_scale is not None:
             lora_scale = check_float(lora_scale, "lora_scale")
-        _compat_keywords(dict(spm_infill=spm_infill))
+        check_bools(spm_infill=spm_infill)
         _check_chat_handler(chat_handler)
         if tokenizer is not None and not (callable(getattr(tokenizer, "tokenize", None))
                                           and callable(getattr(tokenizer, "detokenize", None))):
@@ -438,6 +424,7 @@ class Llama(_SessionMixin):
         self._session_init(logits_all, draft_model)
         self._tokenizer = tokenizer  # (None: the model's own vocabulary)
         self.chat_handler = chat_handler  # llama-cpp-python's: it runs chat completions itself
+        self.spm_infill = spm_infill  # fill-in-the-middle prompts put the suffix first (_infill_tokens)
         self._default_loras: list[dict] | None = None
         self._default_pins: list[str] = []
         if lora_path is not None:
@@ -854,12 +841,13 @@ class Llama(_SessionMixin):
         self._check_open()
         self._check_deterministic(deterministic)
         check_bools(stream=stream, echo=echo, cache_prompt=cache_prompt)
-        if suffix is not None:
-            raise InvalidArgumentError("suffix (fill-in-the-middle) is not supported")
+        if suffix is not None and echo:
+            raise InvalidArgumentError("echo=True with a suffix: the prompt of a fill-in-the-middle request is the "
+                                       "prefix, suffix and the model's FIM tokens, not text to echo; drop one")
         logprobs = check_int(logprobs, "logprobs", 0, self.n_vocab(), none_ok=True, error=InvalidArgumentError,
                              msg=f"logprobs must be an int in [0, n_vocab={self.n_vocab()}] (top alternatives per "
                                  "token)")
-        tokens = self._prompt_tokens(prompt)
+        tokens = self._prompt_tokens(prompt) if suffix is None else self._infill_tokens(prompt, suffix)
         req = self._request(tokens, logprobs, RequestParams(
             max_tokens=max_tokens, temperature=temperature, top_p=top_p, min_p=min_p, typical_p=typical_p,
             top_k=top_k, repeat_penalty=repeat_penalty, frequency_penalty=frequency_penalty,
@@ -872,7 +860,11 @@ class Llama(_SessionMixin):
         cid = f"cmpl-{uuid.uuid4()}"
         created = int(time.time())
         name = model or self.model_path
-        full_prompt = self._model.detokenize_text(tokens, errors="replace") if echo or logprobs is not None else ""
+        if suffix is not None:  # (offsets count from the prefix's start: the text before the gap)
+            full_prompt = self._model.detokenize_text(self._prompt_tokens(prompt)[int(self._model.add_bos):],
+                                                      errors="replace") if logprobs is not None else ""
+        else:
+            full_prompt = self._model.detokenize_text(tokens, errors="replace") if echo or logprobs is not None else ""
         prompt_text = full_prompt if echo else ""
         # text offsets count from the prompt's start, echoed or not (OpenAI's and llama-cpp-python's)
         offset = [len(full_prompt)]
@@ -1316,6 +1308,51 @@ class Llama(_SessionMixin):
         return np.concatenate(arrays), offsets
 
     # -- the request engine ---------------------------------------------------------
+
+    def _infill_tokens(self, prompt, suffix) -> np.ndarray:
+        """A fill-in-the-middle prompt: BOS (if the model adds one), then
+        <FIM_PRE> prefix <FIM_SUF> suffix <FIM_MID>, or with
+        ``spm_infill=True`` the suffix first (<FIM_SUF> suffix <FIM_PRE>
+        prefix <FIM_MID>, the SPM order some code models are trained on).
+        Special tokens in the two texts stay text.  A model without FIM
+        tokens is refused, not given the prefix alone."""
+        if not isinstance(suffix, str):
+            raise ArgumentTypeError(f"suffix must be a str, not {type(suffix).__name__}")
+        sp = self._model.special_tokens
+        missing = [k for k in ("fim_pre", "fim_suf", "fim_mid") if sp[k] < 0]
+        if missing:
+            raise InvalidArgumentError(
+                f"suffix needs a model with fill-in-the-middle tokens; this vocabulary has no {', '.join(missing)} "
+                "(a code model's <fim_prefix>/<fim_suffix>/<fim_middle>): leave suffix unset")
+        if isinstance(prompt, str):
+            pre = self._text_tokens(prompt)
+        elif isinstance(prompt, (list, tuple, np.ndarray)) and len(prompt):
+            pre = self._prompt_tokens(prompt).tolist()
+        elif isinstance(prompt, (list, tuple, np.ndarray)):
+            pre = []
+        else:
+            raise ArgumentTypeError(f"prompt must be str or a list of token ids, not {type(prompt).__name__}")
+        suf = self._text_tokens(suffix)
+        head = [sp["fim_suf"], *suf, sp["fim_pre"], *pre] if self.spm_infill else \
+            [sp["fim_pre"], *pre, sp["fim_suf"], *suf]
+        bos = [self._model.token_bos] if self._model.add_bos and self._model.token_bos >= 0 else []
+        return np.asarray(bos + head + [sp["fim_mid"]], dtype=np.int32)
+
+    def _text_tokens(self, text: str) -> list[int]:
+        """``text`` as tokens in the middle of a prompt: no BOS, special
+        tokens as text, and no leading space where the tokenizer would add
+        one to a text's start (SPM): the text is tokenized after a newline
+        and the newline's tokens dropped."""
+        if text == "":
+            return []
+        if self._tokenizer is not None:
+            return self._own_tokens(text, False, False).tolist()
+        plain = self._model.tokenize(text, add_special=False, parse_special=False).tolist()
+        lead = self._model.tokenize("\n", add_special=False, parse_special=False).tolist()
+        joined = self._model.tokenize("\n" + text, add_special=False, parse_special=False).tolist()
+        if joined[:len(lead)] == lead and self._model.detokenize_text(joined[len(lead):], errors="replace") == text:
+            return joined[len(lead):]
+        return plain
 
     def _prompt_tokens(self, prompt) -> np.ndarray:
         if isinstance(prompt, (str, bytes)) and self._tokenizer is not None:

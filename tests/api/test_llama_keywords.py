@@ -350,3 +350,62 @@ def test_chat_handler(smollm2_path):
         make_llama(smollm2_path, chat_handler=Llava())
     with pytest.raises(llamax.ArgumentTypeError, match="callable"):
         make_llama(smollm2_path, chat_handler="chatml")
+
+
+# -- fill-in-the-middle: suffix= and spm_infill -----------------------------------------------
+
+@pytest.fixture(scope="module", params=["starcoder", "deepseek-coder"])
+def fim_model(request, tmp_path_factory):
+    """A tiny random llama with a code model's vocabulary, which has FIM
+    tokens (SmolLM2's has none): StarCoder's (no BOS) and DeepSeek Coder's
+    (BOS added)."""
+    from llamax import gguf_tools as gt
+    from llamax_dev import data
+    d = tmp_path_factory.mktemp("fim")
+    return gt.make_tiny_llama(d / f"tiny-{request.param}.gguf",
+                              data.vocab_dir() / f"ggml-vocab-{request.param}.gguf")
+
+
+def test_fill_in_the_middle(fim_model):
+    """``suffix=`` wraps prefix and suffix in the model's own FIM tokens;
+    with ``spm_infill=True`` the suffix comes first.  Each request's answer
+    is the answer to the token prompt it stands for (same run)."""
+    prefix, suffix = "def add(a, b):\n    return", "\n\nprint(add(1, 2))\n"
+    kw = dict(max_tokens=6, temperature=0.0)
+    with llamax.Model(str(fim_model), vocab_only=True) as v:
+        sp = v.special_tokens
+        bos = [v.token_bos] if v.add_bos else []
+    assert min(sp["fim_pre"], sp["fim_suf"], sp["fim_mid"]) >= 0
+    for spm in (False, True):
+        with make_llama(fim_model, n_ctx=256, spm_infill=spm) as m:
+            assert m.spm_infill is spm
+            pre = m.tokenize(prefix.encode(), add_bos=False, special=False)
+            suf = m.tokenize(suffix.encode(), add_bos=False, special=False)
+            want = bos + ([sp["fim_suf"], *suf, sp["fim_pre"], *pre] if spm else
+                          [sp["fim_pre"], *pre, sp["fim_suf"], *suf]) + [sp["fim_mid"]]
+            r = m.create_completion(prefix, suffix=suffix, **kw)
+            assert r["usage"]["prompt_tokens"] == len(want)
+            assert r["choices"][0]["text"] == m.create_completion(want, **kw)["choices"][0]["text"]
+            # special tokens in the texts stay text; a token-list prefix is taken as tokens
+            marker = m.detokenize([sp["fim_mid"]], special=True).decode()
+            r2 = m.create_completion(marker + prefix, suffix=suffix, **kw)
+            assert r2["usage"]["prompt_tokens"] > len(want)
+            r3 = m.create_completion(pre, suffix=suffix, **kw)
+            assert r3["choices"][0]["text"] == r["choices"][0]["text"]
+            # with logprobs: offsets count from the prefix's start
+            lp = m.create_completion(prefix, suffix=suffix, logprobs=1, **kw)["choices"][0]["logprobs"]
+            assert lp["text_offset"][0] == len(prefix)
+            with pytest.raises(llamax.InvalidArgumentError, match="echo=True with a suffix"):
+                m.create_completion(prefix, suffix=suffix, echo=True, **kw)
+            with pytest.raises(llamax.ArgumentTypeError, match="suffix must be a str"):
+                m.create_completion(prefix, suffix=b"x", **kw)
+
+
+def test_fill_in_the_middle_needs_fim_tokens(smollm2_path):
+    """SmolLM2's vocabulary has no FIM tokens: a suffix is refused (not
+    silently dropped, as llama-cpp-python does); spm_infill must be a bool."""
+    with make_llama(smollm2_path, n_ctx=64, spm_infill=True) as m:
+        with pytest.raises(llamax.InvalidArgumentError, match="no fim_pre, fim_suf, fim_mid"):
+            m.create_completion("Hello", suffix=" world", max_tokens=2)
+    with pytest.raises(llamax.ArgumentTypeError):
+        make_llama(smollm2_path, spm_infill=1)

@@ -93,7 +93,12 @@ def _send(url, key, path, body, stream):
             return r.status_code, data
 
 
-@pytest.mark.parametrize("name,path,body,stream,ok,bound", KINDS, ids=[k[0] for k in KINDS])
+# 256 embeddings through SmolLM2 take ~30 s per server on an AVX2-only EPYC: the slow tier's
+SLOW_KINDS = {"embeddings_256"}
+
+
+@pytest.mark.parametrize("name,path,body,stream,ok,bound", [
+    pytest.param(*k, id=k[0], marks=[pytest.mark.slow] if k[0] in SLOW_KINDS else []) for k in KINDS])
 def test_neighbours_are_not_stalled(srv, name, path, body, stream, ok, bound):
     pid = srv.proc.pid
     rss0 = _rss(pid)

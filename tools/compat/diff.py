@@ -30,7 +30,8 @@ REFERENCE = ROOT / "tests" / "compat" / "diff_reference.json"
 
 
 def models() -> dict:
-    return {"smollm2": str(data.smollm2()), "minilm": str(data.minilm("f16")), "vocab_dir": str(data.vocab_dir())}
+    return {"smollm2": str(data.smollm2()), "minilm": str(data.minilm("f16")), "vocab_dir": str(data.vocab_dir()),
+            "adapters": cw.adapter_files()}
 
 
 def stored(fields: dict) -> dict:

@@ -150,6 +150,14 @@ class Runner:
             elif group == "minilm":
                 self._llms[group] = L(model_path=m["minilm"], embedding=True, n_ctx=512, n_batch=512, n_ubatch=512,
                                       **common)
+            elif group.startswith("kw:"):  # one of llama-cpp-python's keywords (KEYWORDS), on SmolLM2
+                base, kw = KEYWORDS[group[3:]]
+                kw = kw(self) if callable(kw) else kw
+                if base == "minilm":
+                    self._llms[group] = L(model_path=m["minilm"], embedding=True, n_ctx=512, n_batch=512,
+                                          n_ubatch=512, **dict(common, **kw))
+                else:
+                    self._llms[group] = L(model_path=m["smollm2"], n_ctx=512, **dict(common, **kw))
             else:
                 raise KeyError(group)
         return self._llms[group]
@@ -758,6 +766,168 @@ def _(llm, lib):
     except Exception as e:
         return dict(_raised(e), n_tokens=llm.n_tokens)
     return {"raises": None, "n_tokens": llm.n_tokens}
+
+
+# -- every llama-cpp-python keyword (issue #36) ---------------------------------------
+# Each builds its own Llama with the keyword set (group "kw:<name>") and answers a
+# short greedy completion with EOS banned, so the counts are fixed and the text
+# follows the arithmetic the keyword changes.
+
+class _SameVocabTokenizer:
+    """A tokenizer= object with llama-cpp-python's BaseLlamaTokenizer methods,
+    backed by a vocab-only load of the same model (what LlamaHFTokenizer is
+    to a Hugging Face tokenizer); counts its calls."""
+
+    def __init__(self, lib, path):
+        self.inner = lib.Llama(model_path=path, vocab_only=True, verbose=False)
+        self.calls = 0
+
+    def tokenize(self, text: bytes, add_bos: bool = True, special: bool = True):
+        self.calls += 1
+        return self.inner.tokenize(text, add_bos=add_bos, special=special)
+
+    def detokenize(self, tokens, prev_tokens=None, special: bool = False) -> bytes:
+        return self.inner.detokenize(tokens, prev_tokens=prev_tokens, special=special)
+
+
+def _handler(llama, messages, **kwargs):
+    """A chat_handler= callable (llama-cpp-python's LlamaChatCompletionHandler
+    signature) that renders ChatML itself and completes it."""
+    prompt = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+    r = llama.create_completion(prompt + "<|im_start|>assistant\n", max_tokens=kwargs.get("max_tokens") or 8,
+                                temperature=0.0, stop=["<|im_end|>"])
+    return {"id": "chat" + r["id"], "object": "chat.completion", "created": r["created"], "model": r["model"],
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": r["choices"][0]["text"]},
+                         "logprobs": None, "finish_reason": r["choices"][0]["finish_reason"]}],
+            "usage": r["usage"]}
+
+
+def adapter_files() -> dict:
+    """llamax's two example adapters for SmolLM2 (llamax/data/adapters), by name"""
+    d = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "llamax", "data", "adapters")
+    return {n: os.path.normpath(os.path.join(d, f"{n}.gguf")) for n in ("json", "shout")}
+
+
+_MADE: list = []  # the tokenizer= objects made, so that a case can ask whether its Llama used one
+
+
+def _made(obj):
+    _MADE.append(obj)
+    return obj
+
+
+def _lora(name):
+    return lambda runner: {"lora_path": runner.models["adapters"][name], "lora_scale": 1.0}
+
+
+# name -> (base model, keywords or runner -> keywords); type ids are llama.cpp's enums
+# (GGML_TYPE_Q8_0 = 8, Q4_0 = 2; LLAMA_ROPE_SCALING_TYPE_LINEAR = 1, YARN = 2)
+KEYWORDS = {
+    "rope_freq_base": ("smol", {"rope_freq_base": 20000.0}),
+    "rope_freq_scale": ("smol", {"rope_freq_scale": 0.5}),
+    "rope_linear": ("smol", {"rope_scaling_type": 1, "rope_freq_scale": 0.5}),
+    "yarn": ("smol", {"rope_scaling_type": 2, "rope_freq_scale": 0.5, "yarn_ext_factor": 1.0,
+                      "yarn_attn_factor": 1.0, "yarn_beta_fast": 32.0, "yarn_beta_slow": 1.0, "yarn_orig_ctx": 256}),
+    "type_kv_q8_0": ("smol", {"type_k": 8, "type_v": 8, "flash_attn": True}),
+    "type_kv_q4_0": ("smol", {"type_k": 2, "type_v": 2, "flash_attn": True}),
+    "type_v_q8_0_no_fa": ("smol", {"type_k": 8, "type_v": 8, "flash_attn": False}),
+    "kv_overrides": ("smol", {"kv_overrides": {"tokenizer.ggml.add_bos_token": True}}),
+    "swa_full": ("smol", {"swa_full": True}),
+    "use_mlock": ("smol", {"use_mlock": True}),
+    "split_mode_none": ("smol", {"split_mode": 0, "main_gpu": 0}),
+    "op_offload_off": ("smol", {"op_offload": False}),
+    "spm_infill": ("smol", {"spm_infill": True}),
+    "lora_path": ("smol", _lora("shout")),
+    "tokenizer": ("smol", lambda runner: {"tokenizer": _made(_SameVocabTokenizer(runner.lib,
+                                                                                 runner.models["smollm2"]))}),
+    "chat_handler": ("smol", {"chat_handler": _handler}),
+    "attention_type": ("minilm", {"attention_type": 1}),
+    "numa": ("smol", {"numa": True}),
+}
+
+
+def _kw_completion(llm, lib):
+    r = llm.create_completion(PROMPT, max_tokens=6, temperature=0.0, logit_bias=_no_eos(llm))
+    return dict(_fixed(r), n_ctx=llm.n_ctx(), tokens=llm.tokenize(b"Hello"))
+
+
+for _k in KEYWORDS:
+    if KEYWORDS[_k][0] == "smol" and _k not in ("chat_handler", "spm_infill", "tokenizer"):
+        case(f"kw/{_k}", f"kw:{_k}")(_kw_completion)
+
+
+@case("kw/tokenizer", "kw:tokenizer")
+def _(llm, lib):
+    out = _kw_completion(llm, lib)
+    out["tokenizer_used"] = _MADE[-1].calls > 0
+    return out
+
+
+@case("kw/chat_handler", "kw:chat_handler")
+def _(llm, lib):
+    r = llm.create_chat_completion(MESSAGES, max_tokens=6)
+    out = _chat(r)
+    out["g:content"] = r["choices"][0]["message"]["content"]
+    return out
+
+
+@case("kw/spm_infill", "kw:spm_infill")
+def _(llm, lib):
+    try:
+        r = llm.create_completion("def add(a, b):\n    return", suffix="\n\nprint(add(1, 2))\n", max_tokens=6,
+                                  temperature=0.0, logit_bias=_no_eos(llm))
+    except Exception as e:
+        return _raised(e)
+    return _fixed(r)
+
+
+@case("kw/attention_type", "kw:attention_type")
+def _(llm, lib):
+    v = llm.embed(SENTENCES[0])
+    u = _unit(v)
+    return {"len": len(v), "f:unit_values": u["unit"]}
+
+
+@case("kw/mirostat_v1", "smol")
+def _(llm, lib):
+    r = llm.create_completion(PROMPT, max_tokens=6, temperature=0.8, mirostat_mode=1, mirostat_tau=5.0,
+                              mirostat_eta=0.1, seed=7, logit_bias=_no_eos(llm))
+    return _fixed(r)
+
+
+@case("kw/mirostat_v2", "smol")
+def _(llm, lib):
+    r = llm.create_completion(PROMPT, max_tokens=6, temperature=0.8, mirostat_mode=2, mirostat_tau=5.0,
+                              mirostat_eta=0.1, seed=7, logit_bias=_no_eos(llm))
+    return _fixed(r)
+
+
+@case("kw/mirostat_bad_mode", "smol")
+def _(llm, lib):
+    try:
+        llm.create_completion(PROMPT, max_tokens=2, mirostat_mode=3)
+    except Exception as e:
+        return _raised(e)
+    return {"raises": None}
+
+
+WEATHER = {"name": "get_weather", "description": "The weather in a city",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+
+
+@case("kw/functions_named", "smol")
+def _(llm, lib):
+    r = llm.create_chat_completion([{"role": "user", "content": "What is the weather in Paris?"}],
+                                   functions=[WEATHER], function_call={"name": "get_weather"}, max_tokens=64)
+    msg = r["choices"][0]["message"]
+    out = {"keys": _keys(r), "message_keys": _keys(msg), "g:finish_reason": r["choices"][0]["finish_reason"]}
+    fc = msg.get("function_call") or (msg.get("tool_calls") or [{}])[0].get("function")
+    out["g:function_name"] = fc.get("name") if fc else None
+    try:
+        out["g:arguments_keys"] = _keys(json.loads(fc["arguments"])) if fc else None
+    except (ValueError, KeyError, TypeError):
+        out["g:arguments_keys"] = "(not JSON)"
+    return out
 
 
 # -- the worker -------------------------------------------------------------------
