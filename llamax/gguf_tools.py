@@ -50,9 +50,7 @@ def model_shapes(model_path: str | os.PathLike) -> tuple[str, dict[str, tuple[in
         gguf = _gguf()
         r = gguf.GGUFReader(os.fspath(model_path))
         hit = (_field(r, "general.architecture"), {t.name: tuple(int(x) for x in t.shape) for t in r.tensors})
-        if len(_SHAPES) >= 32:
-            _SHAPES.pop(next(iter(_SHAPES)))
-        _SHAPES[key] = hit
+        _remember(key, hit)
     return hit[0], dict(hit[1])
 
 
@@ -62,19 +60,28 @@ _SHAPES: dict = {}  # model_shapes' answers, by file
 def tokenizer_fields(path: str | os.PathLike) -> list:
     """The ``tokenizer.*`` metadata of a GGUF file as (key, contents,
     value type, array item type) tuples, what a GGUFWriter needs to copy
-    them; remembered per file like :func:`model_shapes` (the contents are
-    lists the caller must not change)."""
+    them; remembered per file like :func:`model_shapes` (array contents
+    as tuples)."""
     st = os.stat(path)
     key = ("tok", os.path.realpath(path), st.st_ino, st.st_size, st.st_mtime_ns)
     hit = _SHAPES.get(key)
     if hit is None:
         r = _gguf().GGUFReader(os.fspath(path))
-        hit = [(k, f.contents(), f.types[0], f.types[1] if len(f.types) > 1 else None)
-               for k, f in r.fields.items() if k.startswith("tokenizer.")]
-        if len(_SHAPES) >= 32:
-            _SHAPES.pop(next(iter(_SHAPES)))
-        _SHAPES[key] = hit
-    return hit
+        hit = tuple((k, _frozen(f.contents()), f.types[0], f.types[1] if len(f.types) > 1 else None)
+                    for k, f in r.fields.items() if k.startswith("tokenizer."))
+        _remember(key, hit)
+    return list(hit)
+
+
+def _frozen(v):
+    """a field's contents with lists made tuples (cached values nobody can change)"""
+    return tuple(v) if isinstance(v, list) else v
+
+
+def _remember(key, value) -> None:
+    while len(_SHAPES) >= 32:
+        _SHAPES.pop(next(iter(_SHAPES), None), None)
+    _SHAPES[key] = value
 
 
 def make_lora(model_path, out_path, *, rank: int = 8, alpha: float | None = None, seed: int = 0,

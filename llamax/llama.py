@@ -847,7 +847,10 @@ class Llama(_SessionMixin):
         logprobs = check_int(logprobs, "logprobs", 0, self.n_vocab(), none_ok=True, error=InvalidArgumentError,
                              msg=f"logprobs must be an int in [0, n_vocab={self.n_vocab()}] (top alternatives per "
                                  "token)")
-        tokens = self._prompt_tokens(prompt) if suffix is None else self._infill_tokens(prompt, suffix)
+        if suffix is None:
+            tokens, prefix_text = self._prompt_tokens(prompt), None
+        else:
+            tokens, prefix_text = self._infill_tokens(prompt, suffix)
         req = self._request(tokens, logprobs, RequestParams(
             max_tokens=max_tokens, temperature=temperature, top_p=top_p, min_p=min_p, typical_p=typical_p,
             top_k=top_k, repeat_penalty=repeat_penalty, frequency_penalty=frequency_penalty,
@@ -860,9 +863,8 @@ class Llama(_SessionMixin):
         cid = f"cmpl-{uuid.uuid4()}"
         created = int(time.time())
         name = model or self.model_path
-        if suffix is not None:  # (offsets count from the prefix's start: the text before the gap)
-            full_prompt = self._model.detokenize_text(self._prompt_tokens(prompt)[int(self._model.add_bos):],
-                                                      errors="replace") if logprobs is not None else ""
+        if prefix_text is not None:  # (offsets count from the prefix's start: the text before the gap)
+            full_prompt = prefix_text
         else:
             full_prompt = self._model.detokenize_text(tokens, errors="replace") if echo or logprobs is not None else ""
         prompt_text = full_prompt if echo else ""
@@ -1309,13 +1311,16 @@ class Llama(_SessionMixin):
 
     # -- the request engine ---------------------------------------------------------
 
-    def _infill_tokens(self, prompt, suffix) -> np.ndarray:
-        """A fill-in-the-middle prompt: BOS (if the model adds one), then
-        <FIM_PRE> prefix <FIM_SUF> suffix <FIM_MID>, or with
-        ``spm_infill=True`` the suffix first (<FIM_SUF> suffix <FIM_PRE>
-        prefix <FIM_MID>, the SPM order some code models are trained on).
-        Special tokens in the two texts stay text.  A model without FIM
-        tokens is refused, not given the prefix alone."""
+    def _infill_tokens(self, prompt, suffix) -> tuple[np.ndarray, str]:
+        """A fill-in-the-middle prompt, and the prefix's text (what text
+        offsets count from): BOS (if the model adds one), then <FIM_PRE>
+        prefix <FIM_SUF> suffix <FIM_MID>, or with ``spm_infill=True`` the
+        suffix first (<FIM_SUF> suffix <FIM_PRE> prefix <FIM_MID>, the order
+        some code models are trained on).  Special tokens in the two texts
+        stay text; the prefix is tokenized as a text's start (an SPM
+        tokenizer's leading space included, as CodeLlama's format has it),
+        the suffix as a continuation (without that space).  A model without
+        FIM tokens is refused, not given the prefix alone."""
         if not isinstance(suffix, str):
             raise ArgumentTypeError(f"suffix must be a str, not {type(suffix).__name__}")
         sp = self._model.special_tokens
@@ -1324,35 +1329,43 @@ class Llama(_SessionMixin):
             raise InvalidArgumentError(
                 f"suffix needs a model with fill-in-the-middle tokens; this vocabulary has no {', '.join(missing)} "
                 "(a code model's <fim_prefix>/<fim_suffix>/<fim_middle>): leave suffix unset")
-        if isinstance(prompt, str):
-            pre = self._text_tokens(prompt)
-        elif isinstance(prompt, (list, tuple, np.ndarray)) and len(prompt):
-            pre = self._prompt_tokens(prompt).tolist()
+        bos = [self._model.token_bos] if self._model.add_bos and self._model.token_bos >= 0 else []
+        if isinstance(prompt, (str, bytes)):
+            text = prompt if isinstance(prompt, str) else prompt.decode("utf-8", "replace")
+            if prompt in ("", b""):
+                pre = []
+            elif self._tokenizer is not None:
+                pre = self._own_tokens(prompt, False, False).tolist()
+            else:
+                pre = self._model.tokenize(prompt, add_special=False, parse_special=False).tolist()
         elif isinstance(prompt, (list, tuple, np.ndarray)):
-            pre = []
+            empty = (len(prompt) == 0) if not isinstance(prompt, np.ndarray) else (prompt.ndim == 1 and
+                                                                                   prompt.size == 0)
+            pre = [] if empty else self._prompt_tokens(prompt).tolist()
+            if bos and pre[:1] == bos:  # (BOS is added once, before the FIM tokens)
+                pre = pre[1:]
+            text = self._model.detokenize_text(pre, errors="replace")
         else:
-            raise ArgumentTypeError(f"prompt must be str or a list of token ids, not {type(prompt).__name__}")
-        suf = self._text_tokens(suffix)
+            raise ArgumentTypeError(f"prompt must be str, bytes or a list of token ids, not {type(prompt).__name__}")
+        suf = self._continuation_tokens(suffix)
         head = [sp["fim_suf"], *suf, sp["fim_pre"], *pre] if self.spm_infill else \
             [sp["fim_pre"], *pre, sp["fim_suf"], *suf]
-        bos = [self._model.token_bos] if self._model.add_bos and self._model.token_bos >= 0 else []
-        return np.asarray(bos + head + [sp["fim_mid"]], dtype=np.int32)
+        return np.asarray(bos + head + [sp["fim_mid"]], dtype=np.int32), text
 
-    def _text_tokens(self, text: str) -> list[int]:
-        """``text`` as tokens in the middle of a prompt: no BOS, special
-        tokens as text, and no leading space where the tokenizer would add
-        one to a text's start (SPM): the text is tokenized after a newline
-        and the newline's tokens dropped."""
+    def _continuation_tokens(self, text: str) -> list[int]:
+        """``text`` as tokens that continue others: no BOS, special tokens
+        as text, and no leading space where the tokenizer adds one to a
+        text's start (SPM): ``text`` is tokenized after a newline and the
+        newline's tokens dropped, where that splits cleanly (else as it is)."""
         if text == "":
             return []
         if self._tokenizer is not None:
             return self._own_tokens(text, False, False).tolist()
-        plain = self._model.tokenize(text, add_special=False, parse_special=False).tolist()
         lead = self._model.tokenize("\n", add_special=False, parse_special=False).tolist()
         joined = self._model.tokenize("\n" + text, add_special=False, parse_special=False).tolist()
-        if joined[:len(lead)] == lead and self._model.detokenize_text(joined[len(lead):], errors="replace") == text:
+        if joined[:len(lead)] == lead and self._model.detokenize_text(joined, errors="replace") == "\n" + text:
             return joined[len(lead):]
-        return plain
+        return self._model.tokenize(text, add_special=False, parse_special=False).tolist()
 
     def _prompt_tokens(self, prompt) -> np.ndarray:
         if isinstance(prompt, (str, bytes)) and self._tokenizer is not None:

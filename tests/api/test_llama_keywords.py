@@ -368,8 +368,10 @@ def fim_model(request, tmp_path_factory):
 
 def test_fill_in_the_middle(fim_model):
     """``suffix=`` wraps prefix and suffix in the model's own FIM tokens;
-    with ``spm_infill=True`` the suffix comes first.  Each request's answer
-    is the answer to the token prompt it stands for (same run)."""
+    with ``spm_infill=True`` the suffix comes first.  The prompt is checked
+    token by token, and each request's answer is the answer to the token
+    prompt it stands for (same run, both cold)."""
+    from .conftest import forget_cache
     prefix, suffix = "def add(a, b):\n    return", "\n\nprint(add(1, 2))\n"
     kw = dict(max_tokens=6, temperature=0.0)
     with llamax.Model(str(fim_model), vocab_only=True) as v:
@@ -379,26 +381,52 @@ def test_fill_in_the_middle(fim_model):
     for spm in (False, True):
         with make_llama(fim_model, n_ctx=256, spm_infill=spm) as m:
             assert m.spm_infill is spm
+
+            def want(prefix_tokens):
+                suf = m.tokenize(suffix.encode(), add_bos=False, special=False)
+                return bos + ([sp["fim_suf"], *suf, sp["fim_pre"], *prefix_tokens] if spm else
+                              [sp["fim_pre"], *prefix_tokens, sp["fim_suf"], *suf]) + [sp["fim_mid"]]
             pre = m.tokenize(prefix.encode(), add_bos=False, special=False)
-            suf = m.tokenize(suffix.encode(), add_bos=False, special=False)
-            want = bos + ([sp["fim_suf"], *suf, sp["fim_pre"], *pre] if spm else
-                          [sp["fim_pre"], *pre, sp["fim_suf"], *suf]) + [sp["fim_mid"]]
+            assert m._infill_tokens(prefix, suffix)[0].tolist() == want(pre)
+            forget_cache(m)
             r = m.create_completion(prefix, suffix=suffix, **kw)
-            assert r["usage"]["prompt_tokens"] == len(want)
-            assert r["choices"][0]["text"] == m.create_completion(want, **kw)["choices"][0]["text"]
-            # special tokens in the texts stay text; a token-list prefix is taken as tokens
+            assert r["usage"]["prompt_tokens"] == len(want(pre))
+            forget_cache(m)
+            assert r["choices"][0]["text"] == m.create_completion(want(pre), **kw)["choices"][0]["text"]
+            # special tokens in the texts stay text
             marker = m.detokenize([sp["fim_mid"]], special=True).decode()
-            r2 = m.create_completion(marker + prefix, suffix=suffix, **kw)
-            assert r2["usage"]["prompt_tokens"] > len(want)
-            r3 = m.create_completion(pre, suffix=suffix, **kw)
-            assert r3["choices"][0]["text"] == r["choices"][0]["text"]
-            # with logprobs: offsets count from the prefix's start
-            lp = m.create_completion(prefix, suffix=suffix, logprobs=1, **kw)["choices"][0]["logprobs"]
-            assert lp["text_offset"][0] == len(prefix)
+            marked = m.tokenize((marker + prefix).encode(), add_bos=False, special=False)
+            assert sp["fim_mid"] not in marked
+            assert m._infill_tokens(marker + prefix, suffix)[0].tolist() == want(marked)
+            # a token-list prefix is taken as tokens (a leading BOS not doubled), bytes as text
+            assert m._infill_tokens(pre, suffix)[0].tolist() == want(pre)
+            assert m._infill_tokens(bos + pre, suffix)[0].tolist() == want(pre)
+            assert m._infill_tokens(prefix.encode(), suffix)[0].tolist() == want(pre)
+            assert m._infill_tokens("", suffix)[0].tolist() == want([])
+            # with logprobs: offsets count from the prefix's start, for text and token prefixes alike
+            for p in (prefix, pre):
+                lp = m.create_completion(p, suffix=suffix, logprobs=1, **kw)["choices"][0]["logprobs"]
+                assert lp["text_offset"][0] == len(prefix)
             with pytest.raises(llamax.InvalidArgumentError, match="echo=True with a suffix"):
                 m.create_completion(prefix, suffix=suffix, echo=True, **kw)
             with pytest.raises(llamax.ArgumentTypeError, match="suffix must be a str"):
                 m.create_completion(prefix, suffix=b"x", **kw)
+            with pytest.raises(llamax.ArgumentTypeError):
+                m.create_completion(np.array(5), suffix=suffix, **kw)
+
+
+def test_a_suffix_continues_without_an_spm_space():
+    """An SPM tokenizer puts a space before a text's first word; a suffix
+    continues the text, so its tokens must not carry that space (an
+    indented suffix stays indented by exactly its own spaces)."""
+    from llamax_dev import data
+    with llamax.Llama(str(data.vocab_dir() / "ggml-vocab-llama-spm.gguf"), vocab_only=True) as m:
+        head = m.tokenize(b"def f():\n", add_bos=False, special=False)
+        for tail in ("    return x", "return x", " x", "\n\nprint(1)"):
+            cont = m._continuation_tokens(tail)
+            assert m.detokenize(head + cont) == m.detokenize(head) + tail.encode(), tail
+            # (what the plain tokenization would have added: the leading space)
+            assert cont != m.tokenize(tail.encode(), add_bos=False, special=False), tail
 
 
 def test_fill_in_the_middle_needs_fim_tokens(smollm2_path):

@@ -123,6 +123,8 @@ class Runner:
         self.lib = lib
         self.models = models
         self._llms: dict = {}
+        global _RUNNER
+        _RUNNER = self
 
     def llm(self, group: str):
         if group not in self._llms:
@@ -136,6 +138,9 @@ class Runner:
                 self._llms[group] = L(model_path=path, vocab_only=True, verbose=False)
             elif group == "smol":
                 self._llms[group] = L(model_path=m["smollm2"], n_ctx=512, **common)
+            elif group == "smol_fa":  # (the base of the KV cache type cases, which need flash attention)
+                self._llms[group] = L(model_path=m["smollm2"], n_ctx=512, logits_all=True,
+                                      **dict(common, flash_attn=True))
             elif group == "smol_short":  # (a multiple of 256: llama.cpp pads n_ctx to one; ctx/ cases)
                 self._llms[group] = L(model_path=m["smollm2"], n_ctx=256, **common)
             elif group == "smol_ctx128":
@@ -156,8 +161,8 @@ class Runner:
                 if base == "minilm":
                     self._llms[group] = L(model_path=m["minilm"], embedding=True, n_ctx=512, n_batch=512,
                                           n_ubatch=512, **dict(common, **kw))
-                else:
-                    self._llms[group] = L(model_path=m["smollm2"], n_ctx=512, **dict(common, **kw))
+                else:  # (logits_all: llama-cpp-python 0.3 keeps no logits in `scores` without it)
+                    self._llms[group] = L(model_path=m["smollm2"], n_ctx=512, logits_all=True, **dict(common, **kw))
             else:
                 raise KeyError(group)
         return self._llms[group]
@@ -846,20 +851,44 @@ KEYWORDS = {
 }
 
 
-def _kw_completion(llm, lib):
+_RUNNER = None  # the Runner serving the cases (kw cases compare with its default Llama)
+
+
+def _last_logits(llm) -> list:
+    """the logits after PROMPT, from the stateful API (with logits_all=True: llama-cpp-python 0.3 fills
+    `scores` only then)"""
+    llm.reset()
+    llm.eval(llm.tokenize(PROMPT.encode()))
+    row = [float(x) for x in llm.scores[llm.n_tokens - 1]]
+    llm.reset()
+    return row
+
+
+def _kw_completion(llm, lib, base: str | None = "smol_lp"):
+    """a short greedy completion; with ``base`` (a group), whether the keyword moved the logits after
+    the prompt from those of that Llama without it (stored: a keyword that is ignored cannot pass)"""
+    out = {}
+    if base:
+        a, b = _last_logits(llm), _last_logits(_RUNNER.llm(base))
+        out["moves_logits"] = max(abs(x - y) for x, y in zip(a, b)) > 1e-3
     r = llm.create_completion(PROMPT, max_tokens=6, temperature=0.0, logit_bias=_no_eos(llm))
-    return dict(_fixed(r), n_ctx=llm.n_ctx(), tokens=llm.tokenize(b"Hello"))
+    return dict(_fixed(r), n_ctx=llm.n_ctx(), **out)
 
 
 for _k in KEYWORDS:
     if KEYWORDS[_k][0] == "smol" and _k not in ("chat_handler", "spm_infill", "tokenizer"):
-        case(f"kw/{_k}", f"kw:{_k}")(_kw_completion)
+        # (lora_path: llamax's stateful API is the base model; its effect on completions is in
+        # tests/api/test_llama_keywords.py)
+        _base = None if _k == "lora_path" else "smol_fa" if KEYWORDS[_k][1].get("flash_attn") else "smol_lp"
+        case(f"kw/{_k}", f"kw:{_k}")(lambda llm, lib, _b=_base: _kw_completion(llm, lib, _b))
 
 
 @case("kw/tokenizer", "kw:tokenizer")
 def _(llm, lib):
-    out = _kw_completion(llm, lib)
-    out["tokenizer_used"] = _MADE[-1].calls > 0
+    before = _MADE[-1].calls
+    out = _kw_completion(llm, lib, None)
+    out["tokenizer_used"] = _MADE[-1].calls > before
+    out["tokens"] = llm.tokenize(b"Hello")
     return out
 
 
