@@ -1229,6 +1229,17 @@ void Context::set_threads(int32_t n_threads, int32_t n_threads_batch) {
     ggml_threadpool_set_use_ref(tp_, deterministic_);
     ggml_threadpool_set_use_ref(tp_batch_, deterministic_);
 #endif
+#ifdef GGML_THREADPOOL_HAS_FA_SPLIT_KV
+    // A lone query row's attention summed over the cache in order, as each
+    // row of a batch is (patch 0015): a token's numbers are then the same
+    // decoded alone or in a batch (speculative drafts verified together give
+    // plain greedy decoding's answer) and at any thread count.
+    // LLAMAX_FA_SPLIT_KV=1 keeps ggml's split, to measure what this costs.
+    const char * split_env = std::getenv("LLAMAX_FA_SPLIT_KV");
+    const bool split_kv = split_env != nullptr && std::string(split_env) == "1";
+    ggml_threadpool_set_fa_split_kv(tp_, split_kv);
+    ggml_threadpool_set_fa_split_kv(tp_batch_, split_kv);
+#endif
     llama_attach_threadpool(ctx_, tp_, tp_batch_ == tp_ ? nullptr : tp_batch_);
     llama_set_n_threads(ctx_, n_threads, n_threads_batch);
 }

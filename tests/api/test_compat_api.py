@@ -323,9 +323,17 @@ def merge_sort(items):
 '''
 
 
-def _copy_prompt():
+# ~600 tokens of fixed notes before a task: the cache is then past 512 cells,
+# where ggml's flash attention would sum a lone row's cache in parts over the
+# threads and a verify batch's rows in order (llamax turns the split off:
+# patch 0015, tests/core/test_fa_rows.py)
+NOTES = "".join(f"Note {i}: file {i} was read twice and kept as it was.\n" for i in range(40))
+
+
+def _copy_prompt(notes=False):
     # a fixed text (not a file of the repo, which changes): the answer copies it
-    return f"<|im_start|>user\nRepeat this code exactly:\n{CODE}<|im_end|>\n<|im_start|>assistant\n"
+    system = f"<|im_start|>system\n{NOTES}<|im_end|>\n" if notes else ""
+    return f"{system}<|im_start|>user\nRepeat this code exactly:\n{CODE}<|im_end|>\n<|im_start|>assistant\n"
 
 
 def _logits_after(m, tokens):
@@ -362,8 +370,8 @@ def _copy_prompts() -> list[str]:
               ["spring", "summer", "autumn"])]
     texts = code + prose + lists
     assert len(texts) == 20
-    return [f"<|im_start|>user\nRepeat this text exactly:\n{t}<|im_end|>\n<|im_start|>assistant\n"
-            for t in texts]
+    return [f"<|im_start|>system\n{NOTES}<|im_end|>\n<|im_start|>user\nRepeat this text exactly:\n{t}<|im_end|>\n"
+            "<|im_start|>assistant\n" for t in texts]
 
 
 def _first_difference(a: list[int], b: list[int]) -> int | None:
@@ -373,61 +381,66 @@ def _first_difference(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-@pytest.mark.slow  # slow tier: 20 prompts, plain and two draft modes (~30 s of CPU)
+def _assert_same_greedy(model_path, prompt, want, got):
+    """Token for token the same answer; where not, say where and how close
+    the two picks were (the top-2 logprob gap of plain decoding there)."""
+    if want["choices"][0]["text"] == got["choices"][0]["text"]:
+        return
+    with llamax.Llama(str(model_path), n_ctx=1024, n_threads=2) as plain:
+        ta = plain.tokenize(want["choices"][0]["text"].encode(), add_bos=False, special=True)
+        tb = plain.tokenize(got["choices"][0]["text"].encode(), add_bos=False, special=True)
+        i = _first_difference(ta, tb)
+        if i is None:   # the same tokens, other text: cannot be
+            pytest.fail(f"the same tokens gave other texts: {want['choices'][0]['text']!r}, "
+                        f"{got['choices'][0]['text']!r}")
+        row = plain.logits_to_logprobs(_logits_after(plain, plain.tokenize(prompt.encode(), special=True) + ta[:i]))
+    top2 = np.sort(row)[-2:]
+    pytest.fail(f"speculative decoding changed greedy pick {i} (plain {ta[i:i + 1]}, drafted {tb[i:i + 1]}, "
+                f"top-2 logprob gap {float(top2[1] - top2[0]):.4f})")
+
+
+@pytest.fixture(scope="module")
+def plain_copies(smollm2_path):
+    """Plain greedy answers to the 20 copy prompts (2 threads; the notes
+    before each task come from the prefix cache, as in the drafting runs)."""
+    with llamax.Llama(str(smollm2_path), n_ctx=1024, n_threads=2) as plain:
+        return [(p, plain.create_completion(p, max_tokens=48, **GREEDY)) for p in _copy_prompts()]
+
+
+@pytest.mark.slow  # slow tier: 20 prompts, plain and two draft modes
 @pytest.mark.parametrize("adaptive", [True, False], ids=["adaptive", "always-verified"])
-def test_greedy_speculative_decoding_is_greedy_decoding(smollm2_path, adaptive):
+def test_greedy_speculative_decoding_is_greedy_decoding(smollm2_path, plain_copies, adaptive):
     """Over 20 prompts, greedy decoding with prompt-lookup drafts gives the
-    plain greedy tokens.  Where they part, the two picks must be a near-tie
-    of the cold logits (top-2 logprob gap < 0.05: a verify batch's
-    arithmetic breaks it differently from one token's), printed here."""
-    near_ties = []
-    with llamax.Llama(str(smollm2_path), n_ctx=1024, n_threads=1) as plain, \
-            llamax.Llama(str(smollm2_path), n_ctx=1024, n_threads=1,
-                         draft_model=LlamaPromptLookupDecoding(num_pred_tokens=8, adaptive=adaptive)) as spec:
+    plain greedy tokens, exactly: 2 threads and a cache past 512 cells, so a
+    lone row's attention would be split over the threads were it not for
+    patch 0015 (before it, answers parted at top-2 gaps of up to 0.5)."""
+    with llamax.Llama(str(smollm2_path), n_ctx=1024, n_threads=2,
+                      draft_model=LlamaPromptLookupDecoding(num_pred_tokens=8, adaptive=adaptive)) as spec:
         accepted = 0
-        for prompt in _copy_prompts():
-            a = plain.create_completion(prompt, max_tokens=48, cache_prompt=False, **GREEDY)
-            b = spec.create_completion(prompt, max_tokens=48, cache_prompt=False, **GREEDY)
+        for prompt, want in plain_copies:
+            assert len(spec.tokenize(prompt.encode(), special=True)) > 512
+            got = spec.create_completion(prompt, max_tokens=48, **GREEDY)
             accepted += spec._pool.slots[0].ctx.draft_stats["accepted"]
-            ta = plain.tokenize(a["choices"][0]["text"].encode(), add_bos=False, special=True)
-            tb = plain.tokenize(b["choices"][0]["text"].encode(), add_bos=False, special=True)
-            i = _first_difference(ta, tb)
-            if i is None:
-                continue
-            row = plain.logits_to_logprobs(_logits_after(plain, plain.tokenize(prompt.encode(), special=True)
-                                                         + ta[:i]))
-            top2 = np.sort(row)[-2:]
-            picks = {ta[i] if i < len(ta) else None, tb[i] if i < len(tb) else None}
-            gap = float(top2[1] - top2[0])
-            near_ties.append((prompt[40:70], i, gap))
-            assert gap < 0.05 and picks <= set(np.argsort(row)[-2:].tolist()) | {None}, \
-                f"speculative decoding changed a greedy pick at token {i} (top-2 gap {gap:.4f})"
+            _assert_same_greedy(smollm2_path, prompt, want, got)
         if not adaptive:  # (adaptive: how many drafts run depends on timing)
             assert accepted > 20  # drafts were kept: the verify path ran
-    print("near-ties where the answers part:", near_ties)
 
 
 def test_adaptive_drafting_keeps_the_answer(smollm2_path):
     """With adaptive drafting (the default) how many verify decodes run
-    depends on timing; what comes out is plain greedy decoding's answer
-    (the slow tier's test above allows near-ties, shown; none here)."""
-    prompt = _copy_prompt()
-    with llamax.Llama(str(smollm2_path), n_ctx=1024, n_threads=1) as plain, \
-            llamax.Llama(str(smollm2_path), n_ctx=1024, n_threads=1,
+    depends on timing; what comes out is plain greedy decoding's answer,
+    token for token (2 threads, a cache past 512 cells)."""
+    prompt = _copy_prompt(notes=True)
+    with llamax.Llama(str(smollm2_path), n_ctx=1024, n_threads=2) as plain, \
+            llamax.Llama(str(smollm2_path), n_ctx=1024, n_threads=2,
                          draft_model=LlamaPromptLookupDecoding(num_pred_tokens=8)) as spec:
+        assert len(plain.tokenize(prompt.encode(), special=True)) > 512
         want = plain.create_completion(prompt, max_tokens=48, cache_prompt=False, **GREEDY)
         r = spec.create_completion(prompt, max_tokens=48, cache_prompt=False, **GREEDY)
         stats = spec._pool.slots[0].ctx.draft_stats
         n = r["usage"]["completion_tokens"]
         assert stats["accepted"] <= stats["drafted"] and stats["decodes"] + stats["accepted"] in (n - 1, n)
-        ta = plain.tokenize(want["choices"][0]["text"].encode(), add_bos=False, special=True)
-        tb = plain.tokenize(r["choices"][0]["text"].encode(), add_bos=False, special=True)
-        i = _first_difference(ta, tb)
-        if i is not None:  # only a near-tie may part them (see the slow tier's test)
-            row = plain.logits_to_logprobs(_logits_after(plain, plain.tokenize(prompt.encode(), special=True)
-                                                         + ta[:i]))
-            top2 = np.sort(row)[-2:]
-            assert top2[1] - top2[0] < 0.05, f"adaptive drafting changed a greedy pick at token {i}"
+    _assert_same_greedy(smollm2_path, prompt, want, r)
     with pytest.raises(llamax.ArgumentTypeError):
         LlamaPromptLookupDecoding(adaptive="yes")
 
