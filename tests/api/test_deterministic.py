@@ -96,6 +96,7 @@ def test_per_request_keyword(det, smollm2_path):
         llamax.Llama(str(smollm2_path), deterministic=1)
 
 
+@pytest.mark.slow  # slow tier: five adapter sets, each alone and together (~27 s on AVX2)
 def test_mixed_adapter_sets_in_one_decode_answer_as_alone(smollm2_path, api_loras, third_lora):
     """Requests with different adapter sets share decodes (each token scaled
     by its own request's set, patch 0004); in the mode each answers as it

@@ -74,6 +74,7 @@ def test_a_sequence_is_bit_for_bit_its_alone_self(flat_model, prompts, alone, sl
         assert have[1] == want[1], f"prompt {i}: logprobs differ"  # exact float equality
 
 
+@pytest.mark.slow  # slow tier (~9 s on AVX2): the batcher's case above stays in the default tier
 def test_the_generate_loop_matches_the_batcher(flat_model, prompts, alone):
     """The one-context loop (chunked prompt, one token per decode) gives the
     batcher's numbers too."""

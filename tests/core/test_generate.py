@@ -388,6 +388,7 @@ def test_lazy_grammar_triggers_are_literal(model, ctx):
     assert model.detokenize_text([s.sample_logits(ctx, logits)]) == "1"
 
 
+@pytest.mark.slow  # slow tier: masks the whole vocabulary at every step (~14 s on AVX2)
 def test_greedy_under_a_grammar_equals_masking_every_candidate():
     """Greedy sampling under a grammar puts the best candidates to the grammar
     one at a time instead of judging the whole vocabulary: the tokens must be

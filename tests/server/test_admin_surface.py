@@ -122,6 +122,7 @@ def test_refused_paths(smollm2_path, adapters, own_dir, tmp_path):
         assert s.stop() == 0
 
 
+@pytest.mark.slow  # slow tier: a race, run for seconds
 def test_a_name_swapped_during_loads_never_reads_outside(smollm2_path, adapters, own_dir):
     """While loads run, another thread keeps replacing the name with a symlink
     to an adapter outside the folder (which would load fine) and back.  Each

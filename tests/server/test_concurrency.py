@@ -84,6 +84,7 @@ def test_sixteen_clients_four_adapter_sets(server, http):
                 assert own < dist(got[p, s][1], alone[p, other][1]), (p, s, other)
 
 
+@pytest.mark.slow  # slow tier: a load test
 def test_bounded_load(server):
     """tools/load_server.py with small numbers: streaming, base and two
     adapters, zero errors."""
