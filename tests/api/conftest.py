@@ -30,35 +30,27 @@ def forget_cache(llm):
     """Make the next requests decode their whole prompt: the idle contexts
     forget which state their KV was computed under, so nothing is reused.
 
-    A request that reuses a cached prefix decodes the rest of its prompt in a
-    smaller batch, and llama.cpp's results depend on batch sizes (up to ~0.7
-    in a logit on this model), so its greedy answer can differ from a cold
-    run's.  Tests that compare two answers, and are not about the cache
-    (test_cache_and_pool.py is), compare cold runs with cold runs.
+    For tests about what the cache reused, and for those with
+    ``prefix_cache_exact=False`` (any common prefix, token by token: the
+    rest of a prompt is then decoded in another batch, and llama.cpp's
+    results depend on batch sizes, up to ~0.7 in a logit on this model).
+    With the default exact cache (whole aligned prompt chunks), a request
+    that reuses a prefix gets the cold answer bit for bit
+    (test_cache_and_pool.py::test_prefix_cache_is_exact), so the shared
+    Llamas below keep their cache between tests, as a user's does.
     """
     llm.reset_cache()
 
 
-class ColdRequests:
-    """A shared Llama whose every request starts cold (see forget_cache)."""
-
-    def __init__(self, llm):
-        self._llm = llm
-
-    def __getattr__(self, name):
-        return getattr(self._llm, name)
-
-    def __call__(self, *args, **kwargs):
-        forget_cache(self._llm)
-        return self._llm(*args, **kwargs)
-
-    def create_completion(self, *args, **kwargs):
-        forget_cache(self._llm)
-        return self._llm.create_completion(*args, **kwargs)
-
-    def create_chat_completion(self, *args, **kwargs):
-        forget_cache(self._llm)
-        return self._llm.create_chat_completion(*args, **kwargs)
+def same_usage(streamed, whole):
+    """A streamed answer's usage is the whole answer's, but for how much of
+    the prompt came from the prefix cache (the second of two requests with
+    one prompt reuses the first's KV: its answer is the same, since the
+    cache reuses whole aligned chunks only)."""
+    a, b = dict(streamed), dict(whole)
+    ca = a.pop("prompt_tokens_details", {}).get("cached_tokens", 0)
+    cb = b.pop("prompt_tokens_details", {}).get("cached_tokens", 0)
+    assert a == b and ca >= cb, (streamed, whole)
 
 
 @pytest.fixture(scope="session")
@@ -83,7 +75,7 @@ def llm(smollm2_path, api_loras):
     m = make_llama(smollm2_path)
     m.load_lora("coder", api_loras["coder"])
     m.load_lora("translator", api_loras["translator"])
-    yield ColdRequests(m)
+    yield m
     m.close()
 
 
@@ -91,7 +83,7 @@ def llm(smollm2_path, api_loras):
 def base_llm(smollm2_path):
     """A Llama that never has an adapter or control vector loaded: the reference base model."""
     m = make_llama(smollm2_path)
-    yield ColdRequests(m)
+    yield m
     m.close()
 
 
