@@ -116,7 +116,25 @@ def fetch_sdist() -> Path:
     """Return the verified sdist archive, fetched (pip download, hash-checked) if needed."""
     return _fetch.pip_download(
         SDIST_REQUIREMENT, SDIST_NAME, SDIST_SHA256, sdist=True, backend=SDIST_BACKEND,
+        backend_env={"CMAKE_EXECUTABLE": c} if (c := _cmake_binary()) else None,
         instead=f"set LLAMAX_LLAMA_CPP_DIR to a llama.cpp source tree (upstream {PIN_COMMIT})")
+
+
+def _cmake_binary() -> str | None:
+    """A CMake that runs outside this process's sys.path, for scikit-build-core,
+    which looks for one (>= 3.21) even to read the sdist's metadata.  In pip's
+    build environment the first ``cmake`` on PATH is the cmake package's
+    Python entry point, which needs that environment's PYTHONPATH (the
+    nested pip gets only the pinned backend's): so the package's own binary
+    first, else whatever PATH has."""
+    try:
+        import cmake  # the PyPI package: our build requirement
+        p = Path(cmake.CMAKE_BIN_DIR) / "cmake"
+        if p.is_file():
+            return str(p)
+    except (ImportError, AttributeError):
+        pass
+    return shutil.which("cmake")
 
 
 def patches() -> list[Path]:

@@ -82,7 +82,8 @@ def _pip_env() -> dict:
 
 
 def pip_download(requirement: str, filename: str, sha256: str, *, sdist: bool = False,
-                 backend: "Sequence[tuple[str, str, str]]" = (), progress: bool = True, instead: str = "") -> Path:
+                 backend: "Sequence[tuple[str, str, str]]" = (), backend_env: "dict[str, str] | None" = None,
+                 progress: bool = True, instead: str = "") -> Path:
     """Return the verified ``filename`` from the cache, fetching it with
     ``pip download`` in hash-checking mode when it is missing or corrupt.
 
@@ -90,7 +91,8 @@ def pip_download(requirement: str, filename: str, sha256: str, *, sdist: bool = 
     ``--only-binary :all:``.  An sdist (``sdist=True``) needs ``backend``:
     the pinned wheels of its build backend and their requirements, each
     ``(requirement, wheel file name, sha256)``; pip prepares the sdist's
-    metadata with them and nothing else (see the module docstring).
+    metadata with them and nothing else (see the module docstring);
+    ``backend_env``: variables the backend needs (e.g. where CMake is).
     ``progress`` lets pip print to this process's stderr (its progress bar
     included); otherwise its output is kept for the error message.
     ``instead`` completes the error message: what the user can do when
@@ -113,7 +115,7 @@ def pip_download(requirement: str, filename: str, sha256: str, *, sdist: bool = 
             for wheel in wheels:   # pure-Python wheels, verified above: unpacking one is installing it
                 with zipfile.ZipFile(wheel) as z:
                     z.extractall(site)
-        got = _pip(requirement, filename, sha256, Path(tmp), progress, where, site)
+        got = _pip(requirement, filename, sha256, Path(tmp), progress, where, site, backend_env or {})
         digest = sha256_file(got)   # pip checked it too; this says so in our words
         if digest != sha256:
             raise FetchError(f"{filename} from {requirement} has sha256 {digest}, "
@@ -123,7 +125,7 @@ def pip_download(requirement: str, filename: str, sha256: str, *, sdist: bool = 
 
 
 def _pip(requirement: str, filename: str, sha256: str, tmp: Path, progress: bool, where: str,
-         backend_site: "Path | None") -> Path:
+         backend_site: "Path | None", backend_env: "dict[str, str]") -> Path:
     """``pip download`` of one file, hash-checked by pip (--require-hashes):
     other bytes are refused before pip unpacks or keeps them.  A wheel with
     --only-binary (pip never falls back to building an sdist); an sdist
@@ -138,6 +140,7 @@ def _pip(requirement: str, filename: str, sha256: str, tmp: Path, progress: bool
         kind = ["--only-binary", ":all:"]
     else:
         kind = ["--no-binary", ":all:", "--no-build-isolation"]
+        env.update(backend_env)
         env["PYTHONPATH"] = str(backend_site)
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", *kind, "--require-hashes",
            "--disable-pip-version-check", "--log", str(log), "-r", str(req), "-d", str(out_dir)]

@@ -58,7 +58,8 @@ def pkgs(tmp_path):
     with tarfile.open(files / "evilpkg-1.0.tar.gz", "w:gz") as tf:
         tf.add(src, arcname="evilpkg-1.0")
     backend = _wheel(files, "markbackend", {"markbackend.py": (
-        f"import os\nopen({str(ran)!r}, 'a').write(os.path.dirname(os.path.abspath(__file__)) + '\\n')\n"
+        f"import os\nopen({str(ran)!r}, 'a').write(os.path.dirname(os.path.abspath(__file__)) + ' '\n"
+        "                   + os.environ.get('LLAMAX_TEST_MARK', '-') + '\\n')\n"
         "def get_requires_for_build_wheel(config_settings=None):\n    return []\n"
         "def prepare_metadata_for_build_wheel(d, config_settings=None):\n"
         "    di = os.path.join(d, 'evilpkg-1.0.dist-info'); os.makedirs(di)\n"
@@ -162,12 +163,12 @@ def test_sdist_through_pip_with_its_pinned_backend_only(tmp_path, pkgs, index, p
     idx = index(json_api=json_api)
     pip_env.setenv("PIP_INDEX_URL", idx.url + "/simple")
     got = _fetch.pip_download("evilpkg==1.0", "evilpkg-1.0.tar.gz", _sha(pkgs["sdist"]), sdist=True,
-                              backend=pkgs["backend"], progress=False)
+                              backend=pkgs["backend"], backend_env={"LLAMAX_TEST_MARK": "seen"}, progress=False)
     assert got == tmp_path / "cache" / "dl" / "evilpkg-1.0.tar.gz"
     assert got.read_bytes() == pkgs["sdist"].read_bytes()
     # the backend ran (pip prepared the metadata), from the pinned wheel unpacked in the cache's temp folder
-    ran = pkgs["ran"].read_text().split()
-    assert ran and all(Path(r).parent.parent == tmp_path / "cache" / "dl" for r in ran), ran
+    ran = [line.split() for line in pkgs["ran"].read_text().splitlines()]
+    assert ran and all(Path(r).parent.parent == tmp_path / "cache" / "dl" and mark == "seen" for r, mark in ran), ran
     assert "/simple/unpinned/" not in [p for p, _ in idx.requests]   # no build isolation: nothing unpinned
     assert _left_in_cache(tmp_path) == sorted(["evilpkg-1.0.tar.gz", pkgs["backend"][0][1]])
     # cached now: no pip, no backend
