@@ -931,6 +931,24 @@ def _(llm, lib):
     return _fixed(r)
 
 
+# llama-cpp-python 0.3.36 adds no temperature sampler under mirostat (its chain:
+# penalties, grammar, mirostat); llamax, like llama.cpp's own samplers
+# (common/sampling.cpp, llama-server), divides by the temperature first.  At
+# temperature 1.0 the two chains are the same arithmetic: these must agree.
+@case("kw/mirostat_v1_temp1", "smol")
+def _(llm, lib):
+    r = llm.create_completion(PROMPT, max_tokens=6, temperature=1.0, mirostat_mode=1, mirostat_tau=5.0,
+                              mirostat_eta=0.1, seed=7, logit_bias=_no_eos(llm))
+    return _fixed(r)
+
+
+@case("kw/mirostat_v2_temp1", "smol")
+def _(llm, lib):
+    r = llm.create_completion(PROMPT, max_tokens=6, temperature=1.0, mirostat_mode=2, mirostat_tau=5.0,
+                              mirostat_eta=0.1, seed=7, logit_bias=_no_eos(llm))
+    return _fixed(r)
+
+
 @case("kw/mirostat_bad_mode", "smol")
 def _(llm, lib):
     try:
