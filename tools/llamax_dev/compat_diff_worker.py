@@ -917,36 +917,21 @@ def _(llm, lib):
     return {"len": len(v), "f:unit_values": u["unit"]}
 
 
-@case("kw/mirostat_v1", "smol")
-def _(llm, lib):
-    r = llm.create_completion(PROMPT, max_tokens=6, temperature=0.8, mirostat_mode=1, mirostat_tau=5.0,
-                              mirostat_eta=0.1, seed=7, logit_bias=_no_eos(llm))
-    return _fixed(r)
-
-
-@case("kw/mirostat_v2", "smol")
-def _(llm, lib):
-    r = llm.create_completion(PROMPT, max_tokens=6, temperature=0.8, mirostat_mode=2, mirostat_tau=5.0,
-                              mirostat_eta=0.1, seed=7, logit_bias=_no_eos(llm))
-    return _fixed(r)
+def _mirostat(mode: int, temperature: float):
+    def run(llm, lib):
+        r = llm.create_completion(PROMPT, max_tokens=6, temperature=temperature, mirostat_mode=mode,
+                                  mirostat_tau=5.0, mirostat_eta=0.1, seed=7, logit_bias=_no_eos(llm))
+        return _fixed(r)
+    return run
 
 
 # llama-cpp-python 0.3.36 adds no temperature sampler under mirostat (its chain:
 # penalties, grammar, mirostat); llamax, like llama.cpp's own samplers
 # (common/sampling.cpp, llama-server), divides by the temperature first.  At
-# temperature 1.0 the two chains are the same arithmetic: these must agree.
-@case("kw/mirostat_v1_temp1", "smol")
-def _(llm, lib):
-    r = llm.create_completion(PROMPT, max_tokens=6, temperature=1.0, mirostat_mode=1, mirostat_tau=5.0,
-                              mirostat_eta=0.1, seed=7, logit_bias=_no_eos(llm))
-    return _fixed(r)
-
-
-@case("kw/mirostat_v2_temp1", "smol")
-def _(llm, lib):
-    r = llm.create_completion(PROMPT, max_tokens=6, temperature=1.0, mirostat_mode=2, mirostat_tau=5.0,
-                              mirostat_eta=0.1, seed=7, logit_bias=_no_eos(llm))
-    return _fixed(r)
+# temperature 1.0 the two chains are the same arithmetic: the _temp1 cases must agree.
+for _suffix, _temp in (("", 0.8), ("_temp1", 1.0)):
+    for _mode in (1, 2):
+        case(f"kw/mirostat_v{_mode}{_suffix}", "smol")(_mirostat(_mode, _temp))
 
 
 @case("kw/mirostat_bad_mode", "smol")
