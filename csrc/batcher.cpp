@@ -6,6 +6,8 @@
 #include <climits>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
+#include <string>
 
 #include <unistd.h>
 
@@ -76,6 +78,12 @@ Batcher::Batcher(Context * ctx, int32_t quantum, int32_t prefix_chunk, bool mix_
     if (prompt_step_ == 0 || prompt_step_ > ctx->n_batch()) {
         prompt_step_ = ctx->n_batch();
     }
+    // LLAMAX_NEWCOMER_PREEMPT=0: a newcomer tenant waits for the decode in
+    // flight instead of aborting it (still with a step of its own), to
+    // measure what the preemption buys the newcomer and costs the others
+    // (benchmarks/bench_tenants.py).
+    const char * preempt_env = std::getenv("LLAMAX_NEWCOMER_PREEMPT");
+    preempt_newcomers_ = preempt_env == nullptr || std::string(preempt_env) != "0";
     if (prefix_chunk < 0 || prefix_chunk > ctx->n_batch()) {
         throw Error(ErrorKind::InvalidArgument, "prefix_chunk must be in [0, n_batch=" +
                                                     std::to_string(ctx->n_batch()) + "] (0: no prefix cache)");
@@ -1121,8 +1129,8 @@ void Batcher::step(std::vector<SeqPtr> & running) {
     {
         std::lock_guard<std::mutex> lk(mu_);
         decode_preemptible_ = long_chunk && !just_preempted_ && !stop_;
-        decode_newcomer_preemptible_ = !long_chunk && !newcomer_step && !just_preempted_ && !stop_ &&
-                                       reserve_.load(std::memory_order_relaxed) > 0;
+        decode_newcomer_preemptible_ = preempt_newcomers_ && !long_chunk && !newcomer_step && !just_preempted_ &&
+                                       !stop_ && reserve_.load(std::memory_order_relaxed) > 0;
         decode_min_left_ = min_left;
         preempt_ = false;
     }
@@ -1139,8 +1147,11 @@ void Batcher::step(std::vector<SeqPtr> & running) {
             closing = stop_;
             preempted = preempt_ && !stop_;
             preempt_ = false;
+            const double spent = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_decode).count();
+            stats_.decode_s += spent;
             if (preempted) {
                 ++stats_.n_preempted;
+                stats_.preempted_s += spent;
             }
         }
         if (preempted) {
@@ -1197,6 +1208,10 @@ void Batcher::step(std::vector<SeqPtr> & running) {
             ctx_->abort_.store(false, std::memory_order_relaxed);
         }
         ++stats_.n_decodes;
+        stats_.decode_s += last_decode_s_;
+        if (newcomer_step) {
+            stats_.newcomer_s += last_decode_s_;
+        }
         for (const auto & s : running) {
             if (!ready(*s)) {
                 ++stats_.n_sat_out;

@@ -169,6 +169,9 @@ struct BatcherStats {
     int64_t n_sat_out = 0;        // decodes that went ahead while a sequence's token was still being sampled
     int64_t n_preempted = 0;      // decodes aborted (and redone) for a shorter newcomer or a newcomer tenant
     int64_t n_newcomer_steps = 0; // decodes of newcomer tenants' first prompts alone (reserve_slots > 0)
+    double decode_s = 0;          // seconds in llama_decode, every call (those aborted too)
+    double preempted_s = 0;       // of which in decodes aborted for a newcomer (their work is redone)
+    double newcomer_s = 0;        // of which in newcomer tenants' steps
 };
 
 class Batcher {
@@ -251,6 +254,7 @@ private:
     // flight that has no newcomer in it (at most once in a row).
     bool last_newcomer_only_ = false;    // batcher thread: the last step was a newcomers' step
     bool decode_newcomer_preemptible_ = false;  // (mu_) the decode in flight may be preempted by a newcomer
+    bool preempt_newcomers_ = true;      // LLAMAX_NEWCOMER_PREEMPT=0: never (for measuring; see the constructor)
     bool newcomer(const Seq & s, const std::vector<SeqPtr> & running) const;
     bool just_preempted_ = false;    // batcher thread: the last decode was preempted
     bool decode_preemptible_ = false;  // (mu_) the decode in flight may be preempted ...

@@ -303,14 +303,17 @@ cdef class Batcher:
         tokens sampled on a sampler thread (sequences with a grammar) and
         decodes that went ahead while such a token was still being sampled;
         decodes preempted for a shorter newcomer (or a newcomer tenant), and
-        decodes of newcomer tenants' first prompts alone."""
+        decodes of newcomer tenants' first prompts alone; seconds spent in
+        decodes (``decode_s``), of which in preempted ones (``preempted_s``:
+        work redone) and in newcomers' steps (``newcomer_s``)."""
         cdef CBatcherStats st = self._ptr().stats()
         return {"n_decodes": st.n_decodes, "n_tokens": st.n_tokens, "n_mixed_decodes": st.n_mixed_decodes,
                 "n_switches": st.n_switches, "n_finished": st.n_finished,
                 "n_cached_tokens": st.n_cached_tokens, "n_seq_copies": st.n_seq_copies,
                 "n_multi_adapter_decodes": st.n_multi_adapter_decodes, "n_seq_decoded": st.n_seq_decoded,
                 "n_offloaded": st.n_offloaded, "n_sat_out": st.n_sat_out, "n_preempted": st.n_preempted,
-                "n_newcomer_steps": st.n_newcomer_steps}
+                "n_newcomer_steps": st.n_newcomer_steps, "decode_s": st.decode_s,
+                "preempted_s": st.preempted_s, "newcomer_s": st.newcomer_s}
 
     def forget_cache(self):
         """Forget every cached prefix: sequences admitted from now on decode

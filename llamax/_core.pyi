@@ -472,6 +472,9 @@ class _BatcherStats(TypedDict):
     n_sat_out: int
     n_preempted: int
     n_newcomer_steps: int
+    decode_s: float
+    preempted_s: float
+    newcomer_s: float
 
 _SeqFinish: TypeAlias = Literal["stop", "length", "stop_sequence", "cancelled", "error"]
 

@@ -254,6 +254,9 @@ cdef extern from "batcher.h" namespace "llamax" nogil:
         int64_t n_sat_out
         int64_t n_preempted
         int64_t n_newcomer_steps
+        double decode_s
+        double preempted_s
+        double newcomer_s
 
     cdef cppclass CBatcher "llamax::Batcher":
         CBatcher(CContext * ctx, int32_t quantum, int32_t prefix_chunk, cbool mix_adapters,

@@ -306,6 +306,7 @@ def test_a_short_prompt_preempts_a_long_prompt_chunk(model, align, caplog):
         toks = lng.result()[0].tolist()
         st = b.stats()
     assert st["n_preempted"] >= 1, st
+    assert 0 < st["preempted_s"] < st["decode_s"], st  # the aborted decodes' time, counted apart
     # a preemption is not an error: llama.cpp's messages on the aborted
     # decode ("failed to decode, ret = 2", ...) reach the log as DEBUG
     loud = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]

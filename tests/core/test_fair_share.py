@@ -128,13 +128,53 @@ def test_a_newcomer_tenant_is_decoded_as_if_alone(model):
         for s in flood:
             s.cancel()
     assert st["n_newcomer_steps"] >= 1
+    # the seconds: the newcomer's steps are part of the decoding, and the
+    # decoding is more than them (the flood's decodes)
+    assert 0 < st["newcomer_s"] < st["decode_s"]
+    assert st["newcomer_s"] + st["preempted_s"] <= st["decode_s"]
     ctx2, b2 = batcher(model, slots=4)
     with ctx2, b2:
         alone = b2.submit(late_toks, greedy(model), max_tokens=1, logprobs=3)
         want, _ = alone.result()
-        assert b2.stats()["n_newcomer_steps"] == 0
+        st2 = b2.stats()
+        assert st2["n_newcomer_steps"] == 0 and st2["newcomer_s"] == 0 and st2["preempted_s"] == 0
+        assert st2["decode_s"] > 0
         assert got.tolist() == want.tolist()
         assert lp == alone.logprobs[0]
+
+
+@pytest.mark.parametrize("preempt", ["1", "0"])
+def test_newcomer_preemption_and_its_switch(model, monkeypatch, preempt):
+    """A newcomer tenant arriving while the flood's decode is in flight
+    aborts it (redone after the newcomer's own step); with
+    LLAMAX_NEWCOMER_PREEMPT=0 (read when the batcher is made) it waits for
+    that decode instead and still gets its step.  Either way its first
+    token is the one it gets alone.  (The default's >= 1 preemption over six arrivals
+    relies on an arrival landing inside a decode, which the flood keeps
+    running back to back; the switch's 0 holds whatever the timing.)"""
+    monkeypatch.setenv("LLAMAX_NEWCOMER_PREEMPT", preempt)
+    toks = model.tokenize("The capital of France is")
+    late_toks = model.tokenize("Water boils at")
+    ctx, b = batcher(model, slots=4, reserve_slots=1)
+    with ctx, b:
+        flood = [b.submit(toks, greedy(model), max_tokens=400, ignore_eos=True, tenant=A) for _ in range(3)]
+        for s in flood:
+            first_token(s)
+        got = [b.submit(late_toks, greedy(model), max_tokens=2, ignore_eos=True, tenant=B).result()[0][0]
+               for _ in range(6)]
+        st = b.stats()
+        assert all(not s.done for s in flood)
+        for s in flood:
+            s.cancel()
+    ctx2, b2 = batcher(model, slots=4)
+    with ctx2, b2:
+        want = b2.submit(late_toks, greedy(model), max_tokens=2, ignore_eos=True).result()[0][0]
+    assert got == [want] * 6
+    assert st["n_newcomer_steps"] >= 6
+    if preempt == "1":
+        assert st["n_preempted"] >= 1 and st["preempted_s"] > 0, st
+    else:
+        assert st["n_preempted"] == 0 and st["preempted_s"] == 0, st
 
 
 def test_reserve_holds_for_sequences_without_a_tenant(model):
