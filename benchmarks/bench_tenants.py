@@ -5,7 +5,7 @@ throughput pays for it (loopback only).
 
   python3 benchmarks/bench_tenants.py [--model PATH] [--parallel 16] [--threads 2] [--n-ctx 1024]
         [--reserve-slots N] [--flood 64] [--flood-tokens 64] [--ramp 2] [--warmup 2] [--window 10]
-        [--rounds 3] [--per-round 8] [--out benchmarks/results]
+        [--rounds 3] [--per-round 8] [--servers "tenants,no tenants"] [--out benchmarks/results]
 
 Tenant A floods: ``--flood`` streamed chat completions at once (a short
 prompt of its own each, ``--flood-tokens`` tokens, temperature 0), each replaced by the
@@ -72,6 +72,9 @@ HERE = Path(__file__).resolve().parent
 KEY_A, KEY_B = "bench-tenant-a", "bench-tenant-b"
 SERVERS = ("tenants", "no tenants")
 CONDITIONS = ("B alone", "A+B", "A alone")
+# the servers' switches for measuring (they inherit this environment)
+MEASURING_ENV = ("LLAMAX_NEWCOMER_PREEMPT", "LLAMAX_FA_SPLIT_KV")
+COUNTERS = ("n_decodes", "n_seq_decoded", "n_newcomer_steps", "decode_s", "preempted_s", "newcomer_s")
 TOPICS = ("a lighthouse", "a lost key", "the moon", "a small robot", "an old map", "a red kite", "a river",
           "a clock", "a snowstorm", "a garden")
 _A_SEQ = itertools.count()  # A's prompts differ across conditions too (no prefix cache between them)
@@ -111,10 +114,12 @@ class Server:
         r.raise_for_status()
         return r.json()
 
-    def counters(self) -> tuple[int, int]:
-        """(decodes, sequences decoded) so far, over the contexts."""
+    def counters(self) -> dict[str, float]:
+        """The batcher's counters so far, summed over the contexts: decodes,
+        sequences decoded, seconds in decodes, of which in decodes aborted
+        for a newcomer and in newcomers' own steps."""
         st = self.slots()
-        return sum(s.get("n_decodes", 0) for s in st), sum(s.get("n_seq_decoded", 0) for s in st)
+        return {k: sum(s.get(k, 0) for s in st) for k in COUNTERS}
 
     def idle(self, timeout: float = 120.0) -> float:
         """Wait until no sequence is queued or running (A's dropped streams
@@ -265,12 +270,15 @@ def run(args) -> dict:
     servers: dict[str, Server] = {}
     b = {(s, c): [] for s in SERVERS for c in CONDITIONS if c != "A alone"}     # B's request records
     a = {(s, c): [] for s in SERVERS for c in CONDITIONS if c != "B alone"}     # A's windows
-    win = {(s, c): [] for s in SERVERS for c in CONDITIONS}  # (seconds, decodes, sequences decoded)
+    servers_run = [s for s in SERVERS if s in args.servers]
+    win = {(s, c): [] for s in SERVERS for c in CONDITIONS}  # (seconds, counters' change)
     n_b = 0
     try:
         # one after the other: two servers never load or decode at once
-        servers["tenants"] = Server(model, args, tenants_file(Path(tmp.name) / "tenants.toml"))
-        servers["no tenants"] = Server(model, args, None)
+        if "tenants" in servers_run:
+            servers["tenants"] = Server(model, args, tenants_file(Path(tmp.name) / "tenants.toml"))
+        if "no tenants" in servers_run:
+            servers["no tenants"] = Server(model, args, None)
         for name, srv in servers.items():  # warm-up: each server's first requests
             with httpx.Client(base_url=srv.url, timeout=600, headers={"Authorization": f"Bearer {KEY_B}"}) as c:
                 for _ in range(2):
@@ -278,7 +286,7 @@ def run(args) -> dict:
                     if r["status"] != 200:
                         raise RuntimeError(f"{name}: warm-up request failed: {r}")
         for rnd in range(args.rounds):
-            order = SERVERS if rnd % 2 == 0 else SERVERS[::-1]
+            order = servers_run if rnd % 2 == 0 else servers_run[::-1]
             for name in order:
                 srv = servers[name]
                 bc = httpx.Client(base_url=srv.url, timeout=600, headers={"Authorization": f"Bearer {KEY_B}"})
@@ -300,7 +308,7 @@ def run(args) -> dict:
                             k += 1
                     t1 = time.perf_counter()
                     c1 = srv.counters()
-                    win[name, cond].append((t1 - t0, c1[0] - c0[0], c1[1] - c0[1]))
+                    win[name, cond].append((t1 - t0, {k: c1[k] - c0[k] for k in COUNTERS}))
                     line = f"round {rnd} {name:10s} {cond:8s}"
                     if cond != "A alone":
                         ok = [r for r in b[name, cond][-k:] if r["status"] == 200]
@@ -316,7 +324,10 @@ def run(args) -> dict:
                              "errors": flood.errors[:5], "idle_wait_s": srv.idle()}
                         a[name, cond].append(w)
                         line += f"  A {w['tokens'] / w['s']:6.1f} tok/s over {w['s']:5.1f} s"
-                    line += f"  seqs/decode {(c1[1] - c0[1]) / max(1, c1[0] - c0[0]):5.2f}"
+                    d = win[name, cond][-1][1]
+                    line += (f"  seqs/decode {d['n_seq_decoded'] / max(1, d['n_decodes']):5.2f}  busy "
+                             f"{d['decode_s'] / (t1 - t0):4.0%} preempted {d['preempted_s'] / (t1 - t0):4.1%} "
+                             f"newcomer {d['newcomer_s'] / (t1 - t0):4.1%}")
                     print(line, flush=True)
                 bc.close()
     finally:
@@ -326,15 +337,29 @@ def run(args) -> dict:
             server_errors[name] = srv.errors()[-20:]
         tmp.cleanup()
     rows = []
-    for name in SERVERS:
+    for name in servers_run:
         b_alone = [r["ttft"] for r in b[name, "B alone"] if r["status"] == 200]
         a_alone = a[name, "A alone"]
         a_alone_rate = sum(w["tokens"] for w in a_alone) / sum(w["s"] for w in a_alone)
         for cond in CONDITIONS:
-            secs, decodes, seqs = map(sum, zip(*win[name, cond]))
+            secs = sum(w for w, _ in win[name, cond])
+            c = {k: sum(d[k] for _, d in win[name, cond]) for k in COUNTERS}
+            decodes = c["n_decodes"]
             row: dict = {"server": name, "condition": cond, "window_s": secs, "decodes_per_s": decodes / secs,
-                         "seqs_per_decode": seqs / decodes if decodes else None}
+                         "seqs_per_decode": c["n_seq_decoded"] / decodes if decodes else None,
+                         "decode_busy": c["decode_s"] / secs, "preempted_share": c["preempted_s"] / secs,
+                         "newcomer_share": c["newcomer_s"] / secs}
             recs = b.get((name, cond))
+            # Whose work the decoding was: a newcomer step is B's prompt; a
+            # preempted decode is nobody's (redone); the other decodes are
+            # split by their rows (one per sequence), B's being its tokens
+            # after the first.
+            full_s = c["decode_s"] - c["newcomer_s"] - c["preempted_s"]
+            full_rows = c["n_seq_decoded"] - c["n_newcomer_steps"]
+            b_rows = sum(r["tokens"] - 1 for r in recs or () if r["status"] == 200)
+            b_s = c["newcomer_s"] + (full_s * min(1.0, b_rows / full_rows) if full_rows else 0.0)
+            row["b_compute_share"] = b_s / secs if recs is not None else None
+            a_decode_s = c["decode_s"] - c["preempted_s"] - b_s
             if recs is not None:
                 ok = [r for r in recs if r["status"] == 200]
                 ttft = [r["ttft"] for r in ok]
@@ -360,15 +385,23 @@ def run(args) -> dict:
                     statuses.update(w["statuses"])
                 row.update({
                     "a_tokens": sum(w["tokens"] for w in ws), "a_tok_s": rate,
+                    # A's tokens per second of decoding that was A's: the scheduler's own cost, apart from
+                    # the machine's speed and B's work
+                    "a_tok_per_decode_s": sum(w["tokens"] for w in ws) / a_decode_s if a_decode_s > 0 else None,
                     "a_vs_alone": rate / a_alone_rate if a_alone_rate else None,
                     "a_requests_done": sum(len(w["done"]) for w in ws), "a_statuses": dict(statuses),
                     "a_errors": [e for w in ws for e in w["errors"]][:5],
                     "idle_wait_s_max": max(w["idle_wait_s"] for w in ws),
                 })
             rows.append(row)
+        eff = {r["condition"]: r.get("a_tok_per_decode_s") for r in rows if r["server"] == name}
+        for r in rows:
+            if r["server"] == name and eff.get(r["condition"]) and eff["A alone"]:
+                r["a_per_decode_s_vs_alone"] = eff[r["condition"]] / eff["A alone"]
     return {"machine": platform.processor() or platform.machine(), "cpu": _cpu(), "commit": _commit(),
             "model": Path(model).name, "command": _command(), "args": vars(args),
             "server_commands": {n: s.cmd[1:] for n, s in servers.items()}, "rows": rows,
+            "env": {k: v for k, v in os.environ.items() if k in MEASURING_ENV},
             "server_errors": server_errors}
 
 
@@ -392,12 +425,13 @@ def table(res) -> str:
            f"{'' if a['reserve_slots'] is None else ' and --reserve-slots %d' % a['reserve_slots']} (reserve "
            f"default: 1); `no tenants`: an open server.  A: {a['flood']} streams of {a['flood_tokens']} tokens at "
            f"once; B: one streamed request of 8 tokens at a time, {a['per_round']} per round, {a['rounds']} "
-           f"round(s).  A's window: B's measurement, or {a['window']:g} s alone.", "",
+           f"round(s).  A's window: B's measurement, or {a['window']:g} s alone."
+           + "".join(f"  Environment: {k}={v}." for k, v in sorted(res.get("env", {}).items())), "",
            "| server | condition | B requests | B statuses | B TTFT p50 ms | B TTFT p95 ms | B TTFT max ms | "
            "B p95 vs alone | B tokens p50 | B decode tok/s p50 | B latency p50 ms | B latency p95 ms | "
            "A tokens | A tok/s | A vs alone | A requests done | A statuses | window s | decodes/s | seqs per decode | "
-           "idle wait max s |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "decoding | preempted | newcomer steps | B's decoding | A tok per A decode s | (vs alone) | idle wait max s |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in res["rows"]:
         out.append(
             f"| {r['server']} | {r['condition']} | {r.get('b_n', '-')} | {_statuses(r.get('b_statuses'))} | "
@@ -407,10 +441,15 @@ def table(res) -> str:
             f"{_f(r.get('b_latency_p50_ms'), '.1f')} | {_f(r.get('b_latency_p95_ms'), '.1f')} | "
             f"{r.get('a_tokens', '-')} | {_f(r.get('a_tok_s'), '.1f')} | {_f(r.get('a_vs_alone'), '.2f', 'x')} | "
             f"{r.get('a_requests_done', '-')} | {_statuses(r.get('a_statuses'))} | {r['window_s']:.1f} | "
-            f"{r['decodes_per_s']:.1f} | {_f(r['seqs_per_decode'], '.2f')} | {_f(r.get('idle_wait_s_max'), '.1f')} |")
+            f"{r['decodes_per_s']:.1f} | {_f(r['seqs_per_decode'], '.2f')} | {_f(r.get('decode_busy'), '.0%')} | "
+            f"{_f(r.get('preempted_share'), '.1%')} | {_f(r.get('newcomer_share'), '.1%')} | "
+            f"{_f(r.get('b_compute_share'), '.1%')} | {_f(r.get('a_tok_per_decode_s'), '.1f')} | "
+            f"{_f(r.get('a_per_decode_s_vs_alone'), '.2f', 'x')} | "
+            f"{_f(r.get('idle_wait_s_max'), '.1f')} |")
     by = {(r["server"], r["condition"]): r for r in res["rows"]}
-    t_ab, f_ab = by["tenants", "A+B"], by["no tenants", "A+B"]
-    ta, fa = by["tenants", "A alone"].get("a_tok_s"), by["no tenants", "A alone"].get("a_tok_s")
+    t_ab, f_ab = by.get(("tenants", "A+B"), {}), by.get(("no tenants", "A+B"), {})
+    ta = by.get(("tenants", "A alone"), {}).get("a_tok_s")
+    fa = by.get(("no tenants", "A alone"), {}).get("a_tok_s")
     b95, a_vs = t_ab.get("b_p95_vs_alone"), t_ab.get("a_vs_alone")
     met_b = "met" if b95 is not None and b95 <= 1.5 else "not met"
     met_a = "met" if a_vs is not None and a_vs >= 0.9 else "not met"
@@ -424,7 +463,12 @@ def table(res) -> str:
             "ended (not those cut when a condition ends: 499 on the server's side).  "
             "Window: the seconds measured (B's requests, or A alone's --window), summed over rounds; decodes/s "
             "and sequences per decode: the batcher's counters (/slots) over the windows (a prompt's decode counts "
-            "too).  Idle wait: from the flood's end until /slots showed nothing queued or running."]
+            "too).  Decoding: the share of the window the batcher spent in llama_decode; preempted: in decodes aborted "
+            "for a newcomer (work redone after it); newcomer steps: in newcomers' first prompts decoded alone; "
+            "B's decoding: B's newcomer steps and its rows' part of the other decodes (one row per sequence; B's "
+            "rows are its tokens after the first); A tok per A decode s: A's tokens over the decoding left (not "
+            "preempted, not B's), i.e. what A got from its own share of the machine.  "
+            "Idle wait: from the flood's end until /slots showed nothing queued or running."]
     errs = {k: v for k, v in res["server_errors"].items() if v}
     if errs:
         out += ["", "Server log lines that name an error:", ""]
@@ -447,8 +491,12 @@ def main():
     p.add_argument("--window", type=float, default=10.0, help="seconds each condition is measured, at least, per round")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--per-round", type=int, default=8, help="B's requests per condition and round, at least")
+    p.add_argument("--servers", default=",".join(SERVERS), type=lambda v: [x.strip() for x in v.split(",")],
+                   help="which servers to run: 'tenants', 'no tenants' or both (the default), comma-separated")
     p.add_argument("--out", default=str(HERE / "results"), help="the results' directory")
     args = p.parse_args()
+    if not args.servers or set(args.servers) - set(SERVERS):
+        p.error(f"--servers: {', '.join(SERVERS)} or both")
     res = run(args)
     md = table(res)
     print(md)

@@ -12,6 +12,8 @@
 # model is 94 MiB and one call carries at most 64 MiB, so each carries half):
 #     bash tools/device_check.sh build   carry: .devcheck/src .devcheck/model1  (~6 min)
 #     bash tools/device_check.sh test    carry: .devcheck/model2                (~6 min)
+# or, instead of test, issue #34's benchmark on the GPU (tenants.md/.json):
+#     bash tools/device_check.sh tenants carry: .devcheck/model2                (~4 min)
 # Each phase writes its log and results under $OUT (the device tool's output
 # folder; default .devcheck/out): device_check.log, nvidia-smi.txt,
 # tests.xml (JUnit), gpu.md and gpu.json (bench_gpu.py).
@@ -67,9 +69,8 @@ print(llamax.system_info())
     ldd llamax/_core*.so | grep -E "cublas|cudart|libcuda" | tee -a "$LOG"
 }
 
-phase_test() {
-    setup_env
-    ls llamax/_core*.so > /dev/null 2>&1 || die "no built extension: run the build phase first, on the same machine"
+# The model from its two carried pieces (once per machine).
+join_model() {
     local model=$LLAMAX_CACHE_DIR/models/SmolLM2-135M-Instruct.Q4_1.gguf
     mkdir -p "$(dirname "$model")"
     if [ ! -f "$model" ]; then
@@ -82,6 +83,12 @@ phase_test() {
         mv "$model.part" "$model"
     fi
     log "model ok: $model"
+}
+
+phase_test() {
+    setup_env
+    ls llamax/_core*.so > /dev/null 2>&1 || die "no built extension: run the build phase first, on the same machine"
+    join_model
     export LLAMAX_N_GPU_LAYERS=-1 LLAMAX_EXPECT_GPU=1
     local workers=()
     python3 -c "import xdist" 2>/dev/null && workers=(-n "${LLAMAX_DEVCHECK_WORKERS:-6}")
@@ -106,9 +113,28 @@ phase_test() {
     return $rc
 }
 
+# Issue #34's noisy neighbour on the GPU (benchmarks/bench_tenants.py, the
+# tenants server only, every layer offloaded): where a batch's extra row and
+# a newcomer's prompt cost next to nothing, unlike on 2 CPU cores.
+phase_tenants() {
+    setup_env
+    ls llamax/_core*.so > /dev/null 2>&1 || die "no built extension: run the build phase first, on the same machine"
+    join_model
+    export LLAMAX_N_GPU_LAYERS=-1
+    local t0=$SECONDS
+    timeout "${LLAMAX_DEVCHECK_TENANTS_TIMEOUT:-420}" python3 benchmarks/bench_tenants.py --servers tenants \
+        --threads 4 --rounds "${LLAMAX_DEVCHECK_TENANTS_ROUNDS:-4}" --window 6 --per-round 8 --out "$OUT" \
+        > "$OUT/tenants.txt" 2>&1
+    local rc=$?
+    tail -20 "$OUT/tenants.txt" | tee -a "$LOG"
+    log "tenants benchmark: exit $rc in $((SECONDS - t0)) s"
+    return $rc
+}
+
 case "$PHASE" in
     build) phase_build ;;
     test) phase_test ;;
+    tenants) phase_tenants ;;
     all) phase_build && phase_test ;;
-    *) echo "usage: $0 build|test|all" >&2; exit 2 ;;
+    *) echo "usage: $0 build|test|tenants|all" >&2; exit 2 ;;
 esac

@@ -11,7 +11,8 @@ run here, packs:
                                    llama-bench and llama-batched-bench need
                                    (no other GPU backends, no models, tests,
                                    docs or other tools): ~3 MiB of 176
-  .devcheck/src/*.whl              gguf and jsonschema (with its dependencies), which
+  .devcheck/src/*.whl              gguf, jsonschema and the server's FastAPI, uvicorn
+                                   and sse-starlette (with their dependencies), which
                                    the device image lacks, for its Python 3.12
   .devcheck/model1/, model2/       SmolLM2-135M-Instruct Q4_1 in two pieces,
                                    with its sha256: at 94 MiB the model alone is
@@ -85,6 +86,9 @@ def pack_tree(dest: Path) -> Path:
 # What tests/core and tests/api import that the device image lacks, as wheels
 # for its Python 3.12 on x86_64 (its pip list: KINDS.md of the device tool)
 WHEELS = ["gguf>=0.10", "jsonschema>=4", "jsonschema-specifications", "referencing", "rpds-py"]
+# ... and what the server needs (device_check.sh's tenants phase), with their
+# dependencies resolved together (pydantic pins its pydantic-core exactly)
+SERVER_WHEELS = ["fastapi>=0.110", "uvicorn>=0.29", "sse-starlette>=2.0"]
 PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64"]
 
 
@@ -96,6 +100,7 @@ def fetch_wheels(dest: Path) -> list[Path]:
     for plat in PLATFORMS:
         cmd += ["--platform", plat]
     subprocess.check_call(cmd + WHEELS)
+    subprocess.check_call([c for c in cmd if c != "--no-deps"] + SERVER_WHEELS)
     return sorted(dest.glob("*.whl"))
 
 
