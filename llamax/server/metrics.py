@@ -22,7 +22,8 @@ class _Collector:
         e = self.backend
         c = e.counters
         stats = {"n_decodes": 0, "n_tokens": 0, "n_switches": 0, "n_cached_tokens": 0, "n_seq_copies": 0,
-                 "n_multi_adapter_decodes": 0, "n_seq_decoded": 0}
+                 "n_multi_adapter_decodes": 0, "n_seq_decoded": 0, "decode_s": 0.0, "preempted_s": 0.0,
+                 "newcomer_s": 0.0}
         table = {"slots": 0, "filled": 0, "fills": 0, "evictions": 0, "bytes": 0, "fallback": 0}
         for s in e.llm.context_stats():
             for k, v in s.items():
@@ -67,6 +68,12 @@ class _Collector:
                       stats["n_seq_decoded"])
         yield gauge("llamax:sequences_per_decode", "Mean sequences per decode since start.",
                     stats["n_seq_decoded"] / stats["n_decodes"] if stats["n_decodes"] else 0.0)
+        yield counter("llamax:decode_seconds", "Seconds the batchers spent in llama_decode (aborted decodes "
+                      "too).", stats["decode_s"])
+        yield counter("llamax:preempted_decode_seconds", "Of those, seconds in decodes aborted for a newcomer "
+                      "tenant or a shorter prompt (their work is redone).", stats["preempted_s"])
+        yield counter("llamax:newcomer_step_seconds", "Of those, seconds in newcomer tenants' first prompts decoded "
+                      "alone (--reserve-slots).", stats["newcomer_s"])
         loras = e.llm.list_loras()
         yield gauge("llamax:adapters_loaded", "LoRA adapters in memory.", sum(1 for x in loras if x["loaded"]))
         yield gauge("llamax:adapters_registered", "LoRA adapters offered (loaded or on demand).", len(loras))

@@ -343,11 +343,16 @@ def test_health_and_metrics(http):
     for name in ("llamacpp:prompt_tokens_total", "llamacpp:tokens_predicted_total", "llamacpp:n_decode_total",
                  "llamacpp:requests_processing", "llamacpp:requests_deferred", "llamax:queue_depth",
                  "llamax:prefix_cache_hit_tokens_total", "llamax:adapter_set_switches_total",
-                 "llamax:sequences_per_decode", "llamax:adapters_loaded", "llamax:multi_adapter_decodes_total"):
+                 "llamax:sequences_per_decode", "llamax:adapters_loaded", "llamax:multi_adapter_decodes_total",
+                 "llamax:decode_seconds_total", "llamax:preempted_decode_seconds_total",
+                 "llamax:newcomer_step_seconds_total"):
         assert name in text, name
     vals = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
             if line and not line.startswith("#") and "{" not in line}
     assert vals["llamax:adapters_loaded"] == 2 and vals["llamacpp:tokens_predicted_total"] > 0
+    # the batchers' seconds: two requests decoded, no tenants (no newcomer steps)
+    assert vals["llamax:decode_seconds_total"] > 0 and vals["llamax:newcomer_step_seconds_total"] == 0
+    assert vals["llamax:preempted_decode_seconds_total"] <= vals["llamax:decode_seconds_total"]
     assert 'llamax:requests_total{code="200",endpoint="chat"}' in text
 
 
