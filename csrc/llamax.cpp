@@ -1233,7 +1233,9 @@ void Context::set_threads(int32_t n_threads, int32_t n_threads_batch) {
     // A lone query row's attention summed over the cache in order, as each
     // row of a batch is (patch 0015): a token's numbers are then the same
     // decoded alone or in a batch (speculative drafts verified together give
-    // plain greedy decoding's answer) and at any thread count.
+    // plain greedy decoding's answer) and at any thread count.  With patch
+    // 0016 every row then sums the cache in fixed 256-cell chunks merged in
+    // order, a lone row's chunks over all threads (ggml's split's speed).
     // LLAMAX_FA_SPLIT_KV=1 keeps ggml's split, to measure what this costs.
     const char * split_env = std::getenv("LLAMAX_FA_SPLIT_KV");
     const bool split_kv = split_env != nullptr && std::string(split_env) == "1";

@@ -1,9 +1,11 @@
 """A token's logits are the same arithmetic decoded alone or as a row of a
-batch, at any thread count (patch 0015).
+batch, at any thread count (patches 0015-0016).
 
 ggml's flash attention splits a lone query row's cache over the threads
 once it has 512 cells or more, and sums every row of a batch over the
-whole cache in order; llamax's thread pools turn the split off.  That is
+whole cache in order; llamax's thread pools turn that split off, and then
+every row sums the cache in fixed 256-cell chunks merged in order (a lone
+row's chunks over the threads, a batch's rows one thread each).  That is
 what lets greedy speculative decoding (drafts verified in one batch) give
 plain greedy decoding's answer (tests/api/test_compat_api.py).  Each check
 compares two ways of computing the same rows in one run, so it holds on
