@@ -22,6 +22,14 @@ def first_token(seq):
     return toks
 
 
+def generating(b, model, toks, n=3, max_tokens=300, tenant=A):
+    """n sequences of `tenant`, each past its first token."""
+    seqs = [b.submit(toks, greedy(model), max_tokens=max_tokens, ignore_eos=True, tenant=tenant) for _ in range(n)]
+    for s in seqs:
+        first_token(s)
+    return seqs
+
+
 def test_fifo_without_tenants(model):
     """No tenant ids: first come, first served (today's order)."""
     toks = model.tokenize("Once upon a time")
@@ -117,9 +125,7 @@ def test_a_newcomer_tenant_is_decoded_as_if_alone(model):
     late_toks = model.tokenize("Water boils at")
     ctx, b = batcher(model, slots=4, reserve_slots=1)
     with ctx, b:
-        flood = [b.submit(toks, greedy(model), max_tokens=300, ignore_eos=True, tenant=A) for _ in range(3)]
-        for s in flood:
-            first_token(s)
+        flood = generating(b, model, toks)
         late = b.submit(late_toks, greedy(model), max_tokens=1, logprobs=3, tenant=B)
         got, _ = late.result()
         lp = late.logprobs[0]
@@ -149,17 +155,16 @@ def test_newcomer_preemption_and_its_switch(model, monkeypatch, preempt):
     aborts it (redone after the newcomer's own step); with
     LLAMAX_NEWCOMER_PREEMPT=0 (read when the batcher is made) it waits for
     that decode instead and still gets its step.  Either way its first
-    token is the one it gets alone.  (The default's >= 1 preemption over six arrivals
-    relies on an arrival landing inside a decode, which the flood keeps
-    running back to back; the switch's 0 holds whatever the timing.)"""
+    token is the one it gets alone.  (The default's >= 1 preemption over
+    six arrivals relies on an arrival landing inside a decode, which the
+    flood keeps running back to back; the switch's 0 holds whatever the
+    timing.)"""
     monkeypatch.setenv("LLAMAX_NEWCOMER_PREEMPT", preempt)
     toks = model.tokenize("The capital of France is")
     late_toks = model.tokenize("Water boils at")
     ctx, b = batcher(model, slots=4, reserve_slots=1)
     with ctx, b:
-        flood = [b.submit(toks, greedy(model), max_tokens=400, ignore_eos=True, tenant=A) for _ in range(3)]
-        for s in flood:
-            first_token(s)
+        flood = generating(b, model, toks, max_tokens=400)
         got = [b.submit(late_toks, greedy(model), max_tokens=2, ignore_eos=True, tenant=B).result()[0][0]
                for _ in range(6)]
         st = b.stats()
