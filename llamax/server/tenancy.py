@@ -246,8 +246,11 @@ class Tenancy:
 class TenantGate:
     """ASGI middleware: the x-ratelimit headers on every answer of a
     limited tenant (streams too), and the end of each request: its
-    tenant's counts released, its usage recorded -- after the last byte
-    of the answer, however it ends."""
+    tenant's counts released, its usage recorded -- as the answer's last
+    message goes out (so a client that has read the whole answer finds it
+    in /metrics and /admin/usage: the server may take its next request on
+    the connection before this request's task has returned), or when the
+    request ends without one, however it ends."""
 
     def __init__(self, app, tenancy: Tenancy):
         self.app = app
@@ -259,10 +262,27 @@ class TenantGate:
         state = scope.setdefault("state", {})
         t0 = state["t0"] = time.monotonic()
         status = 500
+        over = False
+
+        def finish():
+            nonlocal over
+            if over:
+                return
+            over = True
+            n = state.get("tenant_sequences", 0)
+            if n and state.get("tenant") is not None:
+                state["tenant_sequences"] = 0
+                self.tenancy._use(state["tenant"].tenant.name).in_flight -= n
+            try:
+                self.tenancy.record(state, status, time.monotonic() - t0, scope.get("path", ""))
+            except Exception:  # accounting never fails a request
+                logger.exception("usage accounting failed")
 
         async def sending(msg):
             nonlocal status
-            if msg["type"] == "http.response.start":
+            if msg["type"] == "http.response.body" and not msg.get("more_body", False):
+                finish()
+            elif msg["type"] == "http.response.start":
                 status = msg["status"]
                 extra = state.get("ratelimit_headers")
                 if extra:
@@ -274,14 +294,7 @@ class TenantGate:
         try:
             await self.app(scope, receive, sending)
         finally:
-            n = state.get("tenant_sequences", 0)
-            if n and state.get("tenant") is not None:
-                state["tenant_sequences"] = 0
-                self.tenancy._use(state["tenant"].tenant.name).in_flight -= n
-            try:
-                self.tenancy.record(state, status, time.monotonic() - t0, scope.get("path", ""))
-            except Exception:  # accounting never fails a request
-                logger.exception("usage accounting failed")
+            finish()
 
 
 class UsageLog:
