@@ -713,30 +713,7 @@ bool Batcher::push_token(const SeqPtr & s, llama_token tok, const float * logits
     SeqEvent ev;
     ev.token = tok;
     if (p.n_logprobs >= 0) {
-        const int32_t nv = ctx_->n_vocab();
-        float mx = logits[0];
-        for (int32_t i = 1; i < nv; ++i) {
-            mx = std::max(mx, logits[i]);
-        }
-        double sum = 0.0;
-        for (int32_t i = 0; i < nv; ++i) {
-            sum += std::exp((double) logits[i] - mx);
-        }
-        const float lse = mx + (float) std::log(sum);
-        ev.logprob = logits[tok] - lse;
-        if (p.n_logprobs > 0) {
-            lp_buf_.resize(nv);
-            for (int32_t i = 0; i < nv; ++i) {
-                lp_buf_[i] = {logits[i], i};
-            }
-            const int32_t k = p.n_logprobs;
-            std::partial_sort(lp_buf_.begin(), lp_buf_.begin() + k, lp_buf_.end(),
-                              [](const auto & a, const auto & b) { return a.first > b.first || (a.first == b.first && a.second < b.second); });
-            ev.top.reserve(k);
-            for (int32_t i = 0; i < k; ++i) {
-                ev.top.emplace_back(lp_buf_[i].second, lp_buf_[i].first - lse);
-            }
-        }
+        token_logprobs(logits, ctx_->n_vocab(), tok, p.n_logprobs, lp_buf_, ev.logprob, ev.top);
     }
     {
         std::lock_guard<std::mutex> lk(s->mu_);

@@ -1801,6 +1801,10 @@ GenResult Context::generate(llama_sampler * smpl, const llama_token * prompt, in
     }
     check_seq(gp.seq_id);
     check_tokens(prompt, n_prompt);
+    if (gp.n_logprobs < -1 || gp.n_logprobs > n_vocab_) {
+        throw Error(ErrorKind::InvalidArgument, "logprobs must be between 0 and the vocabulary size (" +
+                                                    std::to_string(n_vocab_) + ")");
+    }
     for (const auto & s : gp.stop_sequences) {
         if (s.empty()) {
             throw Error(ErrorKind::InvalidArgument, "a stop token sequence is empty");
@@ -1902,26 +1906,34 @@ GenResult Context::generate(llama_sampler * smpl, const llama_token * prompt, in
     double t_verify = 0.0;
     int32_t n_draft = 0;   // drafts of the last verify decode ...
     int32_t row = 0;       // ... and the output row the next token is sampled from
+    float lp = 0.0f;  // the sampled token's logprob and the likeliest, when asked for
+    std::vector<std::pair<llama_token, float>> top;
+    std::vector<std::pair<float, llama_token>> lp_scratch;
     for (;;) {
+        // The row this token is sampled from: the saved prompt logits, the
+        // last decode's only row, or row `row` of a verify decode (whose
+        // logprobs are this token's own, not the verify batch's last row's).
+        const float * lg;
         if (saved) {
-            saved = false;
-            tok = sample_saved(smpl, gp.grammar, gp.plain_greedy);
-        } else if (gp.plain_greedy) {
+            lg = prompt_logits_.data();
+        } else {
+            lg = llama_get_logits_ith(ctx_, n_draft > 0 ? row : -1);
+            if (lg == nullptr) {
+                throw Error(ErrorKind::Decode, with_reason("no logits after decode"));
+            }
+        }
+        saved = false;
+        if (gp.plain_greedy) {
             // A chain that is only llama.cpp's greedy sampler picks the first
             // maximum logit; doing that directly skips building the
             // n_vocab-sized candidate array every token.
-            const float * lg = llama_get_logits_ith(ctx_, n_draft > 0 ? row : -1);
-            if (lg == nullptr) {
-                throw Error(ErrorKind::Decode, with_reason("no logits after decode"));
-            }
             tok = greedy_pick(lg, n_vocab_);
             llama_sampler_accept(smpl, tok);
         } else {
-            const float * lg = llama_get_logits_ith(ctx_, n_draft > 0 ? row : -1);
-            if (lg == nullptr) {
-                throw Error(ErrorKind::Decode, with_reason("no logits after decode"));
-            }
             tok = sample_chain(smpl, gp.grammar, lg);
+        }
+        if (gp.n_logprobs >= 0) {
+            token_logprobs(lg, n_vocab_, tok, gp.n_logprobs, lp_scratch, lp, top);
         }
         bool in_kv = false;  // tok is a kept draft: its KV is in place
         if (n_draft > 0) {
@@ -1950,7 +1962,7 @@ GenResult Context::generate(llama_sampler * smpl, const llama_token * prompt, in
                 hist.push_back(tok);
             }
             if (cb != nullptr) {
-                int r = cb(user, tok);
+                int r = cb(user, tok, lp, top.data(), gp.n_logprobs >= 0 ? (int32_t) top.size() : -1);
                 if (r != 0) {
                     res.finish = Finish::Callback;  // r < 0: the caller re-raises
                     keep_going = false;
@@ -2064,14 +2076,34 @@ llama_token greedy_pick(const float * lg, int32_t n_vocab) {
     return best;
 }
 
-llama_token Context::sample_saved(llama_sampler * smpl, llama_sampler * grammar, bool plain_greedy) {
-    const float * lg = prompt_logits_.data();
-    if (plain_greedy) {
-        const llama_token best = greedy_pick(lg, n_vocab_);
-        llama_sampler_accept(smpl, best);
-        return best;
+void token_logprobs(const float * logits, int32_t n_vocab, llama_token tok, int32_t k,
+                    std::vector<std::pair<float, llama_token>> & scratch, float & logprob,
+                    std::vector<std::pair<llama_token, float>> & top) {
+    float mx = logits[0];
+    for (int32_t i = 1; i < n_vocab; ++i) {
+        mx = std::max(mx, logits[i]);
     }
-    return sample_chain(smpl, grammar, lg);
+    double sum = 0.0;  // (a NaN logit makes it NaN, and so every logprob: the caller reports that)
+    for (int32_t i = 0; i < n_vocab; ++i) {
+        sum += std::exp((double) logits[i] - mx);
+    }
+    const float lse = mx + (float) std::log(sum);
+    logprob = logits[tok] - lse;
+    top.clear();
+    k = std::min(k, n_vocab);
+    if (k > 0) {
+        scratch.resize(n_vocab);
+        for (int32_t i = 0; i < n_vocab; ++i) {
+            scratch[i] = {logits[i], i};
+        }
+        std::partial_sort(scratch.begin(), scratch.begin() + k, scratch.end(), [](const auto & a, const auto & b) {
+            return a.first > b.first || (a.first == b.first && a.second < b.second);
+        });
+        top.reserve(k);
+        for (int32_t i = 0; i < k; ++i) {
+            top.emplace_back(scratch[i].second, scratch[i].first - lse);
+        }
+    }
 }
 
 llama_token Context::sample(llama_sampler * chain, llama_sampler * grammar, int32_t row) {

@@ -241,6 +241,9 @@ struct GenParams {
     // batch is known to cost about one token (a GPU)
     bool draft_adaptive = true;
     std::vector<llama_token> history;
+    // >= 0: each token's logprob and the n_logprobs likeliest (token_logprobs,
+    // from the row it was sampled from) go to the callback; -1: none.
+    int32_t n_logprobs = -1;
 };
 
 // Accept `token` into the chain.  With a grammar, the token is first tested
@@ -299,7 +302,21 @@ struct GenResult {
 
 // Per generated token; return 0 to go on, 1 to stop (finish = Callback),
 // -1 when the callback raised (the loop stops, the caller re-raises).
-typedef int (*token_cb_fn)(void * user, llama_token token);
+// With GenParams::n_logprobs >= 0: the token's logprob and its n_top
+// likeliest (token, logprob) pairs; otherwise n_top is -1.
+typedef int (*token_cb_fn)(void * user, llama_token token, float logprob,
+                           const std::pair<llama_token, float> * top, int32_t n_top);
+
+// One token's log-probabilities from the logits row it was sampled from: the
+// log-softmax of the row (its maximum, then the sum of exps in double),
+// `tok`'s entry, and the k likeliest tokens (most likely first; equal logits:
+// the lower id first).  Every path that reports logprobs -- the one-sequence
+// token loop, the batcher, the prompt's echo, the Python loop -- calls this
+// one function, so equal logits give equal logprobs bit for bit.  `scratch`
+// is the caller's (k > 0 sorts n_vocab pairs in it).
+void token_logprobs(const float * logits, int32_t n_vocab, llama_token tok, int32_t k,
+                    std::vector<std::pair<float, llama_token>> & scratch, float & logprob,
+                    std::vector<std::pair<llama_token, float>> & top);
 
 // Whether this build's llama.cpp has llamax's LoRA table (patch 0013).
 inline bool lora_table_supported() {
@@ -515,7 +532,6 @@ private:
     uint64_t saved_state_ = 0;
     void invalidate_saved(llama_seq_id seq, llama_pos p0);  // seq < 0: any sequence
     std::vector<llama_token_data> cand_;  // candidates for sampling from saved logits
-    llama_token sample_saved(llama_sampler * smpl, llama_sampler * grammar, bool plain_greedy);
     // Sample one token from a row of logits with the chain, then accept it.
     // Unlike llama_sampler_sample, nothing here asserts or throws past the
     // caller: a grammar that no candidate satisfies (a dead end, e.g.

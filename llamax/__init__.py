@@ -22,7 +22,7 @@ try:
             raise ImportError(_cuda.missing_message(_e), name="llamax._core") from None
         _import_module("llamax._core")
     from llamax._core import (  # noqa: F401
-        Batcher, BatchSequence, Context, ControlVector, LoraAdapter, Model, Sampler, State, set_log_level, supports_gpu_offload, lora_table_supported,
+        Batcher, BatchSequence, Context, ControlVector, LoraAdapter, Model, Sampler, State, set_log_level, supports_gpu_offload, lora_table_supported, token_logprobs,
         gpu_devices, system_info,
     )
 except ModuleNotFoundError as _e:
@@ -59,7 +59,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Model", "Context", "LoraAdapter", "ControlVector", "State", "Sampler", "Batcher", "BatchSequence",
-    "set_log_level", "system_info", "sgemm_info", "supports_gpu_offload", "lora_table_supported", "gpu_devices", "Llama", "CancelToken", "ChatTemplate", "ChatTemplateError",
+    "set_log_level", "system_info", "sgemm_info", "supports_gpu_offload", "lora_table_supported", "token_logprobs", "gpu_devices", "Llama", "CancelToken", "ChatTemplate", "ChatTemplateError",
     "Embedder", "cos_sim", "FetchError",
 ]
 __all__ += [

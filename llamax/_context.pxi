@@ -28,12 +28,17 @@ cdef struct _CbState:
     PyObject * error   # the exception the callback raised (owned), or NULL
 
 
-cdef int _token_trampoline(void * user, llama_token token) noexcept with gil:
+cdef int _token_trampoline(void * user, llama_token token, float logprob,
+                           const pair[llama_token, float] * top, int32_t n_top) noexcept with gil:
     cdef _CbState * st = <_CbState *> user
+    cdef int32_t i
     try:
         # Signals (Ctrl-C) are seen here at the latest after each token.
         PyErr_CheckSignals()
-        r = (<object> st.fn)(token)
+        if n_top < 0:
+            r = (<object> st.fn)(token)
+        else:
+            r = (<object> st.fn)(token, (logprob, [(top[i].first, top[i].second) for i in range(n_top)]))
         return 1 if r else 0
     except BaseException as e:
         # Kept and re-raised after the C++ loop returns: never swallowed.
@@ -698,11 +703,17 @@ cdef class Context:
 
     def generate(self, tokens, sampler, *, max_tokens=16, seq_id=0,
                  stop_sequences=(), ignore_eos=False, callback=None, chunk=0, draft=None, history=None,
-                 draft_adaptive=True):
+                 draft_adaptive=True, logprobs=None):
         """Decode ``tokens`` after what sequence ``seq_id`` holds, then sample up to ``max_tokens``.
 
         The whole loop runs in C++ without the GIL.  ``callback(token)``, if
         given, is called per token with the GIL; a truthy return stops.
+        With ``logprobs=k`` (0 up to the vocabulary size) it is called as
+        ``callback(token, (logprob, [(id, logprob), ...]))``: the token's
+        log-probability and the ``k`` likeliest tokens (most likely first,
+        equal logits: lower id first), from the logits row the token was
+        sampled from (with ``draft=``, its own row of the verify decode) --
+        the numbers :func:`token_logprobs` gives for that row.
         ``stop_sequences``: token sequences that end generation (included in
         the output).  Returns ``(tokens: np.ndarray[int32], finish_reason)``
         with finish_reason one of "stop" (end-of-generation token),
@@ -739,8 +750,13 @@ cdef class Context:
         _check_int(seq_id, "seq_id", 0, INT32_MAX)
         _check_int(chunk, "chunk", 0, INT32_MAX)
         cdef CContext * c = self._get()
+        if logprobs is not None:
+            _check_int(logprobs, "logprobs", 0, self.model.n_vocab)
+            if callback is None:
+                raise InvalidArgumentError("logprobs= reports through the callback: pass callback= too")
         cdef const int32_t[::1] tv = _as_tokens(tokens)
         cdef CGenParams gp
+        gp.n_logprobs = -1 if logprobs is None else logprobs
         gp.max_tokens = max_tokens
         gp.seq_id = seq_id
         gp.ignore_eos = bool(ignore_eos)

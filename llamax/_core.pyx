@@ -253,6 +253,28 @@ def system_info():
     return llama_print_system_info().decode("utf-8", "replace")
 
 
+def token_logprobs(row, int token, int k=0):
+    """``(logprob of token, [(id, logprob), ...] of the k likeliest)`` from
+    one row of logits (a float32 vector of the vocabulary's size): the
+    log-softmax every llamax path reports logprobs with (Context.generate's
+    callback, the batcher, the prompt's echo), so equal logits give equal
+    numbers bit for bit.  Most likely first; equal logits: the lower id first."""
+    cdef const float[::1] r = np.ascontiguousarray(row, dtype=np.float32)
+    cdef int32_t n = <int32_t> r.shape[0]
+    if n == 0:
+        raise InvalidArgumentError("token_logprobs needs a non-empty row of logits")
+    if token < 0 or token >= n:
+        raise InvalidArgumentError(f"token {token} is outside the row (0..{n - 1})")
+    if k < 0 or k > n:
+        raise InvalidArgumentError(f"k must be between 0 and the row's length {n}, got {k}")
+    cdef vector[pair[float, llama_token]] scratch
+    cdef vector[pair[llama_token, float]] top
+    cdef float lp = 0.0
+    with nogil:
+        c_token_logprobs(&r[0], n, token, k, scratch, lp, top)
+    return float(lp), [(top[i].first, float(top[i].second)) for i in range(<Py_ssize_t> top.size())]
+
+
 def lora_table_supported():
     """Whether this build's llama.cpp has llamax's LoRA table (patch 0013;
     see ``Context(max_lora_slots=)``): False for a tree given unpatched

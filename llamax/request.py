@@ -13,7 +13,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from llamax._core import Context, Model
+from llamax._core import Context, Model, token_logprobs
 from llamax._errors import ArgumentTypeError, CancelledError, InvalidArgumentError, LlamaxError
 from llamax.cancel import CancelToken
 from llamax.pool import _BatchPool, _lcp
@@ -814,11 +814,13 @@ class _Request:
             want_cb = emit is not None or self.stops or self.logprobs is not None
             lps = res.logprobs
 
-            def on_token(tok):
+            def on_token(tok, lp=None):
+                # lp: (logprob, top) from the row tok was sampled from, given
+                # by Context.generate (and the Python loop) when logprobs are on
                 if self.cancel.is_set():
                     return True
-                if self.logprobs is not None:
-                    lps.append(_logprobs(ctx, tok, self.logprobs))
+                if lp is not None:
+                    lps.append(lp)
                     if maker is not None:
                         maker.tokens.append(tok)
                         maker.logprobs = lps
@@ -834,7 +836,8 @@ class _Request:
                                                chunk=chunk if rt.prefix_exact else 0,
                                                draft=draft[0] if draft else None,
                                                history=self.tokens[:n_keep] if draft else None,
-                                               draft_adaptive=draft[1] if draft else True)
+                                               draft_adaptive=draft[1] if draft else True,
+                                               logprobs=self.logprobs)
             except BaseException:
                 slot.key = None
                 slot.tokens = np.empty(0, np.int32)
@@ -883,10 +886,11 @@ class _Request:
         finish = "length"
         while True:
             rows = ctx.get_logits()
-            row = rows[-1].copy()
+            raw = rows[-1].copy()
             del rows
+            row = raw
             if self.logits_processor is not None:
-                row = apply_processors(self.logits_processor, ids, row, n_vocab)
+                row = apply_processors(self.logits_processor, ids, raw.copy(), n_vocab)
             tok = self.sampler.sample_logits(ctx, row)
             if self.stopping_criteria is not None and self.stopping_criteria(ids, row):
                 finish = "stop"
@@ -896,7 +900,8 @@ class _Request:
                 break
             out.append(tok)
             ids = np.append(ids, np.intc(tok))
-            if on_token(tok):
+            # logprobs are the model's (as in the native loop), not the processed row's
+            if on_token(tok, None if self.logprobs is None else row_logprobs(raw, tok, self.logprobs)):
                 finish = "callback"
                 break
             if len(out) >= max_tokens or len(ids) >= ctx.n_ctx_seq:
@@ -905,24 +910,11 @@ class _Request:
         return np.asarray(out, np.int32), finish
 
 
-def _logprobs(ctx: Context, tok: int, n_top: int):
-    row = ctx.get_logits()[-1]
-    try:
-        return row_logprobs(row, tok, n_top)
-    finally:
-        del row
-
-
 def row_logprobs(row: np.ndarray, tok: int, n_top: int):
-    """``(logprob of tok, [(token, logprob), ...] of the n_top likeliest)`` from one logits row."""
-    m = float(row.max())
-    lse = m + float(np.log(np.exp(row - m).sum()))
-    top = []
-    if n_top:
-        idx = np.argpartition(row, -n_top)[-n_top:]
-        idx = idx[np.argsort(row[idx])[::-1]]
-        top = [(int(i), float(row[i]) - lse) for i in idx]
-    return float(row[tok]) - lse, top
+    """``(logprob of tok, [(token, logprob), ...] of the n_top likeliest)``
+    from one logits row: the core's one log-softmax, the same numbers the
+    token loop and the batcher report."""
+    return token_logprobs(row, tok, n_top)
 
 
 class _StopMatcher:

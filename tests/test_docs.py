@@ -1,9 +1,13 @@
 """The docs stay true to the repository: the performance tables are the
-benchmark summaries as the last runs wrote them (tools/perf_tables.py), and
-every relative link in the README and docs/ leads somewhere that exists."""
+benchmark summaries as the last runs wrote them (tools/perf_tables.py),
+every relative link in the README and docs/ leads somewhere that exists,
+and docs/server.md's route table names the server's routes and their
+fields, no more and no fewer."""
 import re
 import subprocess
 import sys
+
+import pytest
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -63,3 +67,120 @@ def test_readme_stays_a_front_door():
     """The README is short and sends the details to docs/."""
     lines = (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
     assert len(lines) <= 250, f"README.md has {len(lines)} lines; move details to docs/"
+
+
+def _route_table() -> list[tuple[list[tuple[str, str]], str]]:
+    """docs/server.md's Routes table: per row, its (method, path) pairs and
+    the text of its second cell.  ``POST /a``, ``/b`` is POST for both;
+    "(also without `/v1`)" adds each of the row's paths without its /v1."""
+    text = (ROOT / "docs" / "server.md").read_text(encoding="utf-8")
+    table = text.split("## Routes", 1)[1].split("\n\n", 2)[1]
+    rows = []
+    for line in table.splitlines()[2:]:
+        first, what = [c.strip() for c in line.strip("|").split("|", 1)]
+        pairs, method = [], None
+        bare = "(also without `/v1`)" in first
+        for code in re.findall(r"`([^`]+)`", first.replace("(also without `/v1`)", "")):
+            m = re.fullmatch(r"(?:(GET|POST|PUT|DELETE) )?(/\S*)", code)
+            if not m:
+                continue
+            method = m.group(1) or method
+            path = m.group(2).replace("{id}", "{model_id:path}")
+            pairs.append((method, path))
+            if bare and path.startswith("/v1/"):
+                pairs.append((method, path[3:]))
+        rows.append((pairs, what.strip("| ")))
+    return rows
+
+
+def _bodies():
+    """Each route's request body model (None: no body)."""
+    from llamax.server.routes import router
+    out = {}
+    for r in router.routes:
+        body = getattr(r, "body_field", None)
+        model = body.field_info.annotation if body is not None else None
+        for m in r.methods:
+            out[(m, r.path)] = model
+    return out
+
+
+def test_route_table_names_every_route_and_only_routes():
+    bodies = _bodies()
+    documented = {p for pairs, _ in _route_table() for p in pairs}
+    assert documented - set(bodies) == set(), "docs/server.md names routes the server does not have"
+    assert set(bodies) - documented == set(), "routes docs/server.md's table does not name"
+
+
+def test_route_table_fields_are_the_bodies_fields():
+    """Every field a row names in backticks is a field of its routes'
+    bodies, and every field of those bodies is named in the row (the
+    values a field takes, such as `json_object`, are written after it in
+    parentheses or as `field` (..., `value`) and are not fields)."""
+    bodies = _bodies()
+    wrong = []
+    for pairs, what in _route_table():
+        models = {bodies[p] for p in pairs if bodies.get(p) is not None}
+        if not models:
+            continue
+        fields = set().union(*(m.model_fields for m in models))
+        nested = {f"{f}.{g}" for m in models for f, info in m.model_fields.items()
+                  for g in getattr(_model_of(info.annotation), "model_fields", {})}
+        named = set()
+        for code in re.findall(r"`([^`]+)`", re.sub(r"\([^()]*\)", "", what)):
+            if re.fullmatch(r"[a-z_]+(\.[a-z_]+)?", code):
+                named.add(code)
+        wrong += [f"{pairs[0]}: `{c}` is no field of its body" for c in named - fields - nested]
+        inside = set(re.findall(r"`([a-z_]+)`", what))
+        wrong += [f"{pairs[0]}: field `{f}` is not in its row" for f in sorted(fields - inside)
+                  if f not in _NO_EFFECT]
+    assert not wrong, "\n".join(wrong)
+
+
+# documented once, in the Fields paragraph: accepted, no effect
+_NO_EFFECT = {"user", "metadata", "store", "service_tier", "model", "tools", "tool_choice",
+              "parallel_tool_calls", "functions", "function_call", "reasoning_effort", "chat_template_kwargs"}
+
+
+def _model_of(annotation):
+    import typing
+    for a in (annotation, *typing.get_args(annotation)):
+        if hasattr(a, "model_fields"):
+            return a
+    return None
+
+
+def test_fields_paragraph_names_fields():
+    """The fields docs/server.md's Fields paragraph says are accepted exist,
+    and the misspelling it gives as refused does not."""
+    from llamax.server import protocol
+    text = (ROOT / "docs" / "server.md").read_text(encoding="utf-8")
+    para = text.split("**Fields.**", 1)[1].split("\n\n", 1)[0]
+    fields = set(protocol.ChatCompletionRequest.model_fields)
+    assert "misspelt `active_lora`" in para and "active_lora" not in fields
+    for name in set(re.findall(r"`([a-z_]+)`", para)) - {"active_lora"}:
+        assert name in fields, name
+    assert _NO_EFFECT - {"model"} <= set(re.findall(r"`([a-z_]+)`", para))
+
+
+def test_route_table_values_are_what_the_fields_take():
+    """The values the table gives a field are those it takes: each
+    `response_format` type listed works and one not listed is refused;
+    `encoding_format`'s are its Literal's."""
+    import typing
+
+    import llamax
+    from llamax.llama import _response_format_grammar
+    from llamax.server import protocol
+    what = " ".join(w for _, w in _route_table())
+    listed = re.search(r"`response_format` \(chat: ([^)]*)\)", what).group(1)
+    types = re.findall(r"`([a-z_]+)`", listed)
+    assert types, listed
+    specs = {"text": {}, "json_object": {}, "json_schema": {"json_schema": {"name": "x", "schema": {"type": "object"}}}}
+    for t in types:
+        _response_format_grammar(dict(specs[t], type=t))  # raises if refused
+    assert set(types) == set(specs)
+    with pytest.raises(llamax.InvalidArgumentError):
+        _response_format_grammar({"type": "yaml"})
+    enc = re.search(r"`encoding_format` ([a-z0-9]+) or ([a-z0-9]+)", what).groups()
+    assert set(enc) == set(typing.get_args(protocol.EmbeddingRequest.model_fields["encoding_format"].annotation))

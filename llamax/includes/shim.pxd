@@ -43,7 +43,11 @@ cdef extern from "packed_gemm.h" namespace "llamax::packed" nogil:
 
 cdef extern from "llamax.h" namespace "llamax" nogil:
     ctypedef void (*log_sink_fn)(int level, const char * text) noexcept
-    ctypedef int (*token_cb_fn)(void * user, llama_token token) noexcept
+    ctypedef int (*token_cb_fn)(void * user, llama_token token, float logprob,
+                                const pair[llama_token, float] * top, int32_t n_top) noexcept
+    void c_token_logprobs "llamax::token_logprobs"(const float * logits, int32_t n_vocab, llama_token tok, int32_t k,
+                        vector[pair[float, llama_token]] & scratch, float & logprob,
+                        vector[pair[llama_token, float]] & top)
 
     cdef cppclass CMutex "std::mutex":
         void lock()
@@ -109,6 +113,7 @@ cdef extern from "llamax.h" namespace "llamax" nogil:
         int32_t draft_n
         cbool draft_adaptive
         vector[llama_token] history
+        int32_t n_logprobs
 
     cdef enum class CFinish "llamax::Finish":
         Eog

@@ -68,15 +68,21 @@ async def model_card(model_id: str, request: Request, backend=Depends(ready)):
 
 # -- generation and embeddings ------------------------------------------------------------
 
+def _tenant_max_tokens(request: Request) -> int | None:
+    """A request's max_tokens when it sends none: its tenant's cap (before
+    the route's own default, which a capped tenant never gets: a number the
+    client did not send is never refused as over the cap)."""
+    return request.state.tenant.tenant.limits.max_tokens
+
+
 @router.post("/v1/chat/completions", dependencies=user)
 @router.post("/chat/completions", dependencies=user, include_in_schema=False)
 async def chat(body: protocol.ChatCompletionRequest, request: Request, backend=Depends(ready)):
     request.state.model_route = True   # (counted per tenant, and logged, however it ends)
     request.state.model_name = body.model
-    limit = request.state.tenant.tenant.limits.max_tokens
     asked = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    if asked is None and limit is not None:
-        body.max_tokens = asked = limit
+    if asked is None:
+        body.max_tokens = asked = _tenant_max_tokens(request)
     request.app.state.tenancy.admit(request, body.n, asked)
     return await backend.chat(body, request)
 
@@ -86,8 +92,11 @@ async def chat(body: protocol.ChatCompletionRequest, request: Request, backend=D
 async def completions(body: protocol.CompletionRequest, request: Request, backend=Depends(ready)):
     request.state.model_route = True
     request.state.model_name = body.model
-    request.app.state.tenancy.admit(request, body.n * len(translate.split_prompts(body)),
-                                    body.max_tokens if body.max_tokens is not None else 16)
+    if body.max_tokens is None:
+        # the tenant's cap, then OpenAI's legacy default of 16
+        limit = _tenant_max_tokens(request)
+        body.max_tokens = 16 if limit is None else limit
+    request.app.state.tenancy.admit(request, body.n * len(translate.split_prompts(body)), body.max_tokens)
     return await backend.completions(body, request)
 
 

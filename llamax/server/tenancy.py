@@ -147,6 +147,8 @@ class Tenancy:
         now = time.monotonic()
         u.prune(now)
         headers: dict[str, str] = {}
+        refusal = None
+        # every header first (a 429 for one limit carries the other's too)
         if lim.requests_per_minute is not None:
             left = lim.requests_per_minute - len(u.requests)
             reset = (u.requests[0] + WINDOW - now) if u.requests else WINDOW
@@ -154,15 +156,13 @@ class Tenancy:
                             "x-ratelimit-remaining-requests": str(max(0, left - 1)),
                             "x-ratelimit-reset-requests": _reset(reset)})
             if left <= 0:
-                self._refuse(request, headers, reset, f"{lim.requests_per_minute} requests per minute")
+                refusal = (reset, f"{lim.requests_per_minute} requests per minute")
         if lim.tokens_per_minute is not None:
-            left = lim.tokens_per_minute - u.tokens_sum
-            reset = (u.tokens[0][0] + WINDOW - now) if u.tokens else WINDOW
-            headers.update({"x-ratelimit-limit-tokens": str(lim.tokens_per_minute),
-                            "x-ratelimit-remaining-tokens": str(max(0, left)),
-                            "x-ratelimit-reset-tokens": _reset(reset)})
-            if left <= 0:
-                self._refuse(request, headers, reset, f"{lim.tokens_per_minute} tokens per minute")
+            headers.update(self.token_headers(t, u, now))
+            if lim.tokens_per_minute - u.tokens_sum <= 0 and refusal is None:
+                refusal = (self._tokens_reset(u, now), f"{lim.tokens_per_minute} tokens per minute")
+        if refusal is not None:
+            self._refuse(request, headers, *refusal)
         if lim.concurrent is not None and lim.queued is not None:
             cap = lim.concurrent + lim.queued
             if n > cap:
@@ -179,6 +179,34 @@ class Tenancy:
             u.requests.append(now)
         request.state.tenant_sequences = n
         request.state.ratelimit_headers = headers
+
+    @staticmethod
+    def _tokens_reset(u: _Use, now: float) -> float:
+        return (u.tokens[0][0] + WINDOW - now) if u.tokens else WINDOW
+
+    def token_headers(self, t: Tenant, u: _Use, now: float, own: int = 0) -> dict[str, str]:
+        """The -tokens three for tenant ``t``: what the window holds now,
+        less ``own`` (the answer's own usage, when it is known as the
+        answer goes out)."""
+        u.prune(now)
+        lim = t.limits.tokens_per_minute
+        return {"x-ratelimit-limit-tokens": str(lim),
+                "x-ratelimit-remaining-tokens": str(max(0, lim - u.tokens_sum - own)),
+                "x-ratelimit-reset-tokens": _reset(self._tokens_reset(u, now))}
+
+    def fresh_headers(self, state: dict) -> dict[str, str] | None:
+        """An answer's x-ratelimit headers as it goes out: those of its
+        admission, the tokens left brought up to date -- the requests that
+        ended meanwhile, and this answer's own usage when it is already
+        known (a whole answer; a stream's headers go out before its tokens
+        are counted)."""
+        extra = state.get("ratelimit_headers")
+        caller = state.get("tenant")
+        if not extra or caller is None or caller.tenant.limits.tokens_per_minute is None:
+            return extra
+        usage = state.get("usage") or {}
+        own = int(usage.get("prompt_tokens", 0)) + int(usage.get("completion_tokens", 0))
+        return dict(extra, **self.token_headers(caller.tenant, self._use(caller.tenant.name), time.monotonic(), own))
 
     def _refuse(self, request: Request, headers: dict, reset: float, what: str, concurrency: bool = False):
         hint = "wait for one of its requests to finish" if concurrency else f"retry in {_reset(reset)}"
@@ -284,7 +312,7 @@ class TenantGate:
                 finish()
             elif msg["type"] == "http.response.start":
                 status = msg["status"]
-                extra = state.get("ratelimit_headers")
+                extra = self.tenancy.fresh_headers(state)
                 if extra:
                     have = {k.lower() for k, _ in msg.get("headers", ())}
                     msg = dict(msg, headers=list(msg.get("headers", [])) + [

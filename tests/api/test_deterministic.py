@@ -79,6 +79,70 @@ def test_greedy_speculative_decoding_is_plain_greedy(smollm2_path, det):
         spec.close()
 
 
+REPEATS = ["Repeat after me: the red cup is on the table. The red cup is on the table. The red cup",
+           "Copy this list exactly: 3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5. Again: 3, 1, 4, 1, 5, 9,"]
+
+
+def _answers(m, prompts, **samp):
+    out = []
+    for p in prompts:
+        c = m.create_completion(p, max_tokens=24, logprobs=5, cache_prompt=False, **samp)["choices"][0]
+        lp = c["logprobs"]
+        out.append((c["text"], lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]))
+    return out
+
+
+@pytest.mark.parametrize("deterministic", [True, False], ids=["deterministic", "fast"])
+def test_speculative_decoding_reports_each_tokens_own_logprobs(smollm2_path, deterministic):
+    """Issue #48: a token kept from a draft reports the logprobs of its own
+    row of the verify decode -- the numbers plain decoding reports, bit for
+    bit (every verified row is the plain decode's row: patches 0015/0016)
+    -- not the verify batch's last row's.  Greedy and seeded sampling,
+    drafts verified always and adaptively."""
+    plain = make_llama(smollm2_path, n_threads=2, deterministic=deterministic)
+    try:
+        for adaptive in (False, True):
+            spec = make_llama(smollm2_path, n_threads=2, deterministic=deterministic,
+                              draft_model=LlamaPromptLookupDecoding(num_pred_tokens=8, adaptive=adaptive))
+            try:
+                for samp in (dict(temperature=0), dict(temperature=0.8, seed=7)):
+                    want = _answers(plain, REPEATS, **samp)
+                    accepted = 0
+                    got = []
+                    for p in REPEATS:
+                        got += _answers(spec, [p], **samp)
+                        accepted += spec._pool.slots[0].ctx.draft_stats["accepted"]
+                    assert got == want, (adaptive, samp)
+                    if not adaptive:
+                        assert accepted >= 8  # drafts were kept: their logprobs were compared
+            finally:
+                spec.close()
+    finally:
+        plain.close()
+
+
+def test_one_sequence_and_the_batcher_report_the_same_logprobs(smollm2_path):
+    """Issue #48: Llama(n_parallel=1) (one context's token loop) and
+    n_parallel=16 (the batcher) share one log-softmax: equal logits, equal
+    logprobs, bit for bit (they differed by up to 1.05e-6)."""
+    prompts = [BASE + q for q in QUESTIONS[:3]] + REPEATS
+    one = make_llama(smollm2_path, n_threads=2, n_parallel=1, deterministic=True)
+    try:
+        alone = _answers(one, prompts, temperature=0)
+        chat_one = one.create_chat_completion([{"role": "user", "content": QUESTIONS[0]}], max_tokens=16,
+                                              temperature=0, logprobs=True, top_logprobs=5)
+    finally:
+        one.close()
+    many = make_llama(smollm2_path, n_threads=2, n_parallel=16, deterministic=True)
+    try:
+        assert _answers(many, prompts, temperature=0) == alone
+        chat_many = many.create_chat_completion([{"role": "user", "content": QUESTIONS[0]}], max_tokens=16,
+                                                temperature=0, logprobs=True, top_logprobs=5)
+        assert chat_many["choices"][0]["logprobs"] == chat_one["choices"][0]["logprobs"]
+    finally:
+        many.close()
+
+
 def test_per_request_keyword(det, smollm2_path):
     assert det.create_completion("Hi", max_tokens=2, deterministic=True)["choices"][0]["text"] is not None
     fast = make_llama(smollm2_path)

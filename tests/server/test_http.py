@@ -97,6 +97,8 @@ def test_semantic_errors(http):
     err(http.post("/v1/chat/completions", json=dict(CHAT, response_format={"type": "yaml"})), 400)
     err(http.post("/v1/chat/completions", json=dict(CHAT, response_format={
         "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "not": {}}}})), 400)
+    err(http.post("/v1/chat/completions", json=dict(CHAT, response_format={"type": "json_object"},
+                                                    grammar='root ::= "a"')), 400)
     err(http.post("/v1/chat/completions", json=dict(CHAT, active_loras=[{"name": "coder", "scale": 1.0}],
                                                     lora=[{"id": 0, "scale": 1.0}])), 400)
     err(http.post("/v1/completions", json={"prompt": [1, 2, 10 ** 7]}), 400, "invalid_token")

@@ -24,7 +24,7 @@ from .conftest import Server
 ADMIN = "tenants-admin"
 KEYS = {"acme": "acme-key-1", "acme2": "acme-key-2", "globex": "globex-key", "limited": "limited-key",
         "tiny": "tiny-key", "shared1": "shared-key-1", "shared2": "shared-key-2", "flood": "flood-key",
-        "calm": "calm-key"}
+        "calm": "calm-key", "capped": "capped-key"}
 
 
 def toml(tenants: list[dict]) -> str:
@@ -61,6 +61,8 @@ def base_tenants() -> list[dict]:
         {"name": "shared2", "keys": [h("shared2")], "adapters": [], "cache_scope": "shared"},
         {"name": "flood", "keys": [h("flood")], "adapters": []},
         {"name": "calm", "keys": [h("calm")], "adapters": [], "control_vectors": ["calm"]},
+        {"name": "capped", "keys": [h("capped")], "adapters": [],
+         "limits": {"requests_per_minute": 3, "tokens_per_minute": 1000, "max_tokens": 6}},
     ]
 
 
@@ -221,6 +223,46 @@ def test_tokens_per_minute_and_concurrency(srv):
         assert r.status_code == 429 and r.json()["error"]["code"] == "rate_limit_exceeded"
         assert r.headers["x-ratelimit-remaining-tokens"] == "0"
         assert "tokens per minute" in r.json()["error"]["message"]
+
+
+SIX = ("x-ratelimit-limit-requests", "x-ratelimit-remaining-requests", "x-ratelimit-reset-requests",
+       "x-ratelimit-limit-tokens", "x-ratelimit-remaining-tokens", "x-ratelimit-reset-tokens")
+
+
+def test_defaults_limits_and_headers_on_every_route(srv):
+    """Issue #48, capped: 3 requests and 1000 tokens a minute, max_tokens 6.
+    A request with no max_tokens gets the cap on every route (never a
+    route's default refused as over it); a whole answer's remaining tokens
+    count its own usage; the requests-per-minute 429 carries all six
+    headers."""
+    with client(srv, "capped") as c:
+        r1 = c.post("/v1/completions", json={"prompt": "Count: 1, 2, 3,", "temperature": 0,
+                                             "logit_bias": {"2": -100}})
+        assert r1.status_code == 200, r1.text
+        assert r1.json()["usage"]["completion_tokens"] == 6   # the cap, not OpenAI's 16 refused
+        used = r1.json()["usage"]["total_tokens"]
+        assert all(k in r1.headers for k in SIX)
+        assert int(r1.headers["x-ratelimit-remaining-tokens"]) == 1000 - used   # its own tokens counted
+        r2 = chat(c, content="Count to twenty.", max_tokens=None, logit_bias={"2": -100})
+        assert r2.status_code == 200, r2.text
+        assert r2.json()["usage"]["completion_tokens"] == 6
+        used += r2.json()["usage"]["total_tokens"]
+        assert int(r2.headers["x-ratelimit-remaining-tokens"]) == 1000 - used
+        assert c.post("/v1/completions", json={"prompt": "x", "max_tokens": 7}).json()["error"]["code"] \
+            == "max_tokens_exceeded"   # (a 400: not counted against requests per minute)
+        with c.stream("POST", "/v1/completions", json={"prompt": "Count: 1, 2, 3,", "stream": True,
+                                                       "stream_options": {"include_usage": True}}) as r3:
+            assert r3.status_code == 200
+            # a stream's headers go out before its tokens are counted
+            assert int(r3.headers["x-ratelimit-remaining-tokens"]) == 1000 - used
+            last = [json.loads(x[6:]) for x in r3.iter_lines() if x.startswith("data: {")][-1]
+        assert last["usage"]["completion_tokens"] <= 6
+        used += last["usage"]["total_tokens"]
+        r4 = chat(c, max_tokens=None)
+        assert r4.status_code == 429 and "requests per minute" in r4.json()["error"]["message"]
+        assert all(k in r4.headers for k in SIX), dict(r4.headers)
+        assert r4.headers["x-ratelimit-remaining-requests"] == "0"
+        assert int(r4.headers["x-ratelimit-remaining-tokens"]) == 1000 - used
 
 
 def test_concurrent_and_queued(smollm2_path, tmp_path):
