@@ -54,13 +54,14 @@ from llamax.templates import ChatTemplate, ChatTemplateError  # noqa: E402,F401
 from llamax.embedder import Embedder, cos_sim  # noqa: E402,F401
 from llamax._fetch import FetchError  # noqa: E402,F401
 from llamax._sgemm import ensure as sgemm_info  # noqa: E402,F401
+from llamax._cpus import usable_cores  # noqa: E402,F401
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Model", "Context", "LoraAdapter", "ControlVector", "State", "Sampler", "Batcher", "BatchSequence",
     "set_log_level", "system_info", "sgemm_info", "supports_gpu_offload", "lora_table_supported", "token_logprobs", "gpu_devices", "Llama", "CancelToken", "ChatTemplate", "ChatTemplateError",
-    "Embedder", "cos_sim", "FetchError",
+    "Embedder", "cos_sim", "FetchError", "usable_cores",
 ]
 __all__ += [
     "LlamaGrammar", "BaseLlamaCache", "LlamaCache", "LlamaDiskCache", "LlamaRAMCache", "LlamaState",

@@ -163,7 +163,7 @@ cdef class Context:
         if model.vocab_only:
             raise InvalidArgumentError("the model was loaded with vocab_only=True: it has no weights to run")
         if n_threads is None:
-            n_threads = _usable_cores()
+            n_threads = usable_cores()
         if n_threads_batch is None:
             n_threads_batch = n_threads
         _check_int(n_ctx, "n_ctx", 0, 1 << 24)
@@ -172,9 +172,7 @@ cdef class Context:
         _check_int(n_seq_max, "n_seq_max", 1, 256)
         _check_int(n_threads, "n_threads", 1, MAX_THREADS)
         _check_int(n_threads_batch, "n_threads_batch", 1, MAX_THREADS)
-        _warn_threads(n_threads, "n_threads")
-        if n_threads_batch != n_threads:
-            _warn_threads(n_threads_batch, "n_threads_batch")
+        n_threads, n_threads_batch = _fit_threads(n_threads, n_threads_batch)
         if pooling is not None and not isinstance(pooling, str):
             raise ArgumentTypeError(f"pooling must be a str or None, not {type(pooling).__name__}")
         if pooling not in _POOLING:
@@ -404,7 +402,13 @@ cdef class Context:
 
     @property
     def n_threads(self):
+        """Threads of a decode of one token per sequence."""
         return llama_n_threads(self._get().raw())
+
+    @property
+    def n_threads_batch(self):
+        """Threads of a decode of several tokens per sequence (prompts)."""
+        return llama_n_threads_batch(self._get().raw())
 
     @property
     def deterministic(self):
@@ -448,9 +452,7 @@ cdef class Context:
             n_threads_batch = n_threads
         _check_int(n_threads, "n_threads", 1, MAX_THREADS)
         _check_int(n_threads_batch, "n_threads_batch", 1, MAX_THREADS)
-        _warn_threads(n_threads, "n_threads")
-        if n_threads_batch != n_threads:
-            _warn_threads(n_threads_batch, "n_threads_batch")
+        n_threads, n_threads_batch = _fit_threads(n_threads, n_threads_batch)
         cdef CContext * c = self._enter()
         try:
             c.set_threads(n_threads, n_threads_batch)

@@ -149,6 +149,7 @@ def _layer_outputs(model, tokens, offsets, n_threads):
     if _mo_t.vocab_only:
         raise InvalidArgumentError("the model was loaded with vocab_only=True: it has no weights to run")
     _check_int(n_threads, "n_threads", 1, MAX_THREADS)
+    n_threads, _ = _fit_threads(n_threads, n_threads)
     cdef const int32_t[::1] tv = _as_tokens(tokens)
     offs = np.ascontiguousarray(offsets, dtype=np.int64)
     if offs.ndim != 1 or offs.shape[0] < 2 or offs[0] != 0 or offs[-1] != tv.shape[0]:

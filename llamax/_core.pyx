@@ -19,6 +19,8 @@ import weakref
 
 import numpy as np
 
+from llamax._cpus import usable_cores
+
 cimport cython
 from cpython.buffer cimport PyBUF_FORMAT, PyBUF_ND, PyBUF_STRIDES, PyBUF_WRITABLE
 from cpython.exc cimport PyErr_CheckSignals, PyErr_SetInterrupt
@@ -400,22 +402,32 @@ cdef object _as_floats(object data, str what):
     return view
 
 
-def _usable_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))  # what a container or taskset leaves us
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
-
-
-cdef _warn_threads(object n, str name):
-    """Say so when ``n`` threads are more than the cores we may run on
-    (the answers stay right; each step gets slower, by a lot: 64 threads on
-    2 cores made a short generate take over a minute)."""
-    cdef int cores = _usable_cores()
-    if n > cores:
-        warnings.warn(f"{name}={n} is more than the {cores} cores this process may run on: ggml's threads "
-                      f"wait for each other at spinning barriers, so each thread past {cores} slows every "
-                      f"step; use at most {cores}", OversubscriptionWarning, stacklevel=3)
+def _fit_threads(n_threads, n_threads_batch):
+    """The thread counts to run: each one that is more than the cores this
+    process may run on (llamax.usable_cores: the affinity mask cut to the
+    cgroup CPU quota) is cut to them, with one OversubscriptionWarning that
+    names the numbers.  ggml's threads wait for each other at spinning
+    barriers, so a thread with no core of its own stalls every step: 64
+    threads on 2 cores made a 3-token completion take over a minute.
+    LLAMAX_OVERSUBSCRIBE=1 keeps the counts asked for (still warned), for
+    measuring.  Both are checked ints already."""
+    cdef int cores = usable_cores()
+    over = [f"{name}={n}" for name, n in (("n_threads", n_threads), ("n_threads_batch", n_threads_batch))
+            if n > cores and (name == "n_threads" or n_threads_batch != n_threads)]
+    if not over:
+        return n_threads, n_threads_batch
+    asked = " and ".join(over)
+    plural = "s" if cores > 1 else ""
+    if os.environ.get("LLAMAX_OVERSUBSCRIBE") == "1":
+        warnings.warn(f"{asked}: more than the {cores} core{plural} this process may run on, kept as asked "
+                      f"(LLAMAX_OVERSUBSCRIBE=1): each step will be far slower", OversubscriptionWarning,
+                      stacklevel=3)
+        return n_threads, n_threads_batch
+    warnings.warn(f"{asked}: more than the {cores} core{plural} this process may run on (affinity and cgroup "
+                  f"CPU quota), so {cores} thread{plural} will run: ggml's threads spin at barriers and a thread "
+                  f"without a core stalls every step (LLAMAX_OVERSUBSCRIBE=1 keeps the count)",
+                  OversubscriptionWarning, stacklevel=3)
+    return min(n_threads, cores), min(n_threads_batch, cores)
 
 
 cdef inline int _check_int(object v, str name, long lo, long hi) except -1:

@@ -102,6 +102,8 @@ class PeftError(LlamaxError, ValueError):
 
 
 class OversubscriptionWarning(RuntimeWarning):
-    """More compute threads than cores this process may run on: ggml's
-    threads wait for each other at spinning barriers, so each thread past
-    the core count slows every step (not an error: the answers are right)."""
+    """More compute threads asked for than cores this process may run on
+    (:func:`llamax.usable_cores`): ggml's threads wait for each other at
+    spinning barriers, so each thread past the core count slows every step,
+    by orders of magnitude.  The count is cut to the cores (set
+    ``LLAMAX_OVERSUBSCRIBE=1`` to keep it, for measuring)."""

@@ -25,7 +25,6 @@ layer 0).
 """
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import numpy as np
@@ -72,7 +71,8 @@ def layer_outputs(model, prompts, *, n_threads: int | None = None) -> np.ndarray
 
 
 def _threads(n_threads: int | None) -> int:
-    return n_threads or min(os.cpu_count() or 1, 8)
+    from llamax._cpus import usable_cores
+    return min(usable_cores(), 8) if n_threads is None else n_threads
 
 
 def train(model, positive, negative, *, method: str = "pca", layer_start: int = 1, layer_end: int | None = None,

@@ -36,7 +36,7 @@ PKG = "llamax"
 # yet is fine (only modules that exist are checked).
 LAYERS = [
     # the native core and what it raises (_core is a leaf here: it is compiled)
-    ["llamax._core", "llamax._errors", "llamax._validate", "llamax._cuda"],
+    ["llamax._core", "llamax._errors", "llamax._validate", "llamax._cuda", "llamax._cpus"],
     # leaf helpers
     ["llamax.cancel", "llamax._fetch", "llamax.models", "llamax.llama_types", "llamax.gguf_tools",
      "llamax._sgemm"],

@@ -41,6 +41,7 @@ import os
 
 from ray import serve
 
+from llamax import usable_cores
 from llamax.server.backends.ray.ingress import REPLICA_HEADER, Ingress
 from llamax.server.backends.ray.registry import AdapterDirectory
 from llamax.server.backends.ray.replica import LlamaReplica
@@ -64,7 +65,7 @@ def build(cfg: ServerConfig, opts: RayOptions):
     public = dataclasses.asdict(cfg)
     # a replica serves what the ingress has checked: no keys, no body limit
     # of its own, its adapters from the registry, loaded by Ray's multiplexing
-    threads = cfg.threads or max(1, (os.cpu_count() or 1) // opts.replicas)
+    threads = cfg.threads or max(1, usable_cores() // opts.replicas)
     if sum(1 for v in cfg.lora_scales.values() if v != 0.0) > opts.max_adapters:
         raise ValueError(f"--lora-scaled puts {len(cfg.lora_scales)} adapters in the default set but "
                          f"--max-loaded-adapters is {opts.max_adapters}")

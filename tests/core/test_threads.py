@@ -1,7 +1,9 @@
 """The GIL is released while the model computes; contexts are safe across threads."""
 import threading
 import time
+import warnings
 
+import numpy as np
 import pytest
 
 import llamax
@@ -203,21 +205,80 @@ def test_adapters_loaded_and_freed_while_other_contexts_size_graphs(model, lora_
     b.close()
 
 
-def test_more_threads_than_cores_warns(model):
-    """Past the cores this process may use, ggml's spinning barriers make
-    every step slower (64 threads on 2 cores: a short generate took over a
-    minute): a warning says so, naming the count (the answers stay right)."""
-    import os
-    import warnings
-    cores = len(os.sched_getaffinity(0))
-    with pytest.warns(llamax.OversubscriptionWarning, match=f"n_threads={cores + 1} is more than the {cores} cores"):
-        c = llamax.Context(model, n_ctx=64, n_threads=cores + 1)
+def _oversubscription(record):
+    return [str(w.message) for w in record if issubclass(w.category, llamax.OversubscriptionWarning)]
+
+
+def test_threads_past_the_cores_are_cut(model, monkeypatch):
+    """Past the cores this process may run on (affinity and cgroup quota),
+    ggml's spinning barriers stall every step (64 threads on 2 cores: a
+    3-token generate took over a minute): the count is cut to the cores,
+    with one warning naming both numbers, and the tokens are the same."""
+    monkeypatch.delenv("LLAMAX_OVERSUBSCRIBE", raising=False)
+    cores = llamax.usable_cores()
+    toks = model.tokenize(PROMPT)
+    with llamax.Context(model, n_ctx=64, n_threads=cores) as ref_ctx:
+        ref = ref_ctx.generate(toks, greedy(model), max_tokens=3)[0].tolist()
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        c = llamax.Context(model, n_ctx=64, n_threads=cores + 62)
     try:
-        with pytest.warns(llamax.OversubscriptionWarning, match=f"n_threads_batch={cores + 2}"):
+        msgs = _oversubscription(w)
+        assert len(msgs) == 1, msgs
+        assert f"n_threads={cores + 62}" in msgs[0] and f"the {cores} core" in msgs[0], msgs[0]
+        assert (c.n_threads, c.n_threads_batch) == (cores, cores)
+        assert c.generate(toks, greedy(model), max_tokens=3)[0].tolist() == ref
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            c.set_threads(512)
+        assert len(_oversubscription(w)) == 1 and "n_threads=512" in _oversubscription(w)[0]
+        assert (c.n_threads, c.n_threads_batch) == (cores, cores)
+        c.kv_clear()
+        assert c.generate(toks, greedy(model), max_tokens=3)[0].tolist() == ref
+        # the batch count alone
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
             c.set_threads(1, cores + 2)
+        msgs = _oversubscription(w)
+        assert len(msgs) == 1 and f"n_threads_batch={cores + 2}" in msgs[0] and "n_threads=1" not in msgs[0], msgs
+        assert (c.n_threads, c.n_threads_batch) == (1, cores)
+        # at the core count, and by default: no warning
         with warnings.catch_warnings():
             warnings.simplefilter("error")
-            c.set_threads(cores)  # at the core count: no warning
-            llamax.Context(model, n_ctx=64).close()  # the default is the usable core count
+            c.set_threads(cores)
+            with llamax.Context(model, n_ctx=64) as d:
+                assert (d.n_threads, d.n_threads_batch) == (cores, cores)
     finally:
         c.close()
+
+
+def test_oversubscribe_keeps_the_count(model, monkeypatch):
+    """LLAMAX_OVERSUBSCRIBE=1 keeps the count asked for (for measuring),
+    and still warns."""
+    monkeypatch.setenv("LLAMAX_OVERSUBSCRIBE", "1")
+    cores = llamax.usable_cores()
+    with pytest.warns(llamax.OversubscriptionWarning, match=f"n_threads={cores + 1}: .*kept as asked"):
+        c = llamax.Context(model, n_ctx=64, n_threads=cores + 1)
+    with c:
+        assert c.n_threads == cores + 1
+        assert len(c.generate(model.tokenize(PROMPT), greedy(model), max_tokens=2)[0]) == 2
+
+
+def test_llama_and_layer_outputs_cut_too(smollm2_path, model, monkeypatch):
+    """Llama(n_threads=64) runs the cores' count and answers as
+    Llama(n_threads=cores); layer_outputs with 64 gives the same bits."""
+    monkeypatch.delenv("LLAMAX_OVERSUBSCRIBE", raising=False)
+    cores = llamax.usable_cores()
+    G = dict(max_tokens=3, temperature=0.0)
+    with llamax.Llama(str(smollm2_path), n_ctx=128, n_threads=cores, verbose=False) as llm:
+        ref = llm(PROMPT, **G)["choices"][0]["text"]
+    with pytest.warns(llamax.OversubscriptionWarning, match="n_threads=64"):
+        llm = llamax.Llama(str(smollm2_path), n_ctx=128, n_threads=64, verbose=False)
+    with llm:
+        assert all(s.ctx.n_threads == cores for s in llm._pool.slots)
+        assert llm(PROMPT, **G)["choices"][0]["text"] == ref
+    from llamax.control_vectors import layer_outputs
+    want = layer_outputs(model, [PROMPT], n_threads=cores)
+    with pytest.warns(llamax.OversubscriptionWarning, match="n_threads=64"):
+        got = layer_outputs(model, [PROMPT], n_threads=64)
+    assert np.array_equal(got, want)

@@ -170,11 +170,12 @@ def test_embedding_contexts_use_openblas_sgemm(minilm_f32, gen_dir, smollm2_path
 
 @pytest.mark.parametrize("kind,threads", [("f32", 2), pytest.param("f16", 3, marks=pytest.mark.slow)])
 @pytest.mark.filterwarnings("ignore::llamax.OversubscriptionWarning")  # 3 threads on a 2-core machine, on purpose
-def test_openblas_path_matches_ggml_kernels(kind, threads, sentences, tmp_path):
+def test_openblas_path_matches_ggml_kernels(kind, threads, sentences, tmp_path, monkeypatch):
     """The same inputs through ggml's own kernels (LLAMAX_SGEMM=ggml, another
     process) agree: packed batches (>= 256 rows: F16 converts too) and single
     inputs (tiled attention for short ones); 3 threads split 384 unevenly."""
     path = data.minilm(kind)
+    monkeypatch.setenv("LLAMAX_OVERSUBSCRIBE", "1")  # keep the 3 threads (here and in run_py's process)
     r = run_py(f"""
         import json
         import numpy as np

@@ -264,10 +264,11 @@ def test_bias_add_is_fused_with_the_product_bit_identically(sentences, tmp_path)
 
 @needs_kernels
 @pytest.mark.filterwarnings("ignore::llamax.OversubscriptionWarning")  # 7 threads on fewer cores, on purpose
-def test_thread_counts_give_the_same_bits(sentences):
+def test_thread_counts_give_the_same_bits(sentences, monkeypatch):
     """7 threads split the 12 panels of a 384-wide output by rows too; every
     row's product, and so every embedding, is the same bits as with 2."""
     path = data.minilm("f32")
+    monkeypatch.setenv("LLAMAX_OVERSUBSCRIBE", "1")  # keep the 7 threads
     out = {}
     for threads in (2, 7):
         with llamax.Embedder(path, max_seq_length=256, n_threads=threads) as e:
