@@ -30,6 +30,7 @@ from llamax.templates import ChatTemplate, ChatTemplateError, _check_messages, p
 from llamax._session import _SessionMixin
 from llamax._validate import check_bool, check_bools, check_float, check_int, is_int
 from llamax.pool import _BatchPool, _BatchSlot, _Pool, _Slot
+from llamax.sampling import SamplingParams
 from llamax.request import (
     PreparedEmbedding, PreparedRequest, RequestParams, Runtime, Share, _Chunks, _Request, salt_id, chat_logprobs, check_processors,
     completion_logprobs, grammar_text, row_logprobs,
@@ -852,13 +853,10 @@ class Llama(_SessionMixin):
         else:
             tokens, prefix_text = self._infill_tokens(prompt, suffix)
         req = self._request(tokens, logprobs, RequestParams(
-            max_tokens=max_tokens, temperature=temperature, top_p=top_p, min_p=min_p, typical_p=typical_p,
-            top_k=top_k, repeat_penalty=repeat_penalty, frequency_penalty=frequency_penalty,
-            presence_penalty=presence_penalty, stop=stop, seed=seed, logit_bias=logit_bias, grammar=grammar,
+            max_tokens=max_tokens, sampling=SamplingParams.from_keywords(locals()), stop=stop, grammar=grammar,
             active_loras=active_loras, control_vector=control_vector, control_vectors=control_vectors,
             cancel=cancel, cache_prompt=cache_prompt, logits_processor=logits_processor,
-            stopping_criteria=stopping_criteria, mirostat_mode=mirostat_mode, mirostat_tau=mirostat_tau,
-            mirostat_eta=mirostat_eta, grammar_triggers=None, grammar_start_triggers=None, share=share,
+            stopping_criteria=stopping_criteria, grammar_triggers=None, grammar_start_triggers=None, share=share,
             cache_salt=cache_salt, reasoning_budget=None))
         cid = f"cmpl-{uuid.uuid4()}"
         created = int(time.time())
@@ -1003,14 +1001,11 @@ class Llama(_SessionMixin):
             n_top = check_int(n_top, "top_logprobs", 0, 20, error=InvalidArgumentError,
                               msg="top_logprobs must be an int in [0, 20]")
         req = self._request(tokens, n_top, RequestParams(
-            max_tokens=max_tokens, temperature=temperature, top_p=top_p, min_p=min_p, typical_p=typical_p,
-            top_k=top_k, repeat_penalty=repeat_penalty, frequency_penalty=frequency_penalty,
-            presence_penalty=presence_penalty, stop=stop, seed=seed, logit_bias=logit_bias, grammar=grammar,
+            max_tokens=max_tokens, sampling=SamplingParams.from_keywords(locals()), stop=stop, grammar=grammar,
             active_loras=active_loras, control_vector=control_vector, control_vectors=control_vectors,
             cancel=cancel, cache_prompt=cache_prompt, logits_processor=logits_processor,
-            stopping_criteria=stopping_criteria, mirostat_mode=mirostat_mode, mirostat_tau=mirostat_tau,
-            mirostat_eta=mirostat_eta, grammar_triggers=triggers, grammar_start_triggers=starts, share=share,
-            cache_salt=cache_salt, reasoning_budget=budget))
+            stopping_criteria=stopping_criteria, grammar_triggers=triggers, grammar_start_triggers=starts,
+            share=share, cache_salt=cache_salt, reasoning_budget=budget))
         cid = f"chatcmpl-{uuid.uuid4()}"
         created = int(time.time())
         name = model or self.model_path
@@ -1423,15 +1418,9 @@ class Llama(_SessionMixin):
                                        "LlamaDraftModel works with generate()")
         if (p.logits_processor is not None or p.stopping_criteria is not None) and isinstance(self._pool, _BatchPool):
             raise InvalidArgumentError("logits_processor / stopping_criteria (Python per token) need n_parallel=1")
-        sampler = Sampler(self._model, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
-                          typical_p=p.typical_p, repeat_penalty=p.repeat_penalty,
-                          frequency_penalty=p.frequency_penalty, presence_penalty=p.presence_penalty,
-                          penalty_last_n=self.last_n_tokens_size,
-                          seed=self._next_seed(p.seed), grammar=grammar, grammar_triggers=p.grammar_triggers,
-                          grammar_start_triggers=p.grammar_start_triggers,
-                          logit_bias=p.logit_bias,
-                          mirostat=0 if p.mirostat_mode is None else p.mirostat_mode, mirostat_tau=p.mirostat_tau,
-                          mirostat_eta=p.mirostat_eta,
+        sampler = Sampler(self._model, **p.sampling.sampler_kwargs(seed=self._next_seed(p.sampling.seed)),
+                          penalty_last_n=self.last_n_tokens_size, grammar=grammar,
+                          grammar_triggers=p.grammar_triggers, grammar_start_triggers=p.grammar_start_triggers,
                           **({} if p.reasoning_budget is None else dict(
                               reasoning_budget=p.reasoning_budget[0], reasoning_budget_message=p.reasoning_budget[1],
                               reasoning_started_open=p.reasoning_budget[2])))

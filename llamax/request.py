@@ -17,6 +17,7 @@ from llamax._core import Context, Model, token_logprobs
 from llamax._errors import ArgumentTypeError, CancelledError, InvalidArgumentError, LlamaxError
 from llamax.cancel import CancelToken
 from llamax.pool import _BatchPool, _lcp
+from llamax.sampling import SamplingParams
 
 __all__ = ["PreparedEmbedding", "PreparedRequest", "Runtime"]
 
@@ -264,17 +265,8 @@ class RequestParams:
     it is called, not silently."""
 
     max_tokens: int | None
-    temperature: float
-    top_p: float
-    min_p: float
-    typical_p: float
-    top_k: int
-    repeat_penalty: float
-    frequency_penalty: float
-    presence_penalty: float
+    sampling: SamplingParams  # every sampling field (llamax.sampling: declared once)
     stop: Any
-    seed: int | None
-    logit_bias: Any
     grammar: Any
     active_loras: Any
     control_vector: Any
@@ -283,9 +275,6 @@ class RequestParams:
     cache_prompt: bool
     logits_processor: Any
     stopping_criteria: Any
-    mirostat_mode: Any
-    mirostat_tau: Any
-    mirostat_eta: Any
     grammar_triggers: Any  # literal texts that switch a lazy grammar on (tool calls)
     grammar_start_triggers: Any  # ... only where the output begins
     share: Share | None    # who the request runs for (the batcher's fair share of slots)

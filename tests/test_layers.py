@@ -39,7 +39,7 @@ LAYERS = [
     ["llamax._core", "llamax._errors", "llamax._validate", "llamax._cuda", "llamax._cpus"],
     # leaf helpers
     ["llamax.cancel", "llamax._fetch", "llamax.models", "llamax.llama_types", "llamax.gguf_tools",
-     "llamax._sgemm"],
+     "llamax._sgemm", "llamax.sampling"],
     # the building blocks of Llama
     ["llamax.pool", "llamax.grammar", "llamax.adapters", "llamax.control_vectors", "llamax.peft",
      "llamax.llama_cache", "llamax.templates", "llamax._sandbox", "llamax._session",

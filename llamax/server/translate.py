@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from llamax.sampling import SAMPLING_FIELDS, field_wire
 from llamax.server import protocol
 from llamax.server.errors import APIError
 
@@ -67,19 +68,21 @@ def logit_bias(lb):
 
 
 def sampling(body: protocol.SamplingFields, n_ctx: int, max_tokens) -> dict:
-    """``prepare_*`` keywords from the OpenAI fields; unset ones get
-    llama-server's defaults (temperature 0.8, top_k 40, top_p 0.95, min_p 0.05)."""
+    """``prepare_*`` keywords from the OpenAI fields: every sampling field
+    (``llamax.sampling.SamplingParams``) by its wire name, an unset one at its
+    default (llama-server's: temperature 0.8, top_k 40, top_p 0.95, min_p
+    0.05), and the stops, grammar and cache switches."""
     if max_tokens is not None and max_tokens > n_ctx:
         raise APIError(400, f"max_tokens={max_tokens} is more than the context of {n_ctx} tokens",
                        param="max_tokens")
-    d = lambda v, default: default if v is None else v  # noqa: E731
-    return dict(max_tokens=max_tokens, temperature=d(body.temperature, 0.8), top_p=d(body.top_p, 0.95),
-                top_k=d(body.top_k, 40), min_p=d(body.min_p, 0.05), typical_p=d(body.typical_p, 1.0),
-                repeat_penalty=d(body.repeat_penalty, 1.0), frequency_penalty=d(body.frequency_penalty, 0.0),
-                presence_penalty=d(body.presence_penalty, 0.0), stop=stops(body.stop),
-                logit_bias=logit_bias(body.logit_bias), grammar=body.grammar, cache_prompt=body.cache_prompt,
-                deterministic=body.deterministic,
-                mirostat_mode=body.mirostat, mirostat_tau=body.mirostat_tau, mirostat_eta=body.mirostat_eta)
+    kw = {}
+    for f in SAMPLING_FIELDS:
+        v = getattr(body, field_wire(f))
+        kw[f.name] = f.default if v is None else v
+    kw["logit_bias"] = logit_bias(body.logit_bias)
+    kw.update(max_tokens=max_tokens, stop=stops(body.stop), grammar=body.grammar, cache_prompt=body.cache_prompt,
+              deterministic=body.deterministic)
+    return kw
 
 
 def reasoning_budget(body: protocol.ChatCompletionRequest, default: int = -1,
