@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from llamax._errors import LlamaxError
+from llamax.server.context import request_context
 from llamax.server.errors import APIError, from_exception
 
 __all__ = ["JSONAnswer", "BodyLimit", "dumps", "dumps_list", "error_response", "install_error_handlers",
@@ -129,10 +130,10 @@ def _keys(request: Request) -> tuple[list[bytes], list[bytes]]:
 def need_key(request: Request) -> None:
     """Dependency of the user routes: any key of the server, if it has keys
     (with a tenants file: a tenant's key, or an admin key).  Sets
-    ``request.state.tenant`` (a :class:`llamax.server.tenancy.Caller`)."""
-    forwarded = getattr(request.state, "forwarded_caller", None)
-    if forwarded is not None:  # a Ray replica: the ingress checked the key (never from a header)
-        request.state.tenant = forwarded
+    the request context's ``caller`` (a :class:`llamax.server.tenancy.Caller`)."""
+    ctx = request_context(request)
+    if ctx.forwarded_caller is not None:  # a Ray replica: the ingress checked the key (never from a header)
+        ctx.caller = ctx.forwarded_caller
         return
     keys, admin_keys = _keys(request)
     tenancy = request.app.state.tenancy
@@ -147,7 +148,7 @@ def need_key(request: Request) -> None:
     if caller is None:
         raise APIError(401, "a valid API key is needed: 'Authorization: Bearer KEY' or 'X-Api-Key: KEY'",
                        code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-    request.state.tenant = caller
+    ctx.caller = caller
 
 
 def need_admin(request: Request) -> None:

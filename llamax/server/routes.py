@@ -13,11 +13,17 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
 from llamax.server import protocol, translate
+from llamax.server.context import request_context
 from llamax.server.errors import APIError
 from llamax.server.adapters import without_paths
 from llamax.server.http import is_admin, need_admin, need_key
 
 __all__ = ["router"]
+
+
+def _caller(request: Request):
+    """Who sent the request (set by the key check, need_key)."""
+    return request_context(request).caller
 
 
 def _backend(request: Request):
@@ -48,7 +54,7 @@ async def health(request: Request):
 def _visible(request: Request, cards: list[dict]) -> list[dict]:
     """The model cards the caller may use: the base model and its tenant's
     adapters (another tenant's adapter is not shown, nor named in errors)."""
-    t = request.state.tenant.tenant
+    t = _caller(request).tenant
     return [c for c in cards if c.get("parent") is None or t.may_use_adapter(c["id"])]
 
 
@@ -72,14 +78,21 @@ def _tenant_max_tokens(request: Request) -> int | None:
     """A request's max_tokens when it sends none: its tenant's cap (before
     the route's own default, which a capped tenant never gets: a number the
     client did not send is never refused as over the cap)."""
-    return request.state.tenant.tenant.limits.max_tokens
+    return _caller(request).tenant.limits.max_tokens
+
+
+def _model_route(request: Request, model: str | None) -> None:
+    """A generation or embedding request: counted per tenant and logged,
+    however it ends."""
+    ctx = request_context(request)
+    ctx.model_route = True
+    ctx.model_name = model
 
 
 @router.post("/v1/chat/completions", dependencies=user)
 @router.post("/chat/completions", dependencies=user, include_in_schema=False)
 async def chat(body: protocol.ChatCompletionRequest, request: Request, backend=Depends(ready)):
-    request.state.model_route = True   # (counted per tenant, and logged, however it ends)
-    request.state.model_name = body.model
+    _model_route(request, body.model)
     asked = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     if asked is None:
         body.max_tokens = asked = _tenant_max_tokens(request)
@@ -90,8 +103,7 @@ async def chat(body: protocol.ChatCompletionRequest, request: Request, backend=D
 @router.post("/v1/completions", dependencies=user)
 @router.post("/completions", dependencies=user, include_in_schema=False)
 async def completions(body: protocol.CompletionRequest, request: Request, backend=Depends(ready)):
-    request.state.model_route = True
-    request.state.model_name = body.model
+    _model_route(request, body.model)
     if body.max_tokens is None:
         # the tenant's cap, then OpenAI's legacy default of 16
         limit = _tenant_max_tokens(request)
@@ -103,8 +115,7 @@ async def completions(body: protocol.CompletionRequest, request: Request, backen
 @router.post("/v1/embeddings", dependencies=user)
 @router.post("/embeddings", dependencies=user, include_in_schema=False)
 async def embeddings(body: protocol.EmbeddingRequest, request: Request, backend=Depends(ready)):
-    request.state.model_route = True
-    request.state.model_name = body.model
+    _model_route(request, body.model)
     request.app.state.tenancy.admit(request, 1, None)
     return await backend.embeddings(body, request)
 
@@ -138,7 +149,7 @@ async def lora_adapters(request: Request, backend=Depends(ready)):
     listing = await backend.listing()
     if is_admin(request):
         return listing
-    t = request.state.tenant.tenant
+    t = _caller(request).tenant
     return without_paths([e for e in listing if t.may_use_adapter(e["name"])])   # paths: admin keys only
 
 

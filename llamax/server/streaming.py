@@ -12,7 +12,6 @@ from typing import AsyncIterator, Callable
 from fastapi import Request
 from fastapi.responses import Response
 from sse_starlette.sse import EventSourceResponse
-from starlette.background import BackgroundTask
 
 from llamax.request import PreparedRequest
 from llamax.server.errors import APIError, from_exception
@@ -237,18 +236,11 @@ class _Stream:
 
 async def respond(request: Request, prepared: list[PreparedRequest], *, stream: bool, stream_options,
                   merge_fn: Callable[[list[dict]], dict], object_name: str, model_name: str, deadline: float,
-                  timeout_s: float, release: Callable[[], None], on_status: Callable[[int], None],
+                  timeout_s: float, on_status: Callable[[int], None],
                   on_usage: Callable[[dict], None], on_first: Callable[[], None] | None = None):
     """Run prepared requests (one per choice) to one answer or one SSE
-    stream; ``release`` (once) when they are over, however they end."""
-    released = False
-
-    def release_once():
-        nonlocal released
-        if not released:
-            released = True
-            release()
-
+    stream (the places they hold are given back by the request's admission,
+    llamax.server.context, when it is over)."""
     time_left = max(0.0, deadline - time.monotonic())
     if not stream:
         try:
@@ -257,8 +249,6 @@ async def respond(request: Request, prepared: list[PreparedRequest], *, stream: 
         except ClientGone:
             on_status(499)
             return Response(status_code=499)
-        finally:
-            release_once()
         out = merge_fn(results)
         on_usage(out["usage"])
         on_status(200)
@@ -269,12 +259,5 @@ async def respond(request: Request, prepared: list[PreparedRequest], *, stream: 
                 time_left=time_left, timeout_s=timeout_s, on_status=on_status, on_usage=on_usage,
                 on_first=on_first)
 
-    async def events():
-        try:
-            async for e in s.events():
-                yield e
-        finally:
-            release_once()
-
-    return EventSourceResponse(events(), send_timeout=30, ping=15, background=BackgroundTask(release_once),
+    return EventSourceResponse(s.events(), send_timeout=30, ping=15,
                                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

@@ -5,8 +5,8 @@ tenant), what it may name, its limits at the door (429 with OpenAI's
 
 The scheduler's part -- fair shares of the batch and a prefix cache per
 tenant -- is the batcher's (``llamax.Share``, ``cache_salt``); this module
-hands each request's share and salt to the backend through
-``request.state.tenant``."""
+hands each request's share and salt to the backend through the request
+context's ``caller`` (llamax.server.context)."""
 from __future__ import annotations
 
 import collections
@@ -21,6 +21,7 @@ import time
 
 from fastapi import Request
 
+from llamax.server.context import RequestContext, context_of_scope, request_context
 from llamax.server.errors import APIError
 from llamax.server.tenants import ANONYMOUS, Tenant, TenantTable, load_tenants
 
@@ -38,7 +39,7 @@ TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 @dataclasses.dataclass
 class Caller:
-    """Who sent a request: its tenant and key (request.state.tenant)."""
+    """Who sent a request: its tenant and key (``RequestContext.caller``)."""
 
     tenant: Tenant
     key_id: str = ""
@@ -135,9 +136,11 @@ class Tenancy:
 
     def admit(self, request: Request, n: int, max_tokens: int | None) -> None:
         """Count a request of ``n`` sequences against its tenant's limits
-        (429 past one); TenantGate lets go of them when the answer is over.
-        Sets the answer's x-ratelimit headers."""
-        caller: Caller = request.state.tenant
+        (429 past one), held by the request's admission until the answer is
+        over (TenantGate).  Sets the answer's x-ratelimit headers."""
+        ctx = request_context(request)
+        caller = ctx.caller
+        assert caller is not None, "Tenancy.admit before need_key"
         t = caller.tenant
         lim = t.limits
         if lim.max_tokens is not None and max_tokens is not None and max_tokens > lim.max_tokens:
@@ -172,13 +175,16 @@ class Tenancy:
                 self._refuse(request, headers, 1.0, f"{lim.concurrent} running and {lim.queued} queued requests",
                              concurrency=True)
         u.in_flight += n
+        ctx.admission.hold(lambda: self._release(t.name, n))
         # (a tenant with nothing else in flight: the server's queue, full of
         # other tenants' requests, still takes it; see LocalBackend.admit)
-        request.state.tenant_newcomer = self.enabled and u.in_flight == n
+        ctx.tenant_newcomer = self.enabled and u.in_flight == n
         if lim.requests_per_minute is not None:
             u.requests.append(now)
-        request.state.tenant_sequences = n
-        request.state.ratelimit_headers = headers
+        ctx.ratelimit_headers = headers
+
+    def _release(self, name: str, n: int) -> None:
+        self._use(name).in_flight -= n
 
     @staticmethod
     def _tokens_reset(u: _Use, now: float) -> float:
@@ -194,17 +200,17 @@ class Tenancy:
                 "x-ratelimit-remaining-tokens": str(max(0, lim - u.tokens_sum - own)),
                 "x-ratelimit-reset-tokens": _reset(self._tokens_reset(u, now))}
 
-    def fresh_headers(self, state: dict) -> dict[str, str] | None:
+    def fresh_headers(self, ctx: RequestContext) -> dict[str, str] | None:
         """An answer's x-ratelimit headers as it goes out: those of its
         admission, the tokens left brought up to date -- the requests that
         ended meanwhile, and this answer's own usage when it is already
         known (a whole answer; a stream's headers go out before its tokens
         are counted)."""
-        extra = state.get("ratelimit_headers")
-        caller = state.get("tenant")
+        extra = ctx.ratelimit_headers
+        caller = ctx.caller
         if not extra or caller is None or caller.tenant.limits.tokens_per_minute is None:
             return extra
-        usage = state.get("usage") or {}
+        usage = ctx.usage or {}
         own = int(usage.get("prompt_tokens", 0)) + int(usage.get("completion_tokens", 0))
         return dict(extra, **self.token_headers(caller.tenant, self._use(caller.tenant.name), time.monotonic(), own))
 
@@ -220,16 +226,16 @@ class Tenancy:
         with self.lock:
             u.by_status[status] = u.by_status.get(status, 0) + 1
 
-    def record(self, scope_state: dict, status: int, latency: float, path: str) -> None:
+    def record(self, ctx: RequestContext, status: int, latency: float, path: str) -> None:
         """A request is over: its counters, its tokens in the window, and a
         usage line (requests that reached a model route)."""
-        caller = scope_state.get("tenant")
-        if caller is None or not scope_state.get("model_route"):
+        caller = ctx.caller
+        if caller is None or not ctx.model_route:
             return  # (what is counted: generation and embedding requests)
         name = caller.tenant.name
-        status = scope_state.get("outcome", status)
+        status = ctx.outcome if ctx.outcome is not None else status
         self._count_status(name, status)
-        usage = scope_state.get("usage")
+        usage = ctx.usage
         u = self._use(name)
         prompt = completion = cached = 0
         if usage:
@@ -239,7 +245,7 @@ class Tenancy:
             now = time.monotonic()
             u.tokens.append((now, prompt + completion))
             u.tokens_sum += prompt + completion
-        ttft = scope_state.get("ttft")
+        ttft = ctx.ttft
         with self.lock:
             u.prompt_tokens += prompt
             u.completion_tokens += completion
@@ -247,15 +253,15 @@ class Tenancy:
             if ttft is not None:
                 u.ttft[sum(1 for b in TTFT_BUCKETS if ttft > b)] += 1
                 u.ttft_sum += ttft
-            q = scope_state.get("queue_time")
+            q = ctx.queue_time
             if q is not None:
                 u.queue_time_sum += q
                 u.queue_time_n += 1
         if self.usage_log is not None:
             self.usage_log.write({
                 "time": round(time.time(), 3), "tenant": name, "key_id": caller.key_id,
-                "route": path, "model": scope_state.get("model_name"),
-                "adapters": scope_state.get("adapter_names", []), "prompt_tokens": prompt,
+                "route": path, "model": ctx.model_name,
+                "adapters": list(ctx.adapter_names), "prompt_tokens": prompt,
                 "completion_tokens": completion, "cached_tokens": cached, "latency_s": round(latency, 4),
                 "status": status})
 
@@ -287,8 +293,8 @@ class TenantGate:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        state = scope.setdefault("state", {})
-        t0 = state["t0"] = time.monotonic()
+        ctx = context_of_scope(scope)  # (a Ray replica made it already, with the caller the ingress checked)
+        t0 = ctx.t0
         status = 500
         over = False
 
@@ -297,12 +303,9 @@ class TenantGate:
             if over:
                 return
             over = True
-            n = state.get("tenant_sequences", 0)
-            if n and state.get("tenant") is not None:
-                state["tenant_sequences"] = 0
-                self.tenancy._use(state["tenant"].tenant.name).in_flight -= n
+            ctx.admission.release()  # the tenant's places and the server's
             try:
-                self.tenancy.record(state, status, time.monotonic() - t0, scope.get("path", ""))
+                self.tenancy.record(ctx, status, time.monotonic() - t0, scope.get("path", ""))
             except Exception:  # accounting never fails a request
                 logger.exception("usage accounting failed")
 
@@ -312,7 +315,7 @@ class TenantGate:
                 finish()
             elif msg["type"] == "http.response.start":
                 status = msg["status"]
-                extra = self.tenancy.fresh_headers(state)
+                extra = self.tenancy.fresh_headers(ctx)
                 if extra:
                     have = {k.lower() for k, _ in msg.get("headers", ())}
                     msg = dict(msg, headers=list(msg.get("headers", [])) + [
@@ -320,7 +323,8 @@ class TenantGate:
             await send(msg)
 
         try:
-            await self.app(scope, receive, sending)
+            async with ctx.admission:
+                await self.app(scope, receive, sending)
         finally:
             finish()
 

@@ -572,3 +572,51 @@ def test_a_full_queue_still_takes_another_tenant(smollm2_path, tmp_path):
             t.join(120)
     finally:
         s.stop()
+
+
+def _gauge(text: str, name: str) -> float:
+    line = next(ln for ln in text.splitlines() if ln.startswith(name + " ") or ln.startswith(name + "{"))
+    return float(line.split()[-1])
+
+
+def test_every_place_is_given_back(srv):
+    """The request's admission (llamax.server.context.Admission) gives back
+    the tenant's places and the server's however the request ends: a whole
+    answer, a stream read to the end, a stream the client leaves after two
+    events, an embedding, and requests refused after the tenant admitted
+    them (a bad prompt token, a prompt over the context)."""
+    acme = 'llamax:tenant_active_sequences{tenant="acme"}'
+    with client(srv, "acme") as c:
+        assert chat(c).status_code == 200
+        with c.stream("POST", "/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "stream": True}) as r:
+            assert r.status_code == 200
+            list(r.iter_lines())
+        with c.stream("POST", "/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": "Tell a long story."}], "max_tokens": 500,
+                "stream": True, "n": 2}) as r:
+            assert r.status_code == 200
+            seen = 0
+            for line in r.iter_lines():
+                seen += line.startswith("data: ")
+                if seen == 2:
+                    break  # the client leaves mid-stream
+        assert c.post("/v1/embeddings", json={"input": ["a", "b"]}).status_code == 200
+        bad = c.post("/v1/completions", json={"prompt": [1, 10 ** 9], "max_tokens": 2, "n": 3})
+        assert bad.status_code == 400, bad.text
+        long = c.post("/v1/completions", json={"prompt": "word " * 1500, "max_tokens": 2})
+        assert long.status_code == 400 and long.json()["error"]["code"] == "context_length_exceeded", long.text
+        # the cut stream's cancellation runs on the server after the client left:
+        # look again, a bounded number of times
+        for _ in range(200):
+            text = c.get("/metrics").text
+            left = (_gauge(text, acme), _gauge(text, "llamacpp:requests_processing"),
+                    _gauge(text, "llamax:queue_depth"))
+            if left == (0.0, 0.0, 0.0):
+                break
+            time.sleep(0.05)
+        assert left == (0.0, 0.0, 0.0), left
+        # and the places are there to take again: n=4 fills --parallel 4
+        r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2,
+                                                 "n": 4})
+        assert r.status_code == 200 and len(r.json()["choices"]) == 4

@@ -25,6 +25,7 @@ from llamax.server.adapters import (
     AdapterTable, check_load_names, model_cards, open_runtime_file, read_default_set, runtime_allowed,
 )
 from llamax.server.config import ServerConfig
+from llamax.server.context import request_context
 from llamax.server.errors import APIError, from_exception
 from llamax.server.files import OpenedFile
 from llamax.server.http import dumps, dumps_list, error_response, is_admin
@@ -160,13 +161,16 @@ class LocalBackend:
 
     # -- admission ------------------------------------------------------------
 
-    def admit(self, n: int, request: Request | None = None) -> None:
+    def admit(self, n: int, request: Request) -> None:
+        """Count ``n`` sequences against the server's bound (503 past it),
+        held by the request's admission until it is over."""
         if n > self.capacity + self.cfg.max_queue:  # never admitted: retrying can't help
             raise APIError(400, f"the request needs {n} sequences (prompts x n), more than this server ever "
                            f"admits at once ({self.capacity} running and --max-queue {self.cfg.max_queue})",
                            param="n", code="too_many_sequences")
         bound = self.capacity + self.cfg.max_queue
-        if request is not None and getattr(request.state, "tenant_newcomer", False):
+        ctx = request_context(request)
+        if ctx.tenant_newcomer:
             # a tenant with nothing else in flight gets in past a queue other
             # tenants filled (at most one request per configured tenant)
             bound += len(self.tenancy.table or ())
@@ -175,6 +179,7 @@ class LocalBackend:
                            f"--max-queue {self.cfg.max_queue}): retry later", code="queue_full",
                            headers={"Retry-After": "1"})
         self.in_flight += n
+        ctx.admission.hold(lambda: self.done(n))
 
     def done(self, n: int) -> None:
         self.in_flight -= n
@@ -209,16 +214,15 @@ class LocalBackend:
         return {n for n, _ in self.cfg.control_vectors}
 
     def resolve(self, body: protocol.AdapterFields, request: Request) -> tuple[list[dict] | None, list[dict] | None]:
-        tenant = request.state.tenant.tenant
-        loras, cvecs = self.adapters.resolve(body, self.cfg.alias, self.control_vector_names(), tenant)
-        request.state.adapter_names = [s["name"] for s in loras or ()]
+        ctx = request_context(request)
+        loras, cvecs = self.adapters.resolve(body, self.cfg.alias, self.control_vector_names(), ctx.caller.tenant)
+        ctx.adapter_names = [s["name"] for s in loras or ()]
         return loras, cvecs
 
     def scheduling(self, body: protocol.AdapterFields, request: Request) -> dict:
         """The prepare_* keywords that place a request among the tenants:
         its share of the batch and its prefix cache's scope."""
-        caller = request.state.tenant
-        t = caller.tenant
+        t = request_context(request).caller.tenant
         kw: dict = {"cache_salt": t.cache_salt(body.cache_salt)}
         if t.name:  # (a tenants file's tenant, here or at a Ray ingress; not the anonymous one)
             kw["share"] = llamax.Share(t.name, t.weight, t.priority, t.limits.concurrent)
@@ -226,10 +230,11 @@ class LocalBackend:
 
     def _usage(self, request: Request, u: dict, prepared: list = ()) -> None:
         self.counters.usage(u)
-        request.state.usage = u
+        ctx = request_context(request)
+        ctx.usage = u
         waits = [p.queue_seconds for p in prepared if p.queue_seconds is not None]
         if waits:
-            request.state.queue_time = max(waits)
+            ctx.queue_time = max(waits)
 
     async def listing(self) -> list[dict]:
         """/lora-adapters: every offered adapter, its id, file, default scale
@@ -319,11 +324,12 @@ class LocalBackend:
 
     async def _prepare(self, request: Request, prepare, n: int, kwargs_for) -> list:
         """Prepare n requests (checked, adapters resolved and pinned) in
-        worker threads, counted in the admission bound.  The request's
+        worker threads, counted in the server's bound (the request's
+        admission gives the places back when it is over).  The request's
         deadline (--request-timeout) starts here: preparing may wait for an
         on-demand adapter, and echo scoring decodes the prompt."""
         cfg = self.cfg
-        request.state.deadline = time.monotonic() + cfg.request_timeout
+        request_context(request).deadline = time.monotonic() + cfg.request_timeout
         self.admit(n, request)
         prepared: list = []
         try:
@@ -337,37 +343,43 @@ class LocalBackend:
                                    f"{n_ctx}: shorten it", param="messages", code="context_length_exceeded")
             return prepared
         except TimeoutError:
-            self._drop(prepared, n)
+            self._drop(prepared)
             raise APIError(408, f"the request took longer than {cfg.request_timeout:g} s (--request-timeout) "
                            "before it could start", code="request_timeout") from None
         except BaseException:
-            self._drop(prepared, n)
+            self._drop(prepared)
             raise
 
-    def _drop(self, prepared: list, n: int) -> None:
+    def _drop(self, prepared: list) -> None:
         for p in prepared:
             p.close()
-        self.done(n)
 
     async def _respond(self, request: Request, endpoint: str, prepared: list, body, merge_fn):
+        ctx = request_context(request)
         return await respond(
             request, prepared, stream=body.stream, stream_options=body.stream_options, merge_fn=merge_fn,
             object_name="chat.completion.chunk" if endpoint == "chat" else "text_completion",
-            model_name=request.state.model_name, deadline=request.state.deadline,
-            timeout_s=self.cfg.request_timeout, release=lambda: self.done(len(prepared)),
+            model_name=ctx.model_name, deadline=ctx.deadline,
+            timeout_s=self.cfg.request_timeout,
             on_status=lambda status: self._status(request, endpoint, status),
             on_usage=lambda u: self._usage(request, u, prepared), on_first=lambda: _first_token(request))
 
+    def _model_route(self, request: Request, body: protocol.AdapterFields) -> str:
+        """The model name the answer carries (the alias when the body named none)."""
+        ctx = request_context(request)
+        ctx.model_route = True
+        ctx.model_name = body.model or self.cfg.alias
+        return ctx.model_name
+
     def _status(self, request: Request, endpoint: str, status: int) -> None:
         self.counters.request(endpoint, status)
-        request.state.outcome = status
+        request_context(request).outcome = status
 
     async def chat(self, body: protocol.ChatCompletionRequest, request: Request):
         loras, cvecs = self.resolve(body, request)
         base = dict(translate.chat_kwargs(body, self.cfg.n_ctx, loras, cvecs,
                                              (self.cfg.reasoning_budget, self.cfg.reasoning_budget_message)), **self.scheduling(body, request))
-        request.state.model_name = model_name = body.model or self.cfg.alias
-        request.state.model_route = True
+        model_name = self._model_route(request, body)
         seed = body.seed
         prepared = await self._prepare(request, self.llm.prepare_chat_completion, body.n,
                                        lambda i: dict(base, seed=None if seed is None else seed + i))
@@ -393,8 +405,7 @@ class LocalBackend:
 
         token_prompts = await asyncio.to_thread(tokenized)
         base = dict(translate.completion_kwargs(body, self.cfg.n_ctx, loras, cvecs), **self.scheduling(body, request))
-        request.state.model_name = model_name = body.model or self.cfg.alias
-        request.state.model_route = True
+        model_name = self._model_route(request, body)
         order = translate.completion_merge_order(len(token_prompts), body.n)
         seed = body.seed
         prepared = await self._prepare(request, self.llm.prepare_completion, len(order),
@@ -414,8 +425,7 @@ class LocalBackend:
             raise APIError(400, "input is empty", param="input")
         if isinstance(inp, list) and len(inp) > 2048:
             raise APIError(400, "at most 2048 inputs per request", param="input")
-        request.state.model_name = model_name = body.model or self.cfg.alias
-        request.state.model_route = True
+        model_name = self._model_route(request, body)
         b64 = body.encoding_format == "base64"
         cancel = threading.Event()
         running: list = []
@@ -452,8 +462,6 @@ class LocalBackend:
         except ClientGone:
             self._status(request, "embeddings", 499)
             return Response(status_code=499)
-        finally:
-            self.done(1)
         self._usage(request, usage)
         self._status(request, "embeddings", 200)
         return Response(content, media_type="application/json")
@@ -513,9 +521,8 @@ class LocalBackend:
 
 def _first_token(request: Request) -> None:
     """A stream's first chunk: its time to first token, for /metrics."""
-    t0 = getattr(request.state, "t0", None)
-    if t0 is not None:
-        request.state.ttft = time.monotonic() - t0
+    ctx = request_context(request)
+    ctx.ttft = time.monotonic() - ctx.t0
 
 
 def _close_after(t: asyncio.Future, f: OpenedFile | None) -> None:

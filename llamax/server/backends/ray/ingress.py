@@ -25,6 +25,7 @@ from llamax.server.adapters import AdapterTable, check_runtime_load, model_cards
 from llamax.server.app import build_app
 from llamax.server.backends.ray.registry import set_key, set_names
 from llamax.server.config import ServerConfig
+from llamax.server.context import request_context
 from llamax.server.errors import APIError
 from llamax.server.http import dumps
 
@@ -103,10 +104,11 @@ class Ingress:
 
     def _key_of(self, body: protocol.AdapterFields, request: Request) -> str:
         control_vectors = {n for n, _ in self.cfg.control_vectors}
-        loras = self.adapters.resolve(body, self.cfg.alias, control_vectors, request.state.tenant.tenant)[0]
-        request.state.adapter_names = [s["name"] for s in loras or ()]
-        request.state.model_name = body.model or self.cfg.alias
-        request.state.model_route = True
+        ctx = request_context(request)
+        loras = self.adapters.resolve(body, self.cfg.alias, control_vectors, ctx.caller.tenant)[0]
+        ctx.adapter_names = [s["name"] for s in loras or ()]
+        ctx.model_name = body.model or self.cfg.alias
+        ctx.model_route = True
         return self.set_key(loras, body)
 
     # -- forwarding ------------------------------------------------------------
@@ -119,9 +121,10 @@ class Ingress:
         headers = [(k, v) for k, v in request.headers.raw if k not in _DROP]
         cached = bool(key) and self._cached(key)
         opts = {"multiplexed_model_id": key} if cached and self.affinity else {}
-        t = request.state.tenant.tenant
+        caller = request_context(request).caller
+        t = caller.tenant
         tenant = {"name": t.name, "weight": t.weight, "priority": t.priority, "cache_scope": t.cache_scope,
-                  "concurrent": t.limits.concurrent, "key_id": request.state.tenant.key_id}
+                  "concurrent": t.limits.concurrent, "key_id": caller.key_id}
         args = (request.method, request.url.path, request.url.query.encode(), headers, body,
                 self.snapshot_id, key, cached, tenant)
         if not stream:
@@ -258,9 +261,7 @@ class Ingress:
 def _used(request: Request, used: dict) -> None:
     """A replica's account of a request (its usage, its outcome, its time to
     first token), for the tenant's limits, metrics and usage log here."""
-    for k, v in used.items():
-        if v is not None:
-            setattr(request.state, k, v)
+    request_context(request).take_report(used)
 
 
 def _relayed(raw: list, replica: str) -> dict:

@@ -15,6 +15,7 @@ from llamax.server.app import build_app
 from llamax.server.backends.local import LocalBackend
 from llamax.server.backends.ray.registry import set_names
 from llamax.server.config import ServerConfig
+from llamax.server.context import RequestContext
 from llamax.server.errors import APIError, from_exception
 from llamax.server.http import dumps
 from llamax.server.tenancy import Caller
@@ -251,21 +252,21 @@ class LlamaReplica:
             yield err.status, [(b"content-type", b"application/json")], self.replica_id
             yield dumps(err.body()).encode()
             return
-        state: dict = {}
+        ctx = RequestContext()
         if tenant is not None:
             # (its limits are the ingress', but for the running ones: slots are counted here)
-            state["forwarded_caller"] = Caller(Tenant(name=tenant["name"], weight=tenant["weight"],
+            ctx.forwarded_caller = Caller(Tenant(name=tenant["name"], weight=tenant["weight"],
                                                       priority=tenant["priority"], cache_scope=tenant["cache_scope"],
                                                       limits=Limits(concurrent=tenant["concurrent"])),
                                                tenant["key_id"])
         try:
-            async for part in asgi_request(self.app, method, path, query, headers, body, state):
+            async for part in asgi_request(self.app, method, path, query, headers, body, {"ctx": ctx}):
                 if isinstance(part, tuple):
                     yield part[0], part[1], self.replica_id
                 else:
                     yield part
             if tenant is not None:
-                yield {k: state.get(k) for k in ("usage", "outcome", "ttft", "queue_time")}
+                yield ctx.report()
         finally:
             if s is not None:
                 self._done(s)
