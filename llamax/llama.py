@@ -30,9 +30,10 @@ from llamax.templates import ChatTemplate, ChatTemplateError, _check_messages, p
 from llamax._session import _SessionMixin
 from llamax._validate import check_bool, check_bools, check_float, check_int, is_int
 from llamax.pool import _BatchPool, _BatchSlot, _Pool, _Slot
+from llamax.formatters import ChatFormatter, CompletionFormatter
 from llamax.sampling import SamplingParams
 from llamax.request import (
-    PreparedEmbedding, PreparedRequest, RequestParams, Runtime, Share, _Chunks, _Request, salt_id, chat_logprobs, check_processors,
+    PreparedEmbedding, PreparedRequest, RequestParams, Runtime, Share, _Request, salt_id, check_processors,
     completion_logprobs, grammar_text, row_logprobs,
 )
 
@@ -865,10 +866,6 @@ class Llama(_SessionMixin):
             full_prompt = prefix_text
         else:
             full_prompt = self._model.detokenize_text(tokens, errors="replace") if echo or logprobs is not None else ""
-        prompt_text = full_prompt if echo else ""
-        # text offsets count from the prompt's start, echoed or not (OpenAI's and llama-cpp-python's)
-        offset = [len(full_prompt)]
-
         echo_lp = None
         if echo and logprobs is not None:
             # OpenAI's echo with logprobs: an entry per prompt token too (the first without logprobs)
@@ -876,32 +873,10 @@ class Llama(_SessionMixin):
             echo_lp = completion_logprobs(self._model, [t for t, _, _ in scored],
                                           [(lp, top or []) for _, lp, top in scored], 0)
             echo_lp["top_logprobs"][0] = None
-
-        def result(res):
-            lp = None
-            if logprobs is not None:
-                lp = res.completion_logprobs(offset[0])
-                if echo_lp is not None:
-                    lp = {k: echo_lp[k] + lp[k] for k in lp}
-            choice = {"text": prompt_text + res.text, "index": 0, "logprobs": lp,
-                      "finish_reason": res.finish_reason}
-            return {"id": cid, "object": "text_completion", "created": created, "model": name,
-                    "choices": [choice], "usage": res.usage()}
-
-        def chunk(text, finish=None, echoed=False):
-            lp = None
-            if echoed:
-                lp = echo_lp
-            elif logprobs is not None and finish is None:
-                lp = completion_logprobs(self._model, getattr(text, "tokens", []), getattr(text, "logprobs", []),
-                                         offset[0])
-                offset[0] += sum(len(t) for t in lp["tokens"])
-            return {"id": cid, "object": "text_completion", "created": created, "model": name,
-                    "choices": [{"text": str(text), "index": 0, "logprobs": lp, "finish_reason": finish}]}
-
-        head = [chunk(prompt_text, echoed=True)] if prompt_text else []
-        return PreparedRequest(req, result, _Chunks(head, lambda piece: [chunk(piece)],
-                                                    lambda res: [chunk("", res.finish_reason)]), stream)
+        # text offsets count from the prompt's start, echoed or not (OpenAI's and llama-cpp-python's)
+        fmt = CompletionFormatter(self._model, cid, created, name, logprobs, full_prompt if echo else "",
+                                  len(full_prompt), echo_lp)
+        return PreparedRequest(req, fmt, stream)
 
     def create_completion(self, prompt, **kwargs):
         """OpenAI-style text completion: :meth:`prepare_completion` (same
@@ -1006,55 +981,9 @@ class Llama(_SessionMixin):
             cancel=cancel, cache_prompt=cache_prompt, logits_processor=logits_processor,
             stopping_criteria=stopping_criteria, grammar_triggers=triggers, grammar_start_triggers=starts,
             share=share, cache_salt=cache_salt, reasoning_budget=budget))
-        cid = f"chatcmpl-{uuid.uuid4()}"
-        created = int(time.time())
-        name = model or self.model_path
-
-        def result(res):
-            if plan is None:
-                message, finish = {"role": "assistant", "content": res.text}, res.finish_reason
-            else:
-                message, finish = plan.message(res.text, res.finish_reason)
-            choice = {"index": 0, "message": message,
-                      "logprobs": res.chat_logprobs() if logprobs else None, "finish_reason": finish}
-            return {"id": cid, "object": "chat.completion", "created": created, "model": name,
-                    "choices": [choice], "usage": res.usage()}
-
-        def chunk(delta, finish=None, piece=None):
-            lp = None
-            if logprobs and piece is not None:
-                lp = chat_logprobs(self._model, getattr(piece, "tokens", []), getattr(piece, "logprobs", []))
-            return {"id": cid, "object": "chat.completion.chunk", "created": created, "model": name,
-                    "choices": [{"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}]}
-
-        head = [chunk({"role": "assistant"})]
-        if plan is None:
-            return PreparedRequest(req, result, _Chunks(head, lambda piece: [chunk({"content": str(piece)},
-                                                                                   piece=piece)],
-                                                        lambda res: [chunk({}, res.finish_reason)]), stream)
-        deltas = plan.stream()
-
-        held: list = []  # pieces whose text the parser holds: their logprobs wait with it
-
-        def with_logprobs(out):
-            # the held pieces' logprobs ride on the first delta that releases text
-            if logprobs and out and held:
-                toks = [t for p in held for t in getattr(p, "tokens", [])]
-                lps = [x for p in held for x in getattr(p, "logprobs", [])]
-                out[0] = dict(out[0], choices=[dict(out[0]["choices"][0],
-                                                    logprobs=chat_logprobs(self._model, toks, lps))])
-                held.clear()
-            return out
-
-        def pieces(piece):
-            held.append(piece)
-            return with_logprobs([chunk(d) for d in deltas.feed(str(piece))])
-
-        def tail(res):
-            return with_logprobs([chunk(d) for d in deltas.finish()] +
-                                 [chunk({}, deltas.finish_reason(res.finish_reason))])
-
-        return PreparedRequest(req, result, _Chunks(head, pieces, tail), stream)
+        fmt = ChatFormatter(self._model, f"chatcmpl-{uuid.uuid4()}", int(time.time()), model or self.model_path,
+                            bool(logprobs), plan)
+        return PreparedRequest(req, fmt, stream)
 
     def _check_deterministic(self, deterministic) -> None:
         """A request's ``deterministic=True`` is honoured by a Llama made with

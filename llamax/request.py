@@ -23,40 +23,39 @@ __all__ = ["PreparedEmbedding", "PreparedRequest", "Runtime"]
 
 
 class _Chunks:
-    """How a stream's chunks are made: the first ones, those of each text
-    piece (a list: none while a piece is held back, several when it
-    decides held text), the last ones (given the _Result; the usage is
-    added to the very last)."""
+    """A stream's chunks from a request's pieces, made by its formatter
+    (llamax.formatters): the first ones, those of each text piece, the last
+    ones (given the _Result; the usage is added to the very last)."""
 
-    __slots__ = ("head", "piece", "tail")
+    __slots__ = ("fmt",)
 
-    def __init__(self, head, piece, tail):
-        self.head, self.piece, self.tail = head, piece, tail
+    def __init__(self, fmt):
+        self.fmt = fmt
 
     def sync(self, pieces):
-        yield from self.head
+        yield from self.fmt.head()
         res = None
         for p in pieces:
             if isinstance(p, _Result):
                 res = p
             elif p:
-                yield from self.piece(p)
+                yield from self.fmt.piece(p)
         yield from self._last(res)
 
     def _last(self, res):
-        *rest, last = self.tail(res)
+        *rest, last = self.fmt.tail(res)
         return [*rest, last | {"usage": res.usage()}]
 
     async def aio(self, pieces):
         try:
-            for c in self.head:
+            for c in self.fmt.head():
                 yield c
             res = None
             async for p in pieces:
                 if isinstance(p, _Result):
                     res = p
                 elif p:
-                    for c in self.piece(p):
+                    for c in self.fmt.piece(p):
                         yield c
             for c in self._last(res):
                 yield c
@@ -79,12 +78,12 @@ class PreparedRequest:
     :meth:`astream` (its chunks; the last carries ``usage``).
     :meth:`cancel` may be called from any thread, at any time."""
 
-    __slots__ = ("_req", "_result", "_chunks", "streaming", "_used", "_done")
+    __slots__ = ("_req", "_fmt", "_chunks", "streaming", "_used", "_done")
 
-    def __init__(self, req: _Request, result, chunks: _Chunks, streaming: bool):
+    def __init__(self, req: _Request, fmt, streaming: bool):
         self._req = req
-        self._result = result
-        self._chunks = chunks
+        self._fmt = fmt  # its OpenAI shape (llamax.formatters)
+        self._chunks = _Chunks(fmt)
         self.streaming = streaming  # what create_* was asked for: chunks (True) or one dict
         self._used = False
         self._done: _Result | None = None
@@ -122,11 +121,11 @@ class PreparedRequest:
 
     def run(self) -> dict:
         """Run to the end on this thread (the GIL released while it computes)."""
-        return self._result(self._keep(self._take().run()))
+        return self._fmt.whole(self._keep(self._take().run()))
 
     async def arun(self) -> dict:
         """:meth:`run` without a thread: the event loop is woken by the batcher."""
-        return self._result(self._keep(await self._take().arun()))
+        return self._fmt.whole(self._keep(await self._take().arun()))
 
     def stream(self) -> Iterator[dict]:
         """The chunks, as they are generated; stopping early cancels the rest."""

@@ -43,7 +43,7 @@ LAYERS = [
     # the building blocks of Llama
     ["llamax.pool", "llamax.grammar", "llamax.adapters", "llamax.control_vectors", "llamax.peft",
      "llamax.llama_cache", "llamax.templates", "llamax._sandbox", "llamax._session",
-     "llamax.request", "llamax.llama_chat_format", "llamax.llama_speculative",
+     "llamax.request", "llamax.formatters", "llamax.llama_chat_format", "llamax.llama_speculative",
      # tool-call parsing and grammars (#35): llamax.grammar, _errors and the stdlib only
      "llamax.tool_calls", "llamax.tool_calls.*"],
     ["llamax.llama"],
