@@ -604,14 +604,9 @@ class _Request:
             res.queue_seconds = seq.queue_seconds
             if self.logprobs is not None:
                 res.logprobs = seq.logprobs[: len(res.tokens)]
-            finish = "stop" if stopped else seq.finish_reason
-            res.finish_reason = "stop" if finish == "stop_sequence" else finish
-            res.text = text.finish()
+            _finish(res, text, "stop" if stopped else seq.finish_reason)
             if pieces:
                 yield from pieces
-            if text.stopped:
-                res.tokens = res.tokens[: text.n_tokens_used]
-                res.logprobs = res.logprobs[: text.n_tokens_used]
             yield res
         finally:
             for t in attached:
@@ -766,30 +761,14 @@ class _Request:
             if rt.cache_before is not None and self.cache_prompt and not self.salt:
                 rt.cache_before(slot, self)   # a saved state that shares more of the prompt
             ctx.set_state(self.state)           # a pointer compare when already applied
-            # Reuse KV only if it was computed under this very state, and
-            # only what a cold run would compute the same way: whole prompt
-            # chunks of `chunk` positions (every prompt is decoded in chunks
-            # ending at multiples of it), so a cached answer is the cold one.
             chunk = rt.prefix_chunk
-            lcp = _lcp(slot.tokens, self.tokens) if slot.key == self.key and self.cache_prompt else 0
             n = len(self.tokens)
-            # A repeat whose final logits were saved: sample from them (the
-            # same numbers as the first time), unless logprobs need the live
-            # buffer.  (The context checks that they still describe this
-            # prompt under this state; an empty prompt raises otherwise.)
             py_loop = self.logits_processor is not None or self.stopping_criteria is not None
-            saved = lcp == n and slot.logits_n == n and self.logprobs is None and not py_loop
-            if saved:
-                n_keep = n
-            elif rt.prefix_cache and self.cache_prompt and rt.prefix_exact:
-                n_keep = min(lcp, slot.exact_n, n - 1) // chunk * chunk
-            elif rt.prefix_cache and self.cache_prompt:
-                n_keep = min(lcp, n - 1)  # any common prefix (prefix_cache_exact=False)
-            else:
-                n_keep = 0  # only an exact repeat reuses the KV (see Llama's prefix_cache)
+            n_keep = plan_prefix(slot, self.tokens, self.key, PrefixPolicy(
+                cache=rt.prefix_cache, exact=rt.prefix_exact, chunk=chunk, cache_prompt=self.cache_prompt,
+                live_logits=self.logprobs is not None or py_loop))
             if n_keep > 0 and not ctx.kv_remove(0, n_keep, -1):
                 n_keep = 0  # a recurrent model's memory can't be cut at a position
-                saved = False
             if n_keep == 0:
                 ctx.kv_clear()
             res.n_cached = n_keep
@@ -836,18 +815,9 @@ class _Request:
             full = np.concatenate([self.tokens, out])
             slot.tokens = full[:n_kv]
             res.tokens = out.tolist()
-            if finish == "callback":
-                finish = "stop" if text.stopped else "length"
-            elif finish == "stop_sequence":
-                finish = "stop"
-            res.finish_reason = finish
             if not want_cb and not py_loop:
                 text.add_all(out)
-            res.text = text.finish()
-            if text.stopped:
-                # tokens past the stop string are not part of the answer
-                res.tokens = res.tokens[: text.n_tokens_used]
-                res.logprobs = res.logprobs[: text.n_tokens_used]
+            _finish(res, text, finish)
             if rt.cache_after is not None and self.cache_prompt and not self.salt:
                 rt.cache_after(slot)
             self._check_stopped()
@@ -896,6 +866,64 @@ class _Request:
                 break
             ctx.decode([tok], pos=[len(ids) - 1])
         return np.asarray(out, np.int32), finish
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefixPolicy:
+    """How much cached KV a request may reuse: ``cache`` (Llama's
+    ``prefix_cache``), ``exact`` (only whole prompt chunks of ``chunk``
+    positions, ``prefix_cache_exact``), the request's own ``cache_prompt``,
+    and whether it needs the live logits buffer (``live_logits``: logprobs
+    or Python per token), which saved logits can't give."""
+
+    cache: bool
+    exact: bool
+    chunk: int
+    cache_prompt: bool = True
+    live_logits: bool = False
+
+
+def plan_prefix(slot, tokens: np.ndarray, key, policy: PrefixPolicy) -> int:
+    """How many of ``tokens`` the context ``slot`` (a pool slot: the
+    ``tokens`` its KV holds, the ``key`` they were computed under,
+    ``logits_n`` and ``exact_n``) may keep; all of them when the request
+    samples from the logits saved after the whole prompt (the context
+    checks that they still describe it).  Pure: reads the slot, changes
+    nothing.
+
+    KV is reused only if it was computed under this very key (state and
+    cache scope), and only what a cold run computes the same way: with
+    ``exact``, whole prompt chunks of ``chunk`` positions (every prompt is
+    decoded in chunks ending at multiples of it), so a cached answer is the
+    cold one.  A repeat whose final logits were saved samples from them
+    (the same numbers as the first time), unless it needs the live buffer;
+    at least one token is decoded otherwise.  Without ``cache``, only such
+    a repeat reuses anything."""
+    n = len(tokens)
+    lcp = _lcp(slot.tokens, tokens) if slot.key == key and policy.cache_prompt else 0
+    if lcp == n and slot.logits_n == n and not policy.live_logits:
+        return n
+    if not (policy.cache and policy.cache_prompt):
+        return 0
+    if policy.exact:
+        return max(0, min(lcp, slot.exact_n, n - 1)) // policy.chunk * policy.chunk
+    return max(0, min(lcp, n - 1))  # any common prefix (prefix_cache_exact=False)
+
+
+def _finish(res: _Result, text: _TextAssembler, finish: str) -> None:
+    """The result's finish reason and text, one way for every driver: the
+    native loop's and the batcher's reasons in OpenAI's words ("callback":
+    the text assembler stopped it at a stop string, or the consumer left),
+    and the tokens past a stop string dropped from the answer."""
+    if finish == "callback":
+        finish = "stop" if text.stopped else "length"
+    elif finish == "stop_sequence":
+        finish = "stop"
+    res.finish_reason = finish
+    res.text = text.finish()
+    if text.stopped:
+        res.tokens = res.tokens[: text.n_tokens_used]
+        res.logprobs = res.logprobs[: text.n_tokens_used]
 
 
 def row_logprobs(row: np.ndarray, tok: int, n_top: int):
