@@ -54,6 +54,7 @@ LAYERS = [
     ["llamax"],
     # the server, split by #31 item 2
     ["llamax.server.config", "llamax.server.protocol", "llamax.server.errors", "llamax.server.context",
+     "llamax.server.backend",
      "llamax.server.files", "llamax.server.tenants"],
     ["llamax.server.translate", "llamax.server.streaming", "llamax.server.http", "llamax.server.adapters",
      "llamax.server.metrics", "llamax.server.settings", "llamax.server.tenancy"],

@@ -13,6 +13,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
 from llamax.server import protocol, translate
+from llamax.server.backend import Backend
 from llamax.server.context import request_context
 from llamax.server.errors import APIError
 from llamax.server.adapters import without_paths
@@ -26,7 +27,7 @@ def _caller(request: Request):
     return request_context(request).caller
 
 
-def _backend(request: Request):
+def _backend(request: Request) -> Backend:
     return request.app.state.backend
 
 
