@@ -33,7 +33,7 @@ from llamax.pool import _BatchPool, _BatchSlot, _Pool, _Slot
 from llamax.formatters import ChatFormatter, CompletionFormatter
 from llamax.sampling import SamplingParams
 from llamax.request import (
-    PreparedEmbedding, PreparedRequest, RequestParams, Runtime, Share, _Request, salt_id, check_processors,
+    GenerationRequest, GrammarSpec, PreparedEmbedding, PreparedRequest, ReasoningBudget, Runtime, Share, _Request, salt_id, check_processors,
     completion_logprobs, grammar_text, row_logprobs,
 )
 
@@ -105,14 +105,14 @@ def _template_variables(chat_template_kwargs, reasoning_effort) -> dict:
 
 
 def _merge_stops(stop, extra):
-    """The caller's stop strings and the chat format's (checked by _request)."""
+    """The caller's stop strings and the chat format's (checked by _submit)."""
     if stop is None:
         return list(extra)
     if isinstance(stop, str):
         return [stop] + [s for s in extra if s != stop]
     if isinstance(stop, (list, tuple)):
         return list(stop) + [s for s in extra if s not in stop]
-    return stop  # the wrong type: _request says so
+    return stop  # the wrong type: _submit says so
 
 
 def _check_chat_handler(handler) -> None:
@@ -853,12 +853,12 @@ class Llama(_SessionMixin):
             tokens, prefix_text = self._prompt_tokens(prompt), None
         else:
             tokens, prefix_text = self._infill_tokens(prompt, suffix)
-        req = self._request(tokens, logprobs, RequestParams(
-            max_tokens=max_tokens, sampling=SamplingParams.from_keywords(locals()), stop=stop, grammar=grammar,
-            active_loras=active_loras, control_vector=control_vector, control_vectors=control_vectors,
-            cancel=cancel, cache_prompt=cache_prompt, logits_processor=logits_processor,
-            stopping_criteria=stopping_criteria, grammar_triggers=None, grammar_start_triggers=None, share=share,
-            cache_salt=cache_salt, reasoning_budget=None))
+        req = self._submit(GenerationRequest(
+            tokens=tokens, logprobs=logprobs, max_tokens=max_tokens, sampling=SamplingParams.from_keywords(locals()),
+            stop=stop, grammar=None if grammar is None else GrammarSpec(grammar), active_loras=active_loras,
+            control_vector=control_vector, control_vectors=control_vectors, share=share, cache_salt=cache_salt,
+            cache_prompt=cache_prompt, cancel=cancel, logits_processor=logits_processor,
+            stopping_criteria=stopping_criteria, reasoning_budget=None))
         cid = f"cmpl-{uuid.uuid4()}"
         created = int(time.time())
         name = model or self.model_path
@@ -949,7 +949,7 @@ class Llama(_SessionMixin):
             if grammar is not None:
                 raise InvalidArgumentError("tools with tool_choice other than 'none' constrain the reply with a "
                                            "grammar of their own: pass tools or grammar/response_format, not both")
-            grammar, triggers, starts = plan.grammar, list(plan.triggers) or None, list(plan.start_triggers) or None
+            grammar, triggers, starts = plan.grammar, tuple(plan.triggers) or None, tuple(plan.start_triggers) or None
         if plan is not None:
             _check_messages(messages)
             messages = plan.messages(messages)
@@ -966,7 +966,7 @@ class Llama(_SessionMixin):
             if reasoning_budget_message is not None and not isinstance(reasoning_budget_message, str):
                 raise ArgumentTypeError("reasoning_budget_message must be a str or None")
             opened = plan is not None and plan.reasoning is not None and plan.reasoning.started_open
-            budget = (max_reasoning_tokens, reasoning_budget_message, opened)
+            budget = ReasoningBudget(max_reasoning_tokens, reasoning_budget_message, opened)
         elif reasoning_budget_message is not None:
             raise InvalidArgumentError("reasoning_budget_message is the text that closes a thinking budget: "
                                        "it needs max_reasoning_tokens")
@@ -975,12 +975,12 @@ class Llama(_SessionMixin):
             n_top = 0 if top_logprobs is None else top_logprobs
             n_top = check_int(n_top, "top_logprobs", 0, 20, error=InvalidArgumentError,
                               msg="top_logprobs must be an int in [0, 20]")
-        req = self._request(tokens, n_top, RequestParams(
-            max_tokens=max_tokens, sampling=SamplingParams.from_keywords(locals()), stop=stop, grammar=grammar,
-            active_loras=active_loras, control_vector=control_vector, control_vectors=control_vectors,
-            cancel=cancel, cache_prompt=cache_prompt, logits_processor=logits_processor,
-            stopping_criteria=stopping_criteria, grammar_triggers=triggers, grammar_start_triggers=starts,
-            share=share, cache_salt=cache_salt, reasoning_budget=budget))
+        req = self._submit(GenerationRequest(
+            tokens=tokens, logprobs=n_top, max_tokens=max_tokens, sampling=SamplingParams.from_keywords(locals()),
+            stop=stop, grammar=None if grammar is None else GrammarSpec(grammar, triggers, starts),
+            active_loras=active_loras, control_vector=control_vector, control_vectors=control_vectors, share=share,
+            cache_salt=cache_salt, cache_prompt=cache_prompt, cancel=cancel, logits_processor=logits_processor,
+            stopping_criteria=stopping_criteria, reasoning_budget=budget))
         fmt = ChatFormatter(self._model, f"chatcmpl-{uuid.uuid4()}", int(time.time()), model or self.model_path,
                             bool(logprobs), plan)
         return PreparedRequest(req, fmt, stream)
@@ -1320,7 +1320,10 @@ class Llama(_SessionMixin):
             tokens = np.array([bos], np.int32)
         return tokens
 
-    def _request(self, tokens, logprobs, p: RequestParams):
+    def _submit(self, p: GenerationRequest) -> _Request:
+        """The engine's door: check a typed request, make its sampler,
+        resolve and pin its adapters, and hand back the request ready to run
+        on this Llama's contexts or batchers."""
         cancel = p.cancel
         if cancel is not None and not isinstance(cancel, CancelToken):
             raise ArgumentTypeError(f"cancel must be a llamax.CancelToken, not {type(cancel).__name__}")
@@ -1339,7 +1342,7 @@ class Llama(_SessionMixin):
             stops = [s for s in stop if s]
         else:
             raise ArgumentTypeError("stop must be a str or a list of str")
-        grammar = grammar_text(p.grammar)
+        grammar = None if p.grammar is None else grammar_text(p.grammar.grammar)
         check_processors(p.logits_processor, p.stopping_criteria)
         if self.draft_model is not None and self._native_draft() is None:
             raise InvalidArgumentError("completions run speculative decoding in the native token loop, which "
@@ -1347,12 +1350,13 @@ class Llama(_SessionMixin):
                                        "LlamaDraftModel works with generate()")
         if (p.logits_processor is not None or p.stopping_criteria is not None) and isinstance(self._pool, _BatchPool):
             raise InvalidArgumentError("logits_processor / stopping_criteria (Python per token) need n_parallel=1")
+        rb = p.reasoning_budget
         sampler = Sampler(self._model, **p.sampling.sampler_kwargs(seed=self._next_seed(p.sampling.seed)),
                           penalty_last_n=self.last_n_tokens_size, grammar=grammar,
-                          grammar_triggers=p.grammar_triggers, grammar_start_triggers=p.grammar_start_triggers,
-                          **({} if p.reasoning_budget is None else dict(
-                              reasoning_budget=p.reasoning_budget[0], reasoning_budget_message=p.reasoning_budget[1],
-                              reasoning_started_open=p.reasoning_budget[2])))
+                          grammar_triggers=None if p.grammar is None else p.grammar.triggers,
+                          grammar_start_triggers=None if p.grammar is None else p.grammar.start_triggers,
+                          **({} if rb is None else dict(reasoning_budget=rb.tokens, reasoning_budget_message=rb.message,
+                                                        reasoning_started_open=rb.started_open)))
         share = p.share
         if share is not None and not isinstance(share, Share):
             raise ArgumentTypeError(f"share must be a llamax.Share, not {type(share).__name__}")
@@ -1364,7 +1368,7 @@ class Llama(_SessionMixin):
                      cache_after=self._cache_after if self.cache is not None else None,
                      prefix_chunk=self._prefix_chunk, prefix_cache=self._prefix_cache,
                      prefix_exact=self._prefix_exact, draft=self._native_draft())
-        return _Request(rt, tokens, sampler, max_tokens, stops, logprobs, state, names, cancel, p.cache_prompt,
+        return _Request(rt, p.tokens, sampler, max_tokens, stops, p.logprobs, state, names, cancel, p.cache_prompt,
                         p.logits_processor, p.stopping_criteria, share, p.cache_salt)
 
     def _native_draft(self):

@@ -257,28 +257,55 @@ class Runtime:
 
 
 @dataclasses.dataclass(frozen=True)
-class RequestParams:
-    """What every generating endpoint hands to ``Llama._request``.  Every
-    field is required, so an endpoint that forgets one (a fork whose chat
-    path dropped ``active_loras`` is the failure this prevents) fails when
-    it is called, not silently."""
+class GrammarSpec:
+    """What constrains a reply: GBNF text (or a :class:`llamax.LlamaGrammar`)
+    and, for a lazy grammar (tool calls), the literal texts that switch it
+    on anywhere (``triggers``) or only where the output begins
+    (``start_triggers``)."""
 
-    max_tokens: int | None
-    sampling: SamplingParams  # every sampling field (llamax.sampling: declared once)
-    stop: Any
     grammar: Any
+    triggers: tuple[str, ...] | None = None
+    start_triggers: tuple[str, ...] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class ReasoningBudget:
+    """A bound on the reply's ``<think>`` section: after ``tokens`` tokens
+    in it, the section is closed for the model (``message`` first, if any);
+    ``started_open``: the prompt opened it."""
+
+    tokens: int
+    message: str | None = None
+    started_open: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationRequest:
+    """One generation, typed: what ``Llama.prepare_completion`` and
+    ``prepare_chat_completion`` hand to the engine (``Llama._submit``), which
+    checks and resolves it into a running request.  Every field is required,
+    so a front that forgets one (a fork whose chat path dropped
+    ``active_loras`` is the failure this prevents) fails when it is called,
+    not silently.  The adapters are as the caller named them (a list of
+    ``{"name", "scale"}``; None: the Llama's default set), resolved and
+    pinned by the engine."""
+
+    tokens: np.ndarray                 # the prompt (checked token ids)
+    logprobs: int | None               # top alternatives per generated token (None: no logprobs)
+    max_tokens: int | None             # None or <= 0: until the context is full
+    sampling: SamplingParams           # every sampling field (llamax.sampling: declared once)
+    stop: Any                          # str, list of str, or None
+    grammar: GrammarSpec | None
     active_loras: Any
-    control_vector: Any
-    control_vectors: Any
+    control_vector: Any                # llama-cpp-python's single vector (a name, or None)
+    control_vectors: Any               # [{"name", "scale"}, ...] or None
+    share: Share | None                # who it runs for (the batcher's fair share of slots)
+    cache_salt: str | None             # the prefix cache's scope (None: shared)
+    cache_prompt: bool                 # False: reuse no cached prefix
     cancel: CancelToken | None
-    cache_prompt: bool
-    logits_processor: Any
+    logits_processor: Any              # llama-cpp-python's lists: Python per token (None: the native loop)
     stopping_criteria: Any
-    grammar_triggers: Any  # literal texts that switch a lazy grammar on (tool calls)
-    grammar_start_triggers: Any  # ... only where the output begins
-    share: Share | None    # who the request runs for (the batcher's fair share of slots)
-    cache_salt: str | None  # the prefix cache's scope (None: shared)
-    reasoning_budget: Any  # (tokens, message, started_open): a bound on the reply's <think> section, or None
+    reasoning_budget: ReasoningBudget | None
 
 
 @dataclasses.dataclass(frozen=True)
