@@ -88,14 +88,14 @@ def held(ctx):
 def _run(body):
     r = run_py(PRE + body, timeout=600)
     assert r.returncode == 0, f"exit {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}"
-    lags = [float(x.split()[1]) for x in r.stdout.splitlines() if x.startswith("LAG-MS")]
-    print("\nSIGINT -> KeyboardInterrupt (ms):", lags)
+    delays = [float(x.split()[1]) for x in r.stdout.splitlines() if x.startswith("LAG-MS")]
+    print("\nSIGINT -> KeyboardInterrupt (ms):", delays)
     print("\n".join(x for x in r.stdout.splitlines() if x.startswith(("STEPS-AFTER", "HELD"))))
-    return r.stdout, lags
+    return r.stdout, delays
 
 
 def test_sigint_stops_engine_generate_and_decode():
-    out, lags = _run(r"""
+    out, delays = _run(r"""
 m = llamax.Model(SMOL)
 c = llamax.Context(m, n_ctx=4096, n_batch=4096, n_ubatch=512, n_threads=2)
 s = llamax.Sampler(m)
@@ -126,11 +126,11 @@ st = Steps(5)
 expect_interrupt(lambda: c.generate(toks, s, max_tokens=3000, ignore_eos=True, callback=st.step), steps=st)
 print("DONE")
 """)
-    assert "DONE" in out and len(lags) == 3
+    assert "DONE" in out and len(delays) == 3
 
 
 def test_sigint_stops_llama_requests():
-    out, lags = _run(r"""
+    out, delays = _run(r"""
 llm = llamax.Llama(SMOL, n_ctx=4096, n_threads=2)
 G = dict(temperature=0.0, top_k=1)
 def held_llm():
@@ -174,7 +174,7 @@ assert got == [1] and fin == "length", (got, fin)
 print("CUSTOM chunks", n)
 print("DONE")
 """)
-    assert "DONE" in out and len(lags) == 4
+    assert "DONE" in out and len(delays) == 4
 
 G = dict(temperature=0.0, top_k=1)
 
