@@ -383,9 +383,6 @@ def apply_processors(processor, input_ids: np.ndarray, row: np.ndarray, n_vocab:
     return out
 
 
-_WAIT = object()  # _batched_steps: "send me the sequence's next tokens"
-
-
 class _Result:
     __slots__ = ("text", "tokens", "n_prompt", "n_cached", "finish_reason", "logprobs", "model", "queue_seconds")
 
@@ -477,16 +474,150 @@ class _PieceMaker:
         self.emit(p)
 
 
+class _Ready:
+    """An awaitable whose value is already there: what a synchronous
+    driver's waits return after blocking (awaiting it never suspends)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value):
+        self.value = value
+
+    def __await__(self):
+        return self.value
+        yield  # (a generator: the await protocol wants an iterator)
+
+
+class _ThreadQueue:
+    """Items put by a worker thread, got by the request's core: blocking
+    (sync driver) or awaited on the event loop (async driver)."""
+
+    def __init__(self, loop, token: CancelToken):
+        self.loop = loop
+        self.token = token
+        self.closed = False
+        if loop is None:
+            self.q = queue.Queue()
+        else:
+            import asyncio
+            self.q = asyncio.Queue()
+
+    def put(self, item) -> None:
+        if self.loop is None:
+            self._put(item)
+            return
+        try:
+            self.loop.call_soon_threadsafe(self._put, item)
+        except RuntimeError:  # the loop is closed: nobody is listening
+            self.token.cancel()
+
+    def _put(self, item) -> None:
+        if not self.closed:
+            self.q.put_nowait(item)
+
+    def get(self):
+        return _Ready(self.q.get()) if self.loop is None else self.q.get()
+
+    def close(self) -> None:
+        """Nobody reads on: what is put from now on, and what is still
+        here, is dropped (an error the consumer left behind would hold
+        the request's frames, and its adapters' state, in a cycle)."""
+        self.closed = True
+        while not self.q.empty():
+            self.q.get_nowait()
+
+
+class _SyncWaits:
+    """How the core waits when a caller's thread drives it: by blocking
+    (without the GIL where it computes)."""
+
+    inline = True  # a request that streams nothing runs on the caller's thread
+
+    @staticmethod
+    def tokens(seq):
+        return _Ready(seq.next())
+
+    @staticmethod
+    def queue(token):
+        return _ThreadQueue(None, token)
+
+    @staticmethod
+    def end_sequence(seq, release) -> None:
+        try:
+            while seq.next() is not None:
+                pass
+        except LlamaxError:
+            pass
+        release()
+
+
+class _AsyncWaits:
+    """How the core waits on an event loop: suspended until the batcher
+    (or the worker thread) wakes the loop; no thread waits per request."""
+
+    inline = False
+
+    @staticmethod
+    def tokens(seq):
+        return seq.anext()
+
+    @staticmethod
+    def queue(token):
+        import asyncio
+        return _ThreadQueue(asyncio.get_running_loop(), token)
+
+    @staticmethod
+    def end_sequence(seq, release) -> None:
+        batcher = seq.batcher
+        if batcher.closed:
+            _SyncWaits.end_sequence(seq, release)
+        else:
+            batcher._async().when_done(seq, release)
+
+
+def _drive_sync(agen) -> Iterator:
+    """Iterate the core's async generator on this thread.  Its waits are
+    :class:`_SyncWaits`' (they block, then hand back a ready value), so no
+    step ever suspends and no event loop is needed.  Closing this iterator
+    closes the core (which cancels what still runs)."""
+    try:
+        while True:
+            step = agen.__anext__()
+            try:
+                step.send(None)
+            except StopIteration as done:
+                yield done.value
+                continue
+            except StopAsyncIteration:
+                return
+            step.close()
+            raise RuntimeError("a synchronous request suspended")  # (a wait that is not _SyncWaits')
+    finally:
+        close = agen.aclose()
+        try:
+            close.send(None)
+        except StopIteration:
+            pass
+
+
 class _Request:
-    """One generation: pick a context, apply state, reuse the cached prefix
-    (only under the same state), run the C++ loop, assemble text."""
+    """One generation: pick a context (or a batcher's sequence), apply its
+    state, reuse the cached prefix (only under the same state), run the C++
+    loop, assemble text.
+
+    One core, :meth:`_core`, an async generator of text pieces and then the
+    :class:`_Result`, runs every way a request can: on an event loop
+    (:meth:`astream`) or on the caller's thread (:meth:`stream`, :meth:`run`,
+    through :func:`_drive_sync`), on one context or one sequence of a
+    batcher.  One :class:`CancelToken` per request stops it: :meth:`stop`,
+    a consumer leaving early, and the caller's own token (linked to it)."""
 
     def __init__(self, rt: Runtime, tokens, sampler, max_tokens, stops, logprobs, state, names,
                  token: CancelToken | None = None, cache_prompt: bool = True, logits_processor=None,
                  stopping_criteria=None, share: Share | None = None, cache_salt: str | None = None):
         self.rt = rt
-        self.user_token = token
-        self.own_token = CancelToken()  # the stream's consumer going away aborts a long prompt decode
+        self.token = CancelToken()  # the request's one cancel token (what it runs on is attached to it)
+        self.user_token = token     # the caller's: cancelling it cancels self.token
         self.tokens = tokens
         self.sampler = sampler
         self.max_tokens = max_tokens
@@ -503,24 +634,15 @@ class _Request:
         # Python per token, only when asked for (the per-token loop in _python_loop)
         self.logits_processor = logits_processor
         self.stopping_criteria = stopping_criteria
-        self.cancel = threading.Event()
-        self.stopped = False  # stop() was called: the request raises CancelledError
         self._released = False
-        self._slot = None  # batched requests: the context's slot and the sequence
-        self._seq = None
 
     def stop(self) -> None:
         """Stop at the next step, whichever way the request runs (thread-safe);
         the request then raises CancelledError."""
-        self.stopped = True
-        seq = self._seq
-        if seq is not None:
-            seq.cancel()
-        self.cancel.set()        # the one-context token loop
-        self.own_token.cancel()  # a prompt decode in progress
+        self.token.cancel()
 
     def _check_stopped(self) -> None:
-        if self.stopped:
+        if self.token.cancelled:
             raise CancelledError("the request was cancelled")
 
     def _release(self):
@@ -535,224 +657,81 @@ class _Request:
         except Exception:
             pass
 
+    # -- the drivers: thin, over the one core ---------------------------------------
+
     def run(self) -> _Result:
-        if isinstance(self.rt.pool, _BatchPool):
-            for item in self._batched(False):
-                if isinstance(item, _Result):
-                    return item
-        return self._execute(None)
+        """Run to the end on this thread."""
+        for item in _drive_sync(self._core(_SyncWaits, False)):
+            if isinstance(item, _Result):
+                return item
+        raise AssertionError("unreachable: the core ends with its result")
 
     def stream(self) -> Iterator:
-        """Yield text pieces, then the _Result.  Generation runs in a worker
-        thread (GIL released in C++); the consumer stopping early cancels it.
-        With ``n_parallel`` the batcher's thread generates, and the
-        consumer reads its tokens directly."""
-        if isinstance(self.rt.pool, _BatchPool):
-            yield from self._batched(True)
-            return
-        q: queue.Queue = queue.Queue()
+        """Text pieces, then the _Result, on this thread; closing the
+        iterator early cancels the rest."""
+        return _drive_sync(self._core(_SyncWaits, True))
+
+    async def arun(self) -> _Result:
+        core = self._core(_AsyncWaits, False)
+        try:
+            async for item in core:
+                if isinstance(item, _Result):
+                    return item
+        finally:
+            await core.aclose()
+        raise AssertionError("unreachable: the core ends with its result")
+
+    def astream(self, streaming: bool = True):
+        """Text pieces (when streaming), then the _Result, on the event loop."""
+        return self._core(_AsyncWaits, streaming)
+
+    # -- the core ---------------------------------------------------------------------
+
+    async def _core(self, waits, streaming: bool):
+        """Text pieces (when ``streaming``), then the _Result.  ``waits``:
+        how to wait (:class:`_SyncWaits` or :class:`_AsyncWaits`)."""
+        link = self.user_token
+        if link is not None:
+            try:
+                link._attach(self.token)  # (raises CancelledError if it was cancelled before the start)
+            except BaseException:
+                self._release()
+                raise
+        try:
+            if isinstance(self.rt.pool, _BatchPool):
+                core = self._batched(waits, streaming)
+            elif waits.inline and not streaming:
+                yield self._execute(None)
+                return
+            else:
+                core = self._in_thread(waits, streaming)
+            try:
+                async for item in core:
+                    yield item
+            finally:
+                await core.aclose()
+        finally:
+            # (the adapter pins are let go by whatever ran the request, once
+            # it no longer computes: _execute, or the batcher's sequence end)
+            if link is not None:
+                link._detach(self.token)
+
+    async def _in_thread(self, waits, streaming: bool):
+        """One context (n_parallel=1): the native loop runs in a thread of
+        its own (the pool wait and the generation, GIL released in C++); the
+        driver only receives its pieces.  No executor thread is held while
+        the request waits or runs, so queued requests cannot starve the
+        loop's to_thread work (tokenize, planning)."""
+        q = waits.queue(self.token)
         done = object()
 
         def work():
             try:
-                q.put(self._execute(q.put))
+                q.put(self._execute(q.put if streaming else None))
             except BaseException as e:  # handed to the consumer, never lost
                 q.put(e)
             finally:
                 q.put(done)
-
-        t = threading.Thread(target=work, daemon=True, name="llamax-stream")
-        t.start()
-        try:
-            while True:
-                item = q.get()
-                if item is done:
-                    break
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-        finally:
-            self.cancel.set()       # the token loop stops at its next token
-            t.join(0.05)
-            if t.is_alive():        # still in a prompt decode: abort it
-                self.own_token.cancel()
-                t.join()
-
-    def _batched_steps(self, streaming: bool) -> Iterator:
-        """The request as one sequence of a Batcher, written once for both
-        drivers (_batched, _abatched): yields _WAIT when it needs the
-        sequence's next tokens (the driver sends them, or throws the
-        sequence's error), text pieces when streaming, then the _Result.
-        The driver ends the sequence (_end_batched)."""
-        rt = self.rt
-        model = rt.model
-        res = _Result(model)
-        res.n_prompt = len(self.tokens)
-        pieces: list[str] = []
-        maker = _PieceMaker(pieces.append) if streaming and self.logprobs is not None else None
-        text = _TextAssembler(model, self.stops, (maker or pieces.append) if streaming else None)
-        self._check_stopped()
-        self._slot = rt.pool.acquire()
-        self._seq = seq = self._slot.batcher.submit(
-            self.tokens, self.sampler, max_tokens=self.max_tokens, logprobs=self.logprobs, state=self.state,
-            cache_prompt=self.cache_prompt, cache_salt=self.salt,
-            **({} if self.share is None else dict(tenant=self.share.tenant_id, weight=float(self.share.weight),
-                                                  priority=self.share.priority,
-                                                  max_slots=self.share.max_slots or 0)))
-        if self.stopped:  # stop() came while it was submitted
-            seq.cancel()
-        attached = []
-        try:
-            if self.user_token is not None:
-                self.user_token._attach(seq)
-                attached.append(self.user_token)
-            stopped = False
-            while not stopped:
-                toks = yield _WAIT
-                if toks is None:
-                    break
-                if maker is not None:
-                    maker.logprobs = seq.logprobs
-                for tok in toks:
-                    res.tokens.append(tok)
-                    if maker is not None:
-                        maker.tokens.append(tok)
-                    if text.add(tok):
-                        stopped = True
-                        seq.cancel()
-                        break
-                if pieces:
-                    yield from pieces
-                    pieces.clear()
-            self._check_stopped()
-            if self.user_token is not None and self.user_token.cancelled:
-                raise CancelledError("the request was cancelled")
-            res.n_cached = seq.n_cached
-            res.queue_seconds = seq.queue_seconds
-            if self.logprobs is not None:
-                res.logprobs = seq.logprobs[: len(res.tokens)]
-            _finish(res, text, "stop" if stopped else seq.finish_reason)
-            if pieces:
-                yield from pieces
-            yield res
-        finally:
-            for t in attached:
-                t._detach(seq)
-
-    def _batched(self, streaming: bool) -> Iterator:
-        """Drive _batched_steps, waiting on this thread (without the GIL).
-        Closing the generator early cancels the sequence."""
-        steps = self._batched_steps(streaming)
-        try:
-            item = next(steps)
-            while True:
-                if item is _WAIT:
-                    try:
-                        toks = self._seq.next()
-                    except BaseException as e:
-                        item = steps.throw(e)
-                        continue
-                    item = steps.send(toks)
-                    continue
-                yield item
-                if isinstance(item, _Result):
-                    return
-                item = next(steps)
-        finally:
-            steps.close()
-            self._end_batched(None)
-
-    async def _abatched(self, streaming: bool):
-        """Drive _batched_steps from asyncio: the event loop is woken by the
-        batcher (no thread waits for this request)."""
-        steps = self._batched_steps(streaming)
-        try:
-            item = next(steps)
-            while True:
-                if item is _WAIT:
-                    try:
-                        toks = await self._seq.anext()
-                    except BaseException as e:
-                        item = steps.throw(e)
-                        continue
-                    item = steps.send(toks)
-                    continue
-                yield item
-                if isinstance(item, _Result):
-                    return
-                item = next(steps)
-        finally:
-            steps.close()
-            hub = None
-            if self._seq is not None and not self._slot.batcher.closed:
-                hub = self._slot.batcher._async()
-            self._end_batched(hub)
-
-    def _end_batched(self, hub) -> None:
-        """Cancel the sequence if it still runs; release the context's slot
-        and the adapter pins once the batcher has let the sequence go (here,
-        waiting; with ``hub``, when the event loop hears it is over)."""
-        seq = self._seq
-        slot = self._slot
-
-        def release():
-            if slot is not None:
-                self.rt.pool.release(slot)
-            self._release()
-
-        if seq is None or seq.done:
-            release()
-            return
-        seq.cancel()
-        if hub is not None:
-            hub.when_done(seq, release)
-            return
-        try:
-            while seq.next() is not None:
-                pass
-        except LlamaxError:
-            pass
-        release()
-
-    async def arun(self) -> _Result:
-        async for item in self.astream(False):
-            if isinstance(item, _Result):
-                return item
-        raise AssertionError("unreachable")
-
-    async def astream(self, streaming: bool = True):
-        """Async twin of stream(): text pieces (when streaming), then the _Result."""
-        if isinstance(self.rt.pool, _BatchPool):
-            agen = self._abatched(streaming)
-            try:
-                async for item in agen:
-                    yield item
-            finally:
-                await agen.aclose()
-            return
-        # One request per context (n_parallel=1): the sync path runs in a
-        # thread of its own (the pool wait and the generation, GIL released in
-        # C++); the loop only receives its pieces.  No executor thread is held
-        # while the request waits or runs, so queued requests cannot starve
-        # the loop's to_thread work (tokenize, planning).
-        import asyncio
-        loop = asyncio.get_running_loop()
-        q: asyncio.Queue = asyncio.Queue()
-        done = object()
-
-        def put(item):
-            try:
-                loop.call_soon_threadsafe(q.put_nowait, item)
-            except RuntimeError:  # the loop is closed: nobody is listening
-                self.cancel.set()
-
-        def work():
-            try:
-                put(self._execute(put if streaming else None))
-            except BaseException as e:  # handed to the consumer, never lost
-                put(e)
-            finally:
-                put(done)
 
         t = threading.Thread(target=work, daemon=True, name="llamax-request")
         t.start()
@@ -766,8 +745,78 @@ class _Request:
                 yield item
         finally:
             if t.is_alive():
-                self.cancel.set()        # the token loop (and the pool wait) stop at their next step
-                self.own_token.cancel()  # a prompt decode in progress is aborted
+                self.token.cancel()  # the token loop, a prompt decode or the pool wait stop at their next step
+                if waits.inline:
+                    t.join()
+            q.close()
+
+    async def _batched(self, waits, streaming: bool):
+        """The request as one sequence of a Batcher.  The sequence is
+        cancelled if the consumer stops early; the context's slot and the
+        adapter pins are let go once the batcher has let the sequence go."""
+        rt = self.rt
+        model = rt.model
+        res = _Result(model)
+        res.n_prompt = len(self.tokens)
+        pieces: list[str] = []
+        maker = _PieceMaker(pieces.append) if streaming and self.logprobs is not None else None
+        text = _TextAssembler(model, self.stops, (maker or pieces.append) if streaming else None)
+        slot = seq = None
+        attached = False
+        try:
+            self._check_stopped()
+            slot = rt.pool.acquire()
+            seq = slot.batcher.submit(
+                self.tokens, self.sampler, max_tokens=self.max_tokens, logprobs=self.logprobs, state=self.state,
+                cache_prompt=self.cache_prompt, cache_salt=self.salt,
+                **({} if self.share is None else dict(tenant=self.share.tenant_id, weight=float(self.share.weight),
+                                                      priority=self.share.priority,
+                                                      max_slots=self.share.max_slots or 0)))
+            self.token._attach(seq)  # (raises CancelledError if stop() came while it was submitted)
+            attached = True
+            stopped = False
+            while not stopped:
+                toks = await waits.tokens(seq)
+                if toks is None:
+                    break
+                if maker is not None:
+                    maker.logprobs = seq.logprobs
+                for tok in toks:
+                    res.tokens.append(tok)
+                    if maker is not None:
+                        maker.tokens.append(tok)
+                    if text.add(tok):
+                        stopped = True
+                        seq.cancel()
+                        break
+                for p in pieces:
+                    yield p
+                pieces.clear()
+            self._check_stopped()
+            res.n_cached = seq.n_cached
+            res.queue_seconds = seq.queue_seconds
+            if self.logprobs is not None:
+                res.logprobs = seq.logprobs[: len(res.tokens)]
+            _finish(res, text, "stop" if stopped else seq.finish_reason)
+            for p in pieces:
+                yield p
+            yield res
+        finally:
+            if attached:
+                self.token._detach(seq)
+
+            def release():
+                if slot is not None:
+                    rt.pool.release(slot)
+                self._release()
+
+            if seq is None or seq.done:
+                release()
+            else:
+                seq.cancel()
+                waits.end_sequence(seq, release)
+
+    # -- one context --------------------------------------------------------------------
 
     def _execute(self, emit) -> _Result:
         rt = self.rt
@@ -775,16 +824,14 @@ class _Request:
         res = _Result(model)
         res.n_prompt = len(self.tokens)
         slot = None
-        tokens = [t for t in (self.own_token, self.user_token) if t is not None]
-        attached = []
+        token = self.token
+        attached = False
         try:
             self._check_stopped()
-            slot = rt.pool.acquire(self.key, self.tokens,
-                                     lambda: self.cancel.is_set() or self.own_token.cancelled)
+            slot = rt.pool.acquire(self.key, self.tokens, lambda: token.cancelled)
             ctx = slot.ctx
-            for t in tokens:
-                t._attach(ctx)
-                attached.append(t)
+            token._attach(ctx)  # (raises CancelledError if it was cancelled meanwhile)
+            attached = True
             if rt.cache_before is not None and self.cache_prompt and not self.salt:
                 rt.cache_before(slot, self)   # a saved state that shares more of the prompt
             ctx.set_state(self.state)           # a pointer compare when already applied
@@ -811,7 +858,7 @@ class _Request:
             def on_token(tok, lp=None):
                 # lp: (logprob, top) from the row tok was sampled from, given
                 # by Context.generate (and the Python loop) when logprobs are on
-                if self.cancel.is_set():
+                if token.cancelled:
                     return True
                 if lp is not None:
                     lps.append(lp)
@@ -850,8 +897,8 @@ class _Request:
             self._check_stopped()
             return res
         finally:
-            for t in attached:
-                t._detach(slot.ctx)
+            if attached:
+                token._detach(slot.ctx)
             if slot is not None:
                 rt.pool.release(slot)
             self._release()
