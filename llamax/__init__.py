@@ -39,7 +39,12 @@ except ModuleNotFoundError as _e:
         "finds the installed llamax instead.", name="llamax._core") from None
 
 from llamax.llama import CancelToken, Llama  # noqa: E402,F401
-from llamax.request import Share  # noqa: E402,F401
+# the engine's typed surface (llamax.engine): what every front submits, and gets back
+from llamax.engine import (  # noqa: E402,F401
+    AdapterSet, Engine, GenerationRequest, GrammarSpec, ReasoningBudget, Result, Share, Text, VectorRef,
+)
+from llamax.sampling import SamplingParams  # noqa: E402,F401
+from llamax.request import RequestHandle  # noqa: E402,F401
 # llama-cpp-python's high-level names, for `import llamax as llama_cpp`
 from llamax.llama_types import *  # noqa: E402,F401,F403
 from llamax import llama_types  # noqa: E402
@@ -62,6 +67,8 @@ __all__ = [
     "Model", "Context", "LoraAdapter", "ControlVector", "State", "Sampler", "Batcher", "BatchSequence",
     "set_log_level", "system_info", "sgemm_info", "supports_gpu_offload", "lora_table_supported", "token_logprobs", "gpu_devices", "Llama", "CancelToken", "ChatTemplate", "ChatTemplateError",
     "Embedder", "cos_sim", "FetchError", "usable_cores",
+    "AdapterSet", "Engine", "GenerationRequest", "GrammarSpec", "ReasoningBudget", "RequestHandle", "Result",
+    "SamplingParams", "Share", "Text", "VectorRef",
 ]
 __all__ += [
     "LlamaGrammar", "BaseLlamaCache", "LlamaCache", "LlamaDiskCache", "LlamaRAMCache", "LlamaState",

@@ -12,7 +12,7 @@ import time
 
 from llamax._core import LoraAdapter, Model
 from llamax._errors import AdapterInUseError, ArgumentTypeError, InvalidArgumentError, UnknownAdapterError
-from llamax._validate import check_float, check_int
+from llamax._validate import check_int
 
 __all__ = ["AdapterRegistry"]
 
@@ -115,14 +115,14 @@ class AdapterRegistry:
 
     # -- requests ---------------------------------------------------------
 
-    def acquire(self, specs) -> tuple[list, list[str]]:
-        """Resolve ``[{"name", "scale"}, ...]`` to ``[(LoraAdapter, scale)]``
-        and count them in use (an adapter in use is not unloaded to make room).
+    def acquire(self, parsed) -> tuple[list, list[str]]:
+        """Resolve ``((name, scale), ...)`` (``AdapterSet.loras``, checked by
+        ``llamax.engine.parse_loras``) to ``[(LoraAdapter, scale)]`` and
+        count them in use (an adapter in use is not unloaded to make room).
 
         Every name is checked before anything is loaded; an unknown one raises
         UnknownAdapterError.  Call :meth:`release` with the returned names.
         """
-        parsed = _parse_specs(specs)
         if not parsed:
             return [], []
         names = [n for n, _ in parsed]
@@ -196,28 +196,3 @@ class AdapterRegistry:
         # (a running request, a context that still has it applied).
         e.adapter.close()
         e.adapter = None
-
-
-def _parse_specs(specs):
-    if specs is None:
-        return []
-    if isinstance(specs, (str, bytes, dict)) or not hasattr(specs, "__iter__"):
-        raise ArgumentTypeError("active_loras must be a list of {'name': str, 'scale': float}")
-    out = []
-    seen = set()
-    for i, s in enumerate(specs):
-        if not isinstance(s, dict):
-            raise ArgumentTypeError(f"active_loras[{i}] must be a dict with 'name' and 'scale'")
-        unknown = set(s) - {"name", "scale"}
-        if unknown:
-            raise ArgumentTypeError(f"active_loras[{i}] has unknown keys {sorted(unknown)}")
-        name = s.get("name")
-        if not isinstance(name, str):
-            raise ArgumentTypeError(f"active_loras[{i}]['name'] must be a str")
-        scale = check_float(s.get("scale", 1.0), f"active_loras[{i}]['scale']", error=InvalidArgumentError,
-                            msg=f"active_loras[{i}]['scale'] must be a finite number")
-        if name in seen:
-            raise InvalidArgumentError(f"adapter {name!r} appears twice in active_loras")
-        seen.add(name)
-        out.append((name, scale))
-    return out

@@ -32,8 +32,9 @@ from llamax._validate import check_bool, check_bools, check_float, check_int, is
 from llamax.pool import _BatchPool, _BatchSlot, _Pool, _Slot
 from llamax.formatters import ChatFormatter, CompletionFormatter
 from llamax.sampling import SamplingParams
+from llamax.engine import AdapterSet, GenerationRequest, GrammarSpec, ReasoningBudget, Share, parse_loras
 from llamax.request import (
-    GenerationRequest, GrammarSpec, PreparedEmbedding, PreparedRequest, ReasoningBudget, Runtime, Share, _Request, salt_id, check_processors,
+    PreparedEmbedding, PreparedRequest, RequestHandle, Runtime, _Request, salt_id, check_processors,
     completion_logprobs, grammar_text, row_logprobs,
 )
 
@@ -105,14 +106,14 @@ def _template_variables(chat_template_kwargs, reasoning_effort) -> dict:
 
 
 def _merge_stops(stop, extra):
-    """The caller's stop strings and the chat format's (checked by _submit)."""
+    """The caller's stop strings and the chat format's (checked by submit)."""
     if stop is None:
         return list(extra)
     if isinstance(stop, str):
         return [stop] + [s for s in extra if s != stop]
     if isinstance(stop, (list, tuple)):
         return list(stop) + [s for s in extra if s not in stop]
-    return stop  # the wrong type: _submit says so
+    return stop  # the wrong type: submit says so
 
 
 def _check_chat_handler(handler) -> None:
@@ -647,7 +648,7 @@ class Llama(_SessionMixin):
         name = Path(os.fsdecode(path)).stem or "default"
         self.load_lora(name, path)
         spec = [{"name": name, "scale": scale}]
-        adapters, names = self._adapters.acquire(spec)
+        adapters, names = self._adapters.acquire(parse_loras(spec))
         self._default_pins = names  # held while it is the default: the session's state uses it
         self._default_loras = spec
         self._base_state = State(self._model, adapters, None)
@@ -670,7 +671,10 @@ class Llama(_SessionMixin):
     def list_control_vectors(self) -> list[str]:
         return sorted(self._cvecs)
 
-    def _resolve_cvec(self, control_vector, control_vectors) -> ControlVector | None:
+    def _resolve_cvec(self, control_vector, control_vectors: tuple) -> ControlVector | None:
+        """The one control vector a request applies: llama-cpp-python's
+        ``control_vector`` and the named ones (:class:`~llamax.engine.VectorRef`\\ s),
+        scaled and summed."""
         parts = []
         if control_vector is not None:
             if isinstance(control_vector, ControlVector):
@@ -688,22 +692,13 @@ class Llama(_SessionMixin):
             else:
                 raise ArgumentTypeError("control_vector must be a dict {'data', 'layer_start', 'layer_end'} "
                                         "or a llamax.ControlVector")
-        if control_vectors is not None and not isinstance(control_vectors, (list, tuple)):
-            raise ArgumentTypeError("control_vectors must be a list of {'name', 'scale', ...}")
-        if control_vectors:
-            if isinstance(control_vectors, (dict, str)):
-                raise ArgumentTypeError("control_vectors must be a list of {'name', 'scale', ...}")
-            for i, spec in enumerate(control_vectors):
-                if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
-                    raise ArgumentTypeError(f"control_vectors[{i}] must be a dict with a 'name'")
-                unknown = set(spec) - {"name", "scale", "layer_start", "layer_end"}
-                if unknown:
-                    raise ArgumentTypeError(f"control_vectors[{i}] has unknown keys {sorted(unknown)}")
-                cv = self._cvecs.get(spec["name"])
+        for i, ref in enumerate(control_vectors):
+            if True:
+                cv = self._cvecs.get(ref.name)
                 if cv is None:
-                    raise UnknownAdapterError(f"no control vector named {spec['name']!r} is loaded")
-                scale = spec.get("scale", 1.0)
-                ls, le = spec.get("layer_start"), spec.get("layer_end")
+                    raise UnknownAdapterError(f"no control vector named {ref.name!r} is loaded")
+                scale = ref.scale
+                ls, le = ref.layer_start, ref.layer_end
                 if ls is not None or le is not None:
                     ls = cv.layer_start if ls is None else ls
                     le = cv.layer_end if le is None else le
@@ -726,15 +721,16 @@ class Llama(_SessionMixin):
 
     # -- state ---------------------------------------------------------------
 
-    def _state(self, active_loras, control_vector, control_vectors) -> tuple[State, list[str]]:
+    def _state(self, adapters: AdapterSet) -> tuple[State, list[str]]:
         """Resolve the request's state: an interned :class:`State` (its id
         keys the prefix cache; it holds its adapters while the request runs)
         and the adapter names pinned for it (release them).  Unknown names
         raise before anything runs."""
-        cv = self._resolve_cvec(control_vector, control_vectors)
-        if active_loras is None:
-            active_loras = self._default_loras  # lora_path's adapter, or the base model
-        adapters, names = self._adapters.acquire(active_loras)
+        cv = self._resolve_cvec(adapters.control_vector, adapters.vectors)
+        loras = adapters.loras
+        if loras is None:  # lora_path's adapter, or the base model
+            loras = () if self._default_loras is None else parse_loras(self._default_loras)
+        adapters, names = self._adapters.acquire(loras)
         try:
             return State(self._model, adapters, cv), names
         except BaseException:
@@ -853,12 +849,13 @@ class Llama(_SessionMixin):
             tokens, prefix_text = self._prompt_tokens(prompt), None
         else:
             tokens, prefix_text = self._infill_tokens(prompt, suffix)
-        req = self._submit(GenerationRequest(
-            tokens=tokens, logprobs=logprobs, max_tokens=max_tokens, sampling=SamplingParams.from_keywords(locals()),
-            stop=stop, grammar=None if grammar is None else GrammarSpec(grammar), active_loras=active_loras,
-            control_vector=control_vector, control_vectors=control_vectors, share=share, cache_salt=cache_salt,
-            cache_prompt=cache_prompt, cancel=cancel, logits_processor=logits_processor,
-            stopping_criteria=stopping_criteria, reasoning_budget=None))
+        handle = self.submit(GenerationRequest(
+            tokens=tokens, sampling=SamplingParams.from_keywords(locals()),
+            adapters=AdapterSet.of(active_loras, control_vectors, control_vector), max_tokens=max_tokens,
+            logprobs=logprobs, stop=stop, grammar=None if grammar is None else GrammarSpec(grammar),
+            share=share,
+            cache_salt=cache_salt, cache_prompt=cache_prompt, cancel=cancel,
+            logits_processor=logits_processor, stopping_criteria=stopping_criteria))
         cid = f"cmpl-{uuid.uuid4()}"
         created = int(time.time())
         name = model or self.model_path
@@ -869,14 +866,14 @@ class Llama(_SessionMixin):
         echo_lp = None
         if echo and logprobs is not None:
             # OpenAI's echo with logprobs: an entry per prompt token too (the first without logprobs)
-            scored = self._prompt_logprobs(tokens, logprobs, req.state)
+            scored = self._prompt_logprobs(tokens, logprobs, handle.state)
             echo_lp = completion_logprobs(self._model, [t for t, _, _ in scored],
                                           [(lp, top or []) for _, lp, top in scored], 0)
             echo_lp["top_logprobs"][0] = None
         # text offsets count from the prompt's start, echoed or not (OpenAI's and llama-cpp-python's)
         fmt = CompletionFormatter(self._model, cid, created, name, logprobs, full_prompt if echo else "",
                                   len(full_prompt), echo_lp)
-        return PreparedRequest(req, fmt, stream)
+        return PreparedRequest(handle, fmt, stream)
 
     def create_completion(self, prompt, **kwargs):
         """OpenAI-style text completion: :meth:`prepare_completion` (same
@@ -975,15 +972,15 @@ class Llama(_SessionMixin):
             n_top = 0 if top_logprobs is None else top_logprobs
             n_top = check_int(n_top, "top_logprobs", 0, 20, error=InvalidArgumentError,
                               msg="top_logprobs must be an int in [0, 20]")
-        req = self._submit(GenerationRequest(
-            tokens=tokens, logprobs=n_top, max_tokens=max_tokens, sampling=SamplingParams.from_keywords(locals()),
-            stop=stop, grammar=None if grammar is None else GrammarSpec(grammar, triggers, starts),
-            active_loras=active_loras, control_vector=control_vector, control_vectors=control_vectors, share=share,
-            cache_salt=cache_salt, cache_prompt=cache_prompt, cancel=cancel, logits_processor=logits_processor,
-            stopping_criteria=stopping_criteria, reasoning_budget=budget))
+        handle = self.submit(GenerationRequest(
+            tokens=tokens, sampling=SamplingParams.from_keywords(locals()),
+            adapters=AdapterSet.of(active_loras, control_vectors, control_vector), max_tokens=max_tokens,
+            logprobs=n_top, stop=stop, grammar=None if grammar is None else GrammarSpec(grammar, triggers, starts),
+            share=share, cache_salt=cache_salt, cache_prompt=cache_prompt, cancel=cancel,
+            logits_processor=logits_processor, stopping_criteria=stopping_criteria, reasoning_budget=budget))
         fmt = ChatFormatter(self._model, f"chatcmpl-{uuid.uuid4()}", int(time.time()), model or self.model_path,
                             bool(logprobs), plan)
-        return PreparedRequest(req, fmt, stream)
+        return PreparedRequest(handle, fmt, stream)
 
     def _check_deterministic(self, deterministic) -> None:
         """A request's ``deterministic=True`` is honoured by a Llama made with
@@ -1191,7 +1188,7 @@ class Llama(_SessionMixin):
             # Tokenized without the GIL and before any lock: the vocabulary is read-only.
             tokens, offsets = self._model.tokenize_batch(list(texts), add_special=True, max_tokens=limit,
                                                          truncate=bool(truncate))
-        state, names = self._state(active_loras, control_vector, control_vectors)
+        state, names = self._state(AdapterSet.of(active_loras, control_vectors, control_vector))
 
         def run(cancel: CancelToken) -> np.ndarray:
             self._check_open()
@@ -1320,13 +1317,23 @@ class Llama(_SessionMixin):
             tokens = np.array([bos], np.int32)
         return tokens
 
-    def _submit(self, p: GenerationRequest) -> _Request:
-        """The engine's door: check a typed request, make its sampler,
-        resolve and pin its adapters, and hand back the request ready to run
-        on this Llama's contexts or batchers."""
-        cancel = p.cancel
-        if cancel is not None and not isinstance(cancel, CancelToken):
-            raise ArgumentTypeError(f"cancel must be a llamax.CancelToken, not {type(cancel).__name__}")
+    def submit(self, p: GenerationRequest) -> RequestHandle:
+        """The engine's one entry (:class:`llamax.engine.Engine`), which
+        every front calls: check a typed request against the model, make
+        its sampler, resolve and pin its adapters, and hand back its
+        :class:`~llamax.request.RequestHandle`, ready to run on this
+        Llama's contexts or batchers (nothing runs until it is iterated or
+        awaited)."""
+        self._check_open()
+        if not isinstance(p, GenerationRequest):
+            raise ArgumentTypeError(f"submit takes a llamax.GenerationRequest, not {type(p).__name__}")
+        tokens = p.tokens
+        if not isinstance(tokens, np.ndarray) or tokens.ndim != 1 or tokens.dtype != np.int32 or not len(tokens):
+            raise ArgumentTypeError("GenerationRequest.tokens must be a non-empty 1-D int32 array of token ids")
+        n_vocab = self._model.n_vocab
+        bad = tokens[(tokens < 0) | (tokens >= n_vocab)]
+        if len(bad):
+            raise TokenError(f"token id {int(bad[0])} is outside [0, n_vocab={n_vocab})")
         if not self._pool.slots:
             # vocab_only=True or n_contexts=0: no context to run on (the pool would wait forever)
             raise InvalidArgumentError("this Llama has no generation context (vocab_only=True or n_contexts=0)")
@@ -1357,19 +1364,17 @@ class Llama(_SessionMixin):
                           grammar_start_triggers=None if p.grammar is None else p.grammar.start_triggers,
                           **({} if rb is None else dict(reasoning_budget=rb.tokens, reasoning_budget_message=rb.message,
                                                         reasoning_started_open=rb.started_open)))
-        share = p.share
-        if share is not None and not isinstance(share, Share):
-            raise ArgumentTypeError(f"share must be a llamax.Share, not {type(share).__name__}")
+        check_bools(cache_prompt=p.cache_prompt)
         salt_id(p.cache_salt)  # (checks its type)
         # Resolved last: it pins adapters, which the request must release.
-        state, names = self._state(p.active_loras, p.control_vector, p.control_vectors)
+        state, names = self._state(p.adapters)
         rt = Runtime(model=self._model, pool=self._pool, release=self._adapters.release,
                      cache_before=self._cache_before if self.cache is not None else None,
                      cache_after=self._cache_after if self.cache is not None else None,
                      prefix_chunk=self._prefix_chunk, prefix_cache=self._prefix_cache,
                      prefix_exact=self._prefix_exact, draft=self._native_draft())
-        return _Request(rt, p.tokens, sampler, max_tokens, stops, p.logprobs, state, names, cancel, p.cache_prompt,
-                        p.logits_processor, p.stopping_criteria, share, p.cache_salt)
+        return RequestHandle(_Request(rt, tokens, sampler, max_tokens, stops, p.logprobs, state, names, p.cancel,
+                                      p.cache_prompt, p.logits_processor, p.stopping_criteria, p.share, p.cache_salt))
 
     def _native_draft(self):
         """``Context.generate(draft=...)`` for the draft model, if the native

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import codecs
 import dataclasses
-import hashlib
 import queue
 import threading
 from typing import Any, Iterator
@@ -16,59 +15,151 @@ import numpy as np
 from llamax._core import Context, Model, token_logprobs
 from llamax._errors import ArgumentTypeError, CancelledError, InvalidArgumentError, LlamaxError
 from llamax.cancel import CancelToken
+from llamax.engine import (AdapterSet, GenerationRequest, GrammarSpec, ReasoningBudget, Result, Share, Text,
+                           id63)
 from llamax.pool import _BatchPool, _lcp
-from llamax.sampling import SamplingParams
 
-__all__ = ["PreparedEmbedding", "PreparedRequest", "Runtime"]
+__all__ = ["PreparedEmbedding", "PreparedRequest", "RequestHandle", "Runtime",
+           # (the engine's types, where the request's callers have found them)
+           "AdapterSet", "GenerationRequest", "GrammarSpec", "ReasoningBudget", "Result", "Share", "Text"]
 
 
 class _Chunks:
-    """A stream's chunks from a request's pieces, made by its formatter
-    (llamax.formatters): the first ones, those of each text piece, the last
-    ones (given the _Result; the usage is added to the very last)."""
+    """A stream's chunks from a request's events, made by its formatter
+    (llamax.formatters): the first ones, those of each Text, the last ones
+    (given the Result; the usage is added to the very last)."""
 
     __slots__ = ("fmt",)
 
     def __init__(self, fmt):
         self.fmt = fmt
 
-    def sync(self, pieces):
+    def sync(self, events):
         yield from self.fmt.head()
         res = None
-        for p in pieces:
-            if isinstance(p, _Result):
-                res = p
-            elif p:
-                yield from self.fmt.piece(p)
+        for ev in events:
+            if isinstance(ev, Result):
+                res = ev
+            elif ev.text:
+                yield from self.fmt.piece(ev)
         yield from self._last(res)
 
     def _last(self, res):
         *rest, last = self.fmt.tail(res)
         return [*rest, last | {"usage": res.usage()}]
 
-    async def aio(self, pieces):
+    async def aio(self, events):
         try:
             for c in self.fmt.head():
                 yield c
             res = None
-            async for p in pieces:
-                if isinstance(p, _Result):
-                    res = p
-                elif p:
-                    for c in self.fmt.piece(p):
+            async for ev in events:
+                if isinstance(ev, Result):
+                    res = ev
+                elif ev.text:
+                    for c in self.fmt.piece(ev):
                         yield c
             for c in self._last(res):
                 yield c
         finally:
             # a consumer that stops early (a server's client went away) ends
-            # the request now, not when the garbage collector finds `pieces`
-            await pieces.aclose()
+            # the request now, not when the garbage collector finds `events`
+            await events.aclose()
+
+
+class RequestHandle:
+    """A submitted generation: what :meth:`Llama.submit` (the
+    :class:`~llamax.engine.Engine`'s one entry) returns.
+
+    Run it once, in one of four ways: :meth:`events` / :meth:`aevents`
+    yield :class:`~llamax.engine.Text` events as the reply is generated and
+    then its :class:`~llamax.engine.Result`; :meth:`result` /
+    :meth:`aresult` run it to the end.  Stopping an event iterator early
+    cancels the rest.  :meth:`cancel` may be called from any thread, at
+    any time; :meth:`close` lets go of a request that will not run (its
+    adapter pins, held from :meth:`Llama.submit` on)."""
+
+    __slots__ = ("_req", "_used", "done")
+
+    def __init__(self, req: _Request):
+        self._req = req
+        self._used = False
+        self.done: Result | None = None  # the Result, once it has ended
+
+    @property
+    def n_prompt_tokens(self) -> int:
+        """The prompt's length in tokens (what must fit the context)."""
+        return len(self._req.tokens)
+
+    @property
+    def state(self):
+        """The :class:`llamax.State` it runs under (its adapters)."""
+        return self._req.state
+
+    def _take(self) -> _Request:
+        if self._used:
+            raise InvalidArgumentError("this request has run already: submit (or prepare) another")
+        self._used = True
+        return self._req
+
+    def _keep(self, res: Result) -> Result:
+        self.done = res
+        return res
+
+    def result(self) -> Result:
+        """Run to the end on this thread (the GIL released while it computes)."""
+        return self._keep(self._take().run())
+
+    async def aresult(self) -> Result:
+        """:meth:`result` without a thread: the event loop is woken by the batcher."""
+        return self._keep(await self._take().arun())
+
+    def events(self) -> Iterator:
+        """The Text events as they are generated, then the Result."""
+        items = self._take().stream()
+        try:
+            for item in items:
+                if isinstance(item, Result):
+                    self._keep(item)
+                yield item
+        finally:
+            items.close()  # a consumer that stops early ends the request now
+
+    async def aevents(self):
+        """Async iterator of :meth:`events`' events."""
+        items = self._take().astream(True)
+        try:
+            async for item in items:
+                if isinstance(item, Result):
+                    self._keep(item)
+                yield item
+        finally:
+            await items.aclose()
+
+    def cancel(self) -> None:
+        """Stop the request at its next step (it then raises CancelledError,
+        or its events end).  Thread-safe; a no-op once it has ended."""
+        self._req.stop()
+
+    def close(self) -> None:
+        """Let go of a request that will not run (its adapter pins)."""
+        if not self._used:
+            self._used = True
+            self._req._release()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
 
 class PreparedRequest:
     """A completion or chat completion, checked and ready to run: what
     :meth:`Llama.prepare_completion` and :meth:`Llama.prepare_chat_completion`
-    return, and what ``create_*`` run at once.
+    return, and what ``create_*`` run at once: a :class:`RequestHandle` and
+    the formatter (``llamax.formatters``) that shapes its events as OpenAI's
+    objects.
 
     Preparing does everything that can refuse the request (arguments, the
     prompt's tokens, the grammar, the adapters it names, which are pinned
@@ -78,80 +169,53 @@ class PreparedRequest:
     :meth:`astream` (its chunks; the last carries ``usage``).
     :meth:`cancel` may be called from any thread, at any time."""
 
-    __slots__ = ("_req", "_fmt", "_chunks", "streaming", "_used", "_done")
+    __slots__ = ("handle", "_fmt", "_chunks", "streaming")
 
-    def __init__(self, req: _Request, fmt, streaming: bool):
-        self._req = req
+    def __init__(self, handle, fmt, streaming: bool):
+        self.handle = handle  # a RequestHandle (or one with its surface: a Ray replica's, relayed)
         self._fmt = fmt  # its OpenAI shape (llamax.formatters)
         self._chunks = _Chunks(fmt)
         self.streaming = streaming  # what create_* was asked for: chunks (True) or one dict
-        self._used = False
-        self._done: _Result | None = None
 
     @property
     def n_prompt_tokens(self) -> int:
         """The prompt's length in tokens (what must fit the context)."""
-        return len(self._req.tokens)
+        return self.handle.n_prompt_tokens
 
     @property
     def usage(self) -> dict | None:
         """The usage block, once the request has ended (None before)."""
-        return None if self._done is None else self._done.usage()
+        done = self.handle.done
+        return None if done is None else done.usage()
 
     @property
     def finish_reason(self) -> str | None:
         """``stop`` or ``length`` once the request has ended (None before)."""
-        return None if self._done is None else self._done.finish_reason
+        done = self.handle.done
+        return None if done is None else done.finish_reason
 
     @property
     def queue_seconds(self) -> float | None:
         """With ``n_parallel > 1``: how long it waited for a batcher slot,
         once it has ended (None before, and without a batcher)."""
-        return None if self._done is None else self._done.queue_seconds
-
-    def _take(self) -> _Request:
-        if self._used:
-            raise InvalidArgumentError("this prepared request has run already: prepare another")
-        self._used = True
-        return self._req
-
-    def _keep(self, res: _Result) -> _Result:
-        self._done = res
-        return res
+        done = self.handle.done
+        return None if done is None else done.queue_seconds
 
     def run(self) -> dict:
         """Run to the end on this thread (the GIL released while it computes)."""
-        return self._fmt.whole(self._keep(self._take().run()))
+        return self._fmt.whole(self.handle.result())
 
     async def arun(self) -> dict:
         """:meth:`run` without a thread: the event loop is woken by the batcher."""
-        return self._fmt.whole(self._keep(await self._take().arun()))
+        return self._fmt.whole(await self.handle.aresult())
 
     def stream(self) -> Iterator[dict]:
         """The chunks, as they are generated; stopping early cancels the rest."""
-        return self._chunks.sync(self._kept(self._take().stream()))
+        return self._chunks.sync(self.handle.events())
 
     def astream(self):
         """Async iterator of the chunks (see :meth:`stream`)."""
-        return self._chunks.aio(self._akept(self._take().astream(True)))
-
-    def _kept(self, items):
-        try:
-            for item in items:
-                if isinstance(item, _Result):
-                    self._keep(item)
-                yield item
-        finally:
-            items.close()  # a consumer that stops early ends the request now
-
-    async def _akept(self, items):
-        try:
-            async for item in items:
-                if isinstance(item, _Result):
-                    self._keep(item)
-                yield item
-        finally:
-            await items.aclose()
+        return self._chunks.aio(self.handle.aevents())
 
     def deliver(self):
         """What ``create_*`` returns: :meth:`stream` or :meth:`run`, as prepared."""
@@ -164,13 +228,11 @@ class PreparedRequest:
     def cancel(self) -> None:
         """Stop the request at its next step (it then raises CancelledError,
         or its stream ends).  Thread-safe; a no-op once it has ended."""
-        self._req.stop()
+        self.handle.cancel()
 
     def close(self) -> None:
         """Let go of a request that will not run (its adapter pins)."""
-        if not self._used:
-            self._used = True
-            self._req._release()
+        self.handle.close()
 
     def __enter__(self):
         return self
@@ -256,96 +318,6 @@ class Runtime:
     draft: Any                      # ((max_ngram, n_pred), adaptive) for the native loop, or None
 
 
-@dataclasses.dataclass(frozen=True)
-class GrammarSpec:
-    """What constrains a reply: GBNF text (or a :class:`llamax.LlamaGrammar`)
-    and, for a lazy grammar (tool calls), the literal texts that switch it
-    on anywhere (``triggers``) or only where the output begins
-    (``start_triggers``)."""
-
-    grammar: Any
-    triggers: tuple[str, ...] | None = None
-    start_triggers: tuple[str, ...] | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class ReasoningBudget:
-    """A bound on the reply's ``<think>`` section: after ``tokens`` tokens
-    in it, the section is closed for the model (``message`` first, if any);
-    ``started_open``: the prompt opened it."""
-
-    tokens: int
-    message: str | None = None
-    started_open: bool = False
-
-
-@dataclasses.dataclass(frozen=True)
-class GenerationRequest:
-    """One generation, typed: what ``Llama.prepare_completion`` and
-    ``prepare_chat_completion`` hand to the engine (``Llama._submit``), which
-    checks and resolves it into a running request.  Every field is required,
-    so a front that forgets one (a fork whose chat path dropped
-    ``active_loras`` is the failure this prevents) fails when it is called,
-    not silently.  The adapters are as the caller named them (a list of
-    ``{"name", "scale"}``; None: the Llama's default set), resolved and
-    pinned by the engine."""
-
-    tokens: np.ndarray                 # the prompt (checked token ids)
-    logprobs: int | None               # top alternatives per generated token (None: no logprobs)
-    max_tokens: int | None             # None or <= 0: until the context is full
-    sampling: SamplingParams           # every sampling field (llamax.sampling: declared once)
-    stop: Any                          # str, list of str, or None
-    grammar: GrammarSpec | None
-    active_loras: Any
-    control_vector: Any                # llama-cpp-python's single vector (a name, or None)
-    control_vectors: Any               # [{"name", "scale"}, ...] or None
-    share: Share | None                # who it runs for (the batcher's fair share of slots)
-    cache_salt: str | None             # the prefix cache's scope (None: shared)
-    cache_prompt: bool                 # False: reuse no cached prefix
-    cancel: CancelToken | None
-    logits_processor: Any              # llama-cpp-python's lists: Python per token (None: the native loop)
-    stopping_criteria: Any
-    reasoning_budget: ReasoningBudget | None
-
-
-@dataclasses.dataclass(frozen=True)
-class Share:
-    """Who a request runs for, as the batcher orders waiting requests:
-    free slots go to the highest ``priority`` first, then to the tenant
-    holding the fewest slots per unit of ``weight`` (see
-    :class:`llamax.Batcher`); ``max_slots``: at most that many of the
-    tenant's requests hold slots at once, the others wait.  ``Llama.prepare_*(share=Share("acme", 2.0))``."""
-
-    tenant: str
-    weight: float = 1.0
-    priority: int = 0
-    max_slots: int | None = None   # at most this many of the tenant's requests run at once (per batcher)
-
-    def __post_init__(self):
-        if not isinstance(self.tenant, str) or not self.tenant:
-            raise ArgumentTypeError("Share.tenant must be a non-empty str")
-        if isinstance(self.weight, bool) or not isinstance(self.weight, (int, float)) or \
-                not (0 < self.weight < 1e9):
-            raise InvalidArgumentError(f"Share.weight must be a number > 0 (and < 1e9), not {self.weight!r}")
-        if isinstance(self.priority, bool) or not isinstance(self.priority, int) or \
-                not (-2**31 <= self.priority < 2**31):
-            raise InvalidArgumentError(f"Share.priority must be an int32, not {self.priority!r}")
-        if self.max_slots is not None and (isinstance(self.max_slots, bool) or not isinstance(self.max_slots, int)
-                                           or not 1 <= self.max_slots < 2**31):
-            raise InvalidArgumentError(f"Share.max_slots must be None or an int >= 1, not {self.max_slots!r}")
-
-    @property
-    def tenant_id(self) -> int:
-        """The tenant as the batcher knows it (63 bits of its name's hash; never 0)."""
-        return id63("tenant:" + self.tenant) or 1
-
-
-def id63(text: str) -> int:
-    """A stable 63-bit id of a text (BLAKE2b)."""
-    return int.from_bytes(hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=8).digest(),
-                          "little") >> 1
-
-
 def salt_id(cache_salt: str | None) -> int:
     """The batcher's cache_salt for a request's (0: the shared cache)."""
     if cache_salt is None:
@@ -381,31 +353,6 @@ def apply_processors(processor, input_ids: np.ndarray, row: np.ndarray, n_vocab:
     if out.shape != (n_vocab,):
         raise InvalidArgumentError(f"a logits processor returned shape {out.shape}, not ({n_vocab},)")
     return out
-
-
-class _Result:
-    __slots__ = ("text", "tokens", "n_prompt", "n_cached", "finish_reason", "logprobs", "model", "queue_seconds")
-
-    def __init__(self, model):
-        self.model = model
-        self.text = ""
-        self.tokens = []
-        self.n_prompt = 0
-        self.n_cached = 0  # prompt tokens whose KV was reused
-        self.queue_seconds = None  # batched: how long it waited for a slot
-        self.finish_reason = "length"
-        self.logprobs = []  # per token: (logprob, [(token, logprob), ...])
-
-    def usage(self):
-        return {"prompt_tokens": self.n_prompt, "completion_tokens": len(self.tokens),
-                "total_tokens": self.n_prompt + len(self.tokens),
-                "prompt_tokens_details": {"cached_tokens": self.n_cached}}
-
-    def completion_logprobs(self, offset=0):
-        return completion_logprobs(self.model, self.tokens, self.logprobs, offset)
-
-    def chat_logprobs(self):
-        return chat_logprobs(self.model, self.tokens, self.logprobs)
 
 
 def _finite(lp) -> None:
@@ -448,17 +395,11 @@ def chat_logprobs(model, tokens, logprobs) -> dict:
     return {"content": content, "refusal": None}
 
 
-class _Piece(str):
-    """A streamed text piece, with the tokens (and their logprobs) read
-    since the previous piece when the request asked for logprobs."""
-
-    tokens: list = []
-    logprobs: list = []
-
-
 class _PieceMaker:
-    """Turns the assembler's text pieces into _Pieces carrying the tokens
-    (and logprobs) that arrived since the last one."""
+    """Turns the assembler's text pieces into :class:`Text` events carrying
+    the tokens (and logprobs) that arrived since the previous one."""
+
+    __slots__ = ("emit", "tokens", "logprobs", "sent")
 
     def __init__(self, emit):
         self.emit = emit
@@ -467,11 +408,9 @@ class _PieceMaker:
         self.sent = 0
 
     def __call__(self, text):
-        p = _Piece(text)
-        p.tokens = self.tokens[self.sent:]
-        p.logprobs = self.logprobs[self.sent:]
-        self.sent = len(self.tokens)
-        self.emit(p)
+        n = len(self.tokens)
+        self.emit(Text(text, self.tokens[self.sent:n], self.logprobs[self.sent:n]))
+        self.sent = n
 
 
 class _Ready:
@@ -606,7 +545,7 @@ class _Request:
     loop, assemble text.
 
     One core, :meth:`_core`, an async generator of text pieces and then the
-    :class:`_Result`, runs every way a request can: on an event loop
+    :class:`Result`, runs every way a request can: on an event loop
     (:meth:`astream`) or on the caller's thread (:meth:`stream`, :meth:`run`,
     through :func:`_drive_sync`), on one context or one sequence of a
     batcher.  One :class:`CancelToken` per request stops it: :meth:`stop`,
@@ -659,36 +598,36 @@ class _Request:
 
     # -- the drivers: thin, over the one core ---------------------------------------
 
-    def run(self) -> _Result:
+    def run(self) -> Result:
         """Run to the end on this thread."""
         for item in _drive_sync(self._core(_SyncWaits, False)):
-            if isinstance(item, _Result):
+            if isinstance(item, Result):
                 return item
         raise AssertionError("unreachable: the core ends with its result")
 
     def stream(self) -> Iterator:
-        """Text pieces, then the _Result, on this thread; closing the
+        """Text pieces, then the Result, on this thread; closing the
         iterator early cancels the rest."""
         return _drive_sync(self._core(_SyncWaits, True))
 
-    async def arun(self) -> _Result:
+    async def arun(self) -> Result:
         core = self._core(_AsyncWaits, False)
         try:
             async for item in core:
-                if isinstance(item, _Result):
+                if isinstance(item, Result):
                     return item
         finally:
             await core.aclose()
         raise AssertionError("unreachable: the core ends with its result")
 
     def astream(self, streaming: bool = True):
-        """Text pieces (when streaming), then the _Result, on the event loop."""
+        """Text pieces (when streaming), then the Result, on the event loop."""
         return self._core(_AsyncWaits, streaming)
 
     # -- the core ---------------------------------------------------------------------
 
     async def _core(self, waits, streaming: bool):
-        """Text pieces (when ``streaming``), then the _Result.  ``waits``:
+        """Text pieces (when ``streaming``), then the Result.  ``waits``:
         how to wait (:class:`_SyncWaits` or :class:`_AsyncWaits`)."""
         link = self.user_token
         if link is not None:
@@ -756,11 +695,11 @@ class _Request:
         adapter pins are let go once the batcher has let the sequence go."""
         rt = self.rt
         model = rt.model
-        res = _Result(model)
+        res = Result()
         res.n_prompt = len(self.tokens)
         pieces: list[str] = []
-        maker = _PieceMaker(pieces.append) if streaming and self.logprobs is not None else None
-        text = _TextAssembler(model, self.stops, (maker or pieces.append) if streaming else None)
+        maker = _PieceMaker(pieces.append) if streaming else None
+        text = _TextAssembler(model, self.stops, maker)
         slot = seq = None
         attached = False
         try:
@@ -779,7 +718,7 @@ class _Request:
                 toks = await waits.tokens(seq)
                 if toks is None:
                     break
-                if maker is not None:
+                if maker is not None and self.logprobs is not None:
                     maker.logprobs = seq.logprobs
                 for tok in toks:
                     res.tokens.append(tok)
@@ -818,10 +757,10 @@ class _Request:
 
     # -- one context --------------------------------------------------------------------
 
-    def _execute(self, emit) -> _Result:
+    def _execute(self, emit) -> Result:
         rt = self.rt
         model = rt.model
-        res = _Result(model)
+        res = Result()
         res.n_prompt = len(self.tokens)
         slot = None
         token = self.token
@@ -850,8 +789,8 @@ class _Request:
             slot.tokens = self.tokens[:n_keep]
             slot.logits_n = -1
             slot.exact_n = 0
-            maker = _PieceMaker(emit) if emit is not None and self.logprobs is not None else None
-            text = _TextAssembler(model, self.stops, maker or emit)
+            maker = _PieceMaker(emit) if emit is not None else None
+            text = _TextAssembler(model, self.stops, maker)
             want_cb = emit is not None or self.stops or self.logprobs is not None
             lps = res.logprobs
 
@@ -862,9 +801,9 @@ class _Request:
                     return True
                 if lp is not None:
                     lps.append(lp)
-                    if maker is not None:
-                        maker.tokens.append(tok)
-                        maker.logprobs = lps
+                if maker is not None:
+                    maker.tokens.append(tok)
+                    maker.logprobs = lps
                 return text.add(tok)
 
             draft = rt.draft
@@ -984,7 +923,7 @@ def plan_prefix(slot, tokens: np.ndarray, key, policy: PrefixPolicy) -> int:
     return max(0, min(lcp, n - 1))  # any common prefix (prefix_cache_exact=False)
 
 
-def _finish(res: _Result, text: _TextAssembler, finish: str) -> None:
+def _finish(res: Result, text: _TextAssembler, finish: str) -> None:
     """The result's finish reason and text, one way for every driver: the
     native loop's and the batcher's reasons in OpenAI's words ("callback":
     the text assembler stopped it at a stop string, or the consumer left),

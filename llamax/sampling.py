@@ -14,7 +14,7 @@ where              what it does with a sampling field
 server.protocol    declares the wire field with its JSON type and bounds
 server.translate   ``body_keywords``: wire fields to ``prepare_*`` keywords
 Llama.prepare_*    keywords (one per field), gathered by ``from_keywords``
-SamplingParams     carried in ``GenerationRequest.sampling`` to ``Llama._submit``
+SamplingParams     carried in ``GenerationRequest.sampling`` to ``Llama.submit``
 Sampler            ``sampler_kwargs()``: the native sampler checks each value
 =================  ========================================================
 

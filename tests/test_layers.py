@@ -40,6 +40,9 @@ LAYERS = [
     # leaf helpers
     ["llamax.cancel", "llamax._fetch", "llamax.models", "llamax.llama_types", "llamax.gguf_tools",
      "llamax._sgemm", "llamax.sampling"],
+    # the engine's typed surface: what every front submits (GenerationRequest, AdapterSet,
+    # Share, ...) and the events it gets back; on sampling and cancel only
+    ["llamax.engine"],
     # the building blocks of Llama
     ["llamax.pool", "llamax.grammar", "llamax.adapters", "llamax.control_vectors", "llamax.peft",
      "llamax.llama_cache", "llamax.templates", "llamax._sandbox", "llamax._session",
