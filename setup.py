@@ -83,7 +83,8 @@ def extensions():
         lflags.append("-Wl,--exclude-libs,ALL")
     ext = Extension(
         "llamax._core",
-        sources=["llamax/_core.pyx", "csrc/llamax.cpp", "csrc/batcher.cpp", "csrc/packed_gemm.cpp"],
+        sources=["llamax/_core.pyx", "csrc/llamax.cpp", "csrc/batcher.cpp", "csrc/batch_plan.cpp",
+                 "csrc/packed_gemm.cpp"],
         include_dirs=["csrc"],
         language="c++",
         extra_compile_args=cflags,

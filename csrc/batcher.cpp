@@ -879,7 +879,7 @@ void Batcher::run() {
             c = SlotCache();
         }
     }
-    have_group_ = false;
+    sched_.have = false;
 }
 
 void Batcher::release_orphaned_state() {
@@ -921,58 +921,33 @@ void Batcher::release_orphaned_state() {
     } catch (...) {
         return;  // (kept: the next switch frees them)
     }
-    have_group_ = false;
+    sched_.have = false;
 }
 
+// One step: which group runs and what goes into its decode (plain-data
+// decisions, batch_plan.h), the decode, then each sequence advanced.
 void Batcher::step(std::vector<SeqPtr> & running) {
     struct ClearSkip {  // skip_mix_ holds for one step
         bool & flag;
         bool was;
         ~ClearSkip() { if (was) flag = false; }
     } clear_skip{skip_mix_, skip_mix_};
-    // Which state group runs: the current one while its quantum lasts and it
-    // has sequences; otherwise the next group in slot order after the last
-    // one served (round robin), so every group gets the context in turn.
     // (a sequence whose token is still being sampled sits this step out)
     auto ready = [](const Seq & s) { return s.sampling_.load(std::memory_order_relaxed) == 0; };
-    bool cur_alive = false, other_waits = false;
-    for (const auto & s : running) {
-        if (ready(*s)) {
-            (have_group_ && sched_key(*s) == cur_group_ ? cur_alive : other_waits) = true;
-        }
-    }
-    if (!cur_alive || (other_waits && quantum_left_ <= 0)) {
-        // the first sequence at or after rr_ (cyclically) of another group
-        const SeqPtr * pick = nullptr;
-        for (int32_t k = 0; k < n_slots_ && pick == nullptr; ++k) {
-            const int32_t slot = (int32_t) ((rr_ + k) % n_slots_);
-            for (const auto & s : running) {
-                if (s->seq_ == slot && ready(*s) && (!have_group_ || sched_key(*s) != cur_group_)) {
-                    pick = &s;
-                    break;
-                }
-            }
-        }
-        for (size_t i = 0; pick == nullptr && i < running.size(); ++i) {
-            if (ready(*running[i])) {
-                pick = &running[i];
-            }
-        }
-        if (have_group_ && sched_key(**pick) != cur_group_) {
-            std::lock_guard<std::mutex> lk(mu_);
-            ++stats_.n_switches;
-        }
-        cur_group_ = sched_key(**pick);
-        have_group_ = true;
-        rr_ = (size_t) ((*pick)->seq_ + 1) % (size_t) n_slots_;
-        quantum_left_ = quantum_;
-    }
-    --quantum_left_;
 
+    // 1. The group: the state whose sequences this decode serves.
+    views_.clear();
+    for (const auto & s : running) {
+        views_.push_back({s->seq_, sched_key(*s), ready(*s)});
+    }
+    if (plan::pick_group(views_, n_slots_, quantum_, sched_)) {
+        std::lock_guard<std::mutex> lk(mu_);
+        ++stats_.n_switches;
+    }
     std::vector<SeqPtr> group;
     bool multi = false;  // this decode serves several adapter sets
     for (const auto & s : running) {
-        if (sched_key(*s) == cur_group_) {
+        if (sched_key(*s) == sched_.cur) {
             group.push_back(s);
         }
     }
@@ -981,134 +956,94 @@ void Batcher::step(std::vector<SeqPtr> & running) {
         multi = apply_group_state(group);
     } catch (const Error & e) {
         fail_all(group, e.kind, e.what());
-        have_group_ = false;
+        sched_.have = false;
         return;
     } catch (const std::exception & e) {
         fail_all(group, ErrorKind::Decode, e.what());
-        have_group_ = false;
+        sched_.have = false;
         return;
     }
 
-    // The batch: generating sequences first (one token each), then prompt
-    // chunks, up to n_batch tokens.
-    const int32_t budget = ctx_->n_batch();
-    bool newcomer_step = false;
-    if (reserve_.load(std::memory_order_relaxed) > 0 && !last_newcomer_only_) {
-        for (const auto & s : group) {
-            newcomer_step = newcomer_step || newcomer(*s, running);
-        }
+    // 2. The batch.
+    plan::BatchPolicy pol;
+    pol.budget = ctx_->n_batch();
+    pol.prompt_step = prompt_step_;
+    pol.prefix_chunk = prefix_chunk_;
+    pol.align = prefix_chunk_ > 0 && prefix_align_;
+    {
+        std::lock_guard<std::mutex> lk(mu_);
+        pol.alone = running.size() == 1 && pending_.empty();
     }
-    last_newcomer_only_ = newcomer_step;
-    if (newcomer_step) {
+    pol.newcomer_steps = reserve_.load(std::memory_order_relaxed) > 0 && !last_newcomer_only_;
+    pol.last_shorts_only = last_shorts_only_;
+    members_.clear();
+    for (const auto & s : group) {
+        plan::Member m;
+        m.seq = s->seq_;
+        m.ready = ready(*s);
+        m.newcomer = pol.newcomer_steps && newcomer(*s, running);
+        m.next = s->next_;
+        m.pos = s->pos_;
+        m.n_fed = s->n_fed_;
+        m.n_prompt = s->n_prompt_;
+        m.prompt = s->p_.prompt.data();
+        members_.push_back(m);
+        s->batch_row_ = -1;
+    }
+    plan::compose_batch(members_, pol, [&](int32_t i, plan::Member & m) {
+        const SeqPtr & s = group[(size_t) i];
+        if (!follow(s)) {
+            return false;
+        }
+        m.n_fed = s->n_fed_;  // (a follower's cells copied from its leader)
+        m.pos = s->pos_;
+        return true;
+    }, plan_);
+    last_newcomer_only_ = plan_.newcomer_step;
+    last_shorts_only_ = plan_.shorts_only;
+    if (plan_.newcomer_step) {
         std::lock_guard<std::mutex> lk(mu_);
         ++stats_.n_newcomer_steps;
     }
-    tok_buf_.clear();
-    pos_buf_.clear();
-    seq_buf_.clear();
-    out_buf_.clear();
     std::vector<SeqPtr> in_batch;
-    for (const auto & s : group) {
-        s->batch_row_ = -1;
-        if (!newcomer_step && s->n_fed_ == s->n_prompt_ && ready(*s) && (int32_t) tok_buf_.size() < budget) {
-            s->batch_row_ = (int32_t) tok_buf_.size();
-            tok_buf_.push_back(s->next_);
-            pos_buf_.push_back(s->pos_);
-            seq_buf_.push_back(s->seq_);
-            out_buf_.push_back(1);
-            in_batch.push_back(s);
-        }
+    for (const auto & part : plan_.parts) {
+        const SeqPtr & s = group[(size_t) part.member];
+        s->chunk_ = part.chunk;
+        s->batch_row_ = part.row;
+        in_batch.push_back(s);
     }
-    // Prompts, shortest remaining first.  A short one (at most prompt_step_
-    // tokens left: a chat turn) goes in whole; while one waits, long
-    // prompts sit the step out (not twice in a row), so a newcomer's first
-    // token costs one short decode, not a decode with a long chunk.  With
-    // other sequences active, a long prompt goes in prompt_step_ tokens per
-    // step (64 tokens of a 4,000-token prompt: ~0.4 s on one thread, 512:
-    // ~3 s; the prompt throughput is the same from 64 rows on -- below, the
-    // attention takes its per-row kernel, 2-3x slower deep in a long
-    // prompt); alone, n_batch per step (a newcomer preempts it).
-    std::vector<SeqPtr> prompts;
-    for (const auto & s : group) {
-        if (s->n_fed_ < s->n_prompt_ && (!newcomer_step || newcomer(*s, running))) {
-            prompts.push_back(s);
-        }
-    }
-    std::stable_sort(prompts.begin(), prompts.end(), [](const SeqPtr & a, const SeqPtr & b) {
-        return a->n_prompt_ - a->n_fed_ < b->n_prompt_ - b->n_fed_;
-    });
-    bool alone;
-    {
-        std::lock_guard<std::mutex> lk(mu_);
-        alone = running.size() == 1 && pending_.empty();
-    }
-    const bool align = prefix_chunk_ > 0 && prefix_align_;
-    bool any_short = false, any_long = false;
-    for (const auto & s : prompts) {
-        (s->n_prompt_ - s->n_fed_ <= prompt_step_ ? any_short : any_long) = true;
-    }
-    const bool shorts_only = any_short && any_long && !last_shorts_only_;
-    last_shorts_only_ = shorts_only;
-    bool long_chunk = false;       // this batch holds a chunk of a long prompt
-    int32_t min_left = INT32_MAX;  // the least prompt left among those
-    for (const auto & s : prompts) {
-        const int32_t left = s->n_prompt_ - s->n_fed_;
-        if (shorts_only && left > prompt_step_) {
-            continue;
-        }
-        if (follow(s)) {
-            const int32_t room = budget - (int32_t) tok_buf_.size();
-            if (room <= 0) {
-                break;
-            }
-            int32_t n = std::min(room, s->n_prompt_ - s->n_fed_);
-            if (align) {  // end at the next multiple of the chunk (prefix cache)
-                // (not prompt_step_: a cold run's chunk ends and a cached
-                // one's must be the same)
-                n = std::min(n, prefix_chunk_ - (int32_t) (s->pos_ % prefix_chunk_));
-            } else if (!alone) {
-                n = std::min(n, prompt_step_);
-            }
-            if (left > prompt_step_) {
-                long_chunk = true;
-                min_left = std::min(min_left, left);
-            }
-            s->chunk_ = n;
-            for (int32_t i = 0; i < n; ++i) {
-                tok_buf_.push_back(s->p_.prompt[s->n_fed_ + i]);
-                pos_buf_.push_back(s->pos_ + i);
-                seq_buf_.push_back(s->seq_);
-                out_buf_.push_back(0);
-            }
-            if (s->n_fed_ + n == s->n_prompt_) {
-                out_buf_.back() = 1;
-                s->batch_row_ = (int32_t) tok_buf_.size() - 1;
-            }
-            in_batch.push_back(s);
-        }
-    }
-    const int32_t n_tok = (int32_t) tok_buf_.size();
-    if (n_tok == 0) {
+    if (plan_.tok.empty()) {
         return;
     }
+
+    // 3. The decode; 4. each sequence advanced (and sampled).
+    if (decode(running, in_batch, multi, plan_.newcomer_step)) {
+        advance(in_batch);
+    }
+}
+
+// The planned batch through llama_decode, with preemption and its failures
+// handled; true when it was decoded (the sequences advance).
+bool Batcher::decode(const std::vector<SeqPtr> & running, std::vector<SeqPtr> & in_batch, bool multi,
+                     bool newcomer_step) {
+    auto ready = [](const Seq & s) { return s.sampling_.load(std::memory_order_relaxed) == 0; };
+    const int32_t n_tok = (int32_t) plan_.tok.size();
     nseq_buf_.assign(n_tok, 1);
     seqp_buf_.resize(n_tok);
     for (int32_t i = 0; i < n_tok; ++i) {
-        seqp_buf_[i] = &seq_buf_[i];
+        seqp_buf_[i] = &plan_.seq[i];
     }
-    int32_t n_out = 0;
-    for (int8_t o : out_buf_) {
-        n_out += o;
-    }
-    llama_batch b = {n_tok, tok_buf_.data(), nullptr, pos_buf_.data(), nseq_buf_.data(), seqp_buf_.data(),
-                     out_buf_.data()};
+    const int32_t n_out = plan_.n_out;
+    const bool long_chunk = plan_.long_chunk;
+    llama_batch b = {n_tok, plan_.tok.data(), nullptr, plan_.pos.data(), nseq_buf_.data(), seqp_buf_.data(),
+                     plan_.out.data()};
     ctx_->abort_.store(false, std::memory_order_relaxed);
     {
         std::lock_guard<std::mutex> lk(mu_);
         decode_preemptible_ = long_chunk && !just_preempted_ && !stop_;
         decode_newcomer_preemptible_ = preempt_newcomers_ && !long_chunk && !newcomer_step && !just_preempted_ &&
                                        !stop_ && reserve_.load(std::memory_order_relaxed) > 0;
-        decode_min_left_ = min_left;
+        decode_min_left_ = plan_.min_left;
         preempt_ = false;
     }
     just_preempted_ = false;
@@ -1142,11 +1077,11 @@ void Batcher::step(std::vector<SeqPtr> & running) {
             }
             just_preempted_ = true;
             last_shorts_only_ = false;
-            return;
+            return false;
         }
         if (closing) {  // close() aborted it
             fail_all(in_batch, ErrorKind::Aborted, "the batcher was closed while this request ran");
-            return;
+            return false;
         }
         if (multi) {
             // A mixed decode failed: drop what this batch may have written and
@@ -1161,8 +1096,8 @@ void Batcher::step(std::vector<SeqPtr> & running) {
                 mix_ = false;
             }
             skip_mix_ = true;
-            have_group_ = false;
-            return;
+            sched_.have = false;
+            return false;
         }
         if (const auto * err = dynamic_cast<const Error *>(&e)) {
             fail_all(in_batch, err->kind, e.what());
@@ -1173,7 +1108,7 @@ void Batcher::step(std::vector<SeqPtr> & running) {
             // compute pp buffers" after a state switch under memory pressure)
             fail_all(in_batch, classify_log(e.what(), ErrorKind::Decode), e.what());
         }
-        return;
+        return false;
     }
     last_decode_s_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_decode).count();
     {
@@ -1212,7 +1147,12 @@ void Batcher::step(std::vector<SeqPtr> & running) {
             }
         }
     }
-    // advance positions, sample each sequence that has an output row
+    return true;
+}
+
+// Positions moved on past the decoded tokens; each sequence with an output
+// row sampled (or handed to a sampler thread).
+void Batcher::advance(const std::vector<SeqPtr> & in_batch) {
     for (const auto & s : in_batch) {
         if (s->n_fed_ < s->n_prompt_) {
             s->n_fed_ += s->chunk_;

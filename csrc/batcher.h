@@ -38,6 +38,7 @@
 // cached run no longer does exactly the arithmetic of a cold one.
 #pragma once
 
+#include "batch_plan.h"
 #include "llamax.h"
 
 #include <condition_variable>
@@ -223,6 +224,8 @@ private:
     int32_t place(const SeqPtr & s);  // a free slot for s, with its cached prefix set up; -1: none free
     bool follow(const SeqPtr & s);    // false: s waits for its leader this step
     bool apply_group_state(const std::vector<SeqPtr> & group);
+    bool decode(const std::vector<SeqPtr> & running, std::vector<SeqPtr> & in_batch, bool multi, bool newcomer_step);
+    void advance(const std::vector<SeqPtr> & in_batch);
     void fail_all(std::vector<SeqPtr> & seqs, ErrorKind k, const std::string & msg);
     void notify(const SeqPtr & s);
     void release_orphaned_state();
@@ -300,16 +303,12 @@ private:
     std::vector<SeqPtr> slots_;
     BatcherStats stats_;
     // batcher thread only
-    uint64_t cur_group_ = 0;  // the group (state id) being served
-    bool have_group_ = false; // cur_group_ means something
-    int32_t quantum_left_ = 0;
-    size_t rr_ = 0;  // round-robin position over slots for the next group
-    std::vector<llama_token> tok_buf_;
-    std::vector<llama_pos> pos_buf_;
+    plan::GroupState sched_;               // the group being served, and the rotation
+    std::vector<plan::SeqView> views_;     // step(): the running sequences, for pick_group
+    std::vector<plan::Member> members_;    // step(): the group's, for compose_batch
+    plan::BatchPlan plan_;                 // step(): this decode's tokens
     std::vector<int32_t> nseq_buf_;
-    std::vector<llama_seq_id> seq_buf_;
     std::vector<llama_seq_id *> seqp_buf_;
-    std::vector<int8_t> out_buf_;
     std::vector<std::pair<float, llama_token>> lp_buf_;
     std::vector<float> scale_buf_;
 };
