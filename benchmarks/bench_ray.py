@@ -4,14 +4,15 @@ what the Ray path costs per request against the single-process server.
   python3 benchmarks/bench_ray.py [--model PATH] [--adapters 4] [--requests 48] [--rounds 5]
 
 On a local Ray cluster (``num_cpus=2``), two replicas of the model, each
-holding at most two adapter sets (``--max-loaded-adapters 2``), and four
+holding at most two adapter sets and two adapters
+(``--max-adapter-sets 2 --max-loaded-adapters 2``), and four
 seeded adapters (llamax.gguf_tools), so that all of them fit only if each
 replica holds its own two:
 
 - *affinity*: the application as ``python -m llamax serve --replicas 2``
   deploys it (each request's adapter set is its multiplexed model id);
 - *default routing*: the same application built with ``affinity=False``:
-  the same replicas and the same LRU of two sets each, but the ingress sends
+  the same replicas and the same LRU of two adapters each, but the ingress sends
   no multiplexed id, so Ray's router picks replicas by load alone.
 
 Both get two warm-up rounds over the adapters, then ``--requests``
@@ -23,8 +24,11 @@ Overhead: the single-process server (``python -m llamax serve``, one
 thread, 4 sequences) against the Ray application (one replica, one
 thread, 4 sequences): ``--rounds`` alternating rounds of 20 base-model
 completions of one token, median latency of each.  With one token the
-model's work is the same and small, so the difference is the Ray path:
-HTTP proxy → ingress replica → replica (a streamed handle call) and back.
+model's work is the same and small, so the difference is the Ray path
+(and ``GET /health`` rounds, which no replica serves, tell what Ray's HTTP
+proxy to the ingress costs alone):
+HTTP proxy → ingress → replica (one handle call with the typed request)
+and back.
 
 Writes benchmarks/results/ray.{json,md}.
 """
@@ -89,12 +93,17 @@ def routing_run(url: str, names: list[str], n_requests: int, seed: int) -> dict:
             "requests_per_s": n_requests / wall}
 
 
-def latencies(url: str, n: int) -> list[float]:
+def latencies(url: str, n: int, route: str = "completion") -> list[float]:
+    """``n`` requests one after another: 1-token completions, or GET /health
+    (no model work: the HTTP path alone)."""
     out = []
     with httpx.Client(base_url=url, timeout=120) as c:
         for _ in range(n):
             t0 = time.perf_counter()
-            r = c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1, "temperature": 0.0})
+            if route == "health":
+                r = c.get("/health")
+            else:
+                r = c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1, "temperature": 0.0})
             r.raise_for_status()
             out.append(time.perf_counter() - t0)
     return out
@@ -133,7 +142,7 @@ def main() -> int:
                     logging_config={"log_level": "WARNING", "enable_access_log": False})
         cfg = ServerConfig(model=model, alias="smol", parallel=4, n_ctx=1024, threads=1, loras=loras)
         for mode, affinity in (("affinity", True), ("default routing", False)):
-            deploy(cfg, RayOptions(replicas=2, max_sets=2, affinity=affinity))
+            deploy(cfg, RayOptions(replicas=2, max_sets=2, max_adapters=2, affinity=affinity))
             results[mode] = routing_run(url, names, args.requests, seed=7)
             print(mode, results[mode], flush=True)
             serve.delete("llamax")
@@ -152,12 +161,16 @@ def main() -> int:
         assert single_url, "the single-process server did not start"
         latencies(single_url, 5)
         latencies(url, 5)
-        lat = {"single-process": [], "ray": []}
+        lat: dict[str, list[float]] = {"single-process": [], "ray": [], "single-process health": [],
+                                       "ray health": []}
         for _ in range(args.rounds):
             lat["single-process"] += latencies(single_url, 20)
             lat["ray"] += latencies(url, 20)
+            lat["single-process health"] += latencies(single_url, 20, "health")
+            lat["ray health"] += latencies(url, 20, "health")
         med = {k: statistics.median(v) * 1000 for k, v in lat.items()}
         results["overhead"] = {"median_ms": med, "ray_overhead_ms": med["ray"] - med["single-process"],
+                               "proxy_overhead_ms": med["ray health"] - med["single-process health"],
                                "requests_each": len(lat["ray"])}
         print("overhead", results["overhead"], flush=True)
     finally:
@@ -182,7 +195,9 @@ def main() -> int:
         "",
         f"Per request (1-token completion, median of {o['requests_each']}): single-process server "
         f"{o['median_ms']['single-process']:.1f} ms, Ray Serve {o['median_ms']['ray']:.1f} ms: "
-        f"the Ray path adds {o['ray_overhead_ms']:.1f} ms.",
+        f"the Ray path adds {o['ray_overhead_ms']:.1f} ms.  Of that, Ray Serve's HTTP proxy to the "
+        f"ingress (GET /health, no replica call): single-process {o['median_ms']['single-process health']:.1f} ms, "
+        f"Ray Serve {o['median_ms']['ray health']:.1f} ms, {o['proxy_overhead_ms']:.1f} ms more.",
     ]
     out.with_suffix(".md").write_text("\n".join(md) + "\n")
     print("\n".join(md))

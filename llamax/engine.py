@@ -202,6 +202,29 @@ class ReasoningBudget:
     started_open: bool = False
 
 
+def _token_array(tokens) -> np.ndarray:
+    """The prompt as a 1-D int32 array: an int32 array as it is, a list (or
+    other integer array) copied; anything else refused by name."""
+    if isinstance(tokens, np.ndarray):
+        if tokens.ndim != 1 or not len(tokens) or tokens.dtype.kind not in "iu":
+            raise ArgumentTypeError(f"GenerationRequest.tokens must be a non-empty 1-D array of token ids, "
+                                    f"not a {tokens.ndim}-D {tokens.dtype} array of {tokens.size}")
+        if tokens.dtype == np.int32:
+            return tokens
+        if len(tokens) and (tokens.min() < -2**31 or tokens.max() >= 2**31):
+            raise InvalidArgumentError("GenerationRequest.tokens holds a token id outside int32")
+        return tokens.astype(np.int32)
+    if not isinstance(tokens, (list, tuple)) or not tokens:
+        raise ArgumentTypeError(f"GenerationRequest.tokens must be a non-empty list of token ids (ints) or a "
+                                f"1-D int32 array, not {type(tokens).__name__}" + ("" if tokens else " (empty)"))
+    for t in tokens:
+        if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
+            raise ArgumentTypeError(f"GenerationRequest.tokens must hold ints (token ids), not {type(t).__name__}")
+        if not -2**31 <= t < 2**31:
+            raise InvalidArgumentError(f"token id {t} is outside int32")
+    return np.array(tokens, dtype=np.int32)
+
+
 @dataclasses.dataclass(frozen=True, eq=False)  # (no ==: the prompt is an array)
 class GenerationRequest:
     """One generation, typed: what every front hands the engine
@@ -212,7 +235,7 @@ class GenerationRequest:
     silently); the others are options of the in-process API.  Picklable
     without ``cancel`` and the per-token hooks (what a Ray replica is sent)."""
 
-    tokens: np.ndarray                 # the prompt (token ids; checked against the vocabulary by submit)
+    tokens: np.ndarray                 # the prompt: int32 token ids (a list is taken; checked against the vocabulary by submit)
     sampling: SamplingParams           # every sampling field (llamax.sampling: declared once)
     adapters: AdapterSet               # AdapterSet(): the default set
     max_tokens: int | None = None      # None or <= 0: until the context is full
@@ -228,6 +251,7 @@ class GenerationRequest:
     stopping_criteria: Any = None
 
     def __post_init__(self):
+        object.__setattr__(self, "tokens", _token_array(self.tokens))
         if not isinstance(self.sampling, SamplingParams):
             raise ArgumentTypeError(f"sampling must be a llamax.SamplingParams, not {type(self.sampling).__name__}")
         if not isinstance(self.adapters, AdapterSet):

@@ -32,7 +32,7 @@ from llamax._validate import check_bool, check_bools, check_float, check_int, is
 from llamax.pool import _BatchPool, _BatchSlot, _Pool, _Slot
 from llamax.formatters import ChatFormatter, CompletionFormatter
 from llamax.sampling import SamplingParams
-from llamax.engine import AdapterSet, GenerationRequest, GrammarSpec, ReasoningBudget, Share, parse_loras
+from llamax.engine import AdapterSet, Engine, GenerationRequest, GrammarSpec, ReasoningBudget, Share, parse_loras
 from llamax.request import (
     PreparedEmbedding, PreparedRequest, RequestHandle, Runtime, _Request, salt_id, check_processors,
     completion_logprobs, grammar_text, row_logprobs,
@@ -271,6 +271,12 @@ class Llama(_SessionMixin):
     (see :class:`llamax.Context`): requests with different adapters share
     a decode at the cost of one adapter, each token multiplied by its own
     adapters only.  See docs/adapters.md.
+    ``engine``: where ``prepare_*`` (and so ``create_*``) submit their
+    requests; None: this Llama (:meth:`submit`, its own contexts).  Another
+    :class:`llamax.Engine` makes this Llama a front for it: it tokenizes,
+    renders the chat template and plans tool calls, and the engine runs the
+    :class:`llamax.GenerationRequest` (a Ray Serve ingress's front, made
+    with ``vocab_only=True``, submits to its replicas this way).
     """
 
     def __init__(self, model_path: str, *, n_gpu_layers: int | None = None, use_mmap: bool = True,
@@ -292,12 +298,16 @@ class Llama(_SessionMixin):
                  rope_freq_base: float = 0.0, rope_freq_scale: float = 0.0, yarn_ext_factor: float = -1.0,
                  yarn_attn_factor: float = 1.0, yarn_beta_fast: float = 32.0, yarn_beta_slow: float = 1.0,
                  yarn_orig_ctx: int = 0, op_offload=None, swa_full=None, numa=False, chat_handler=None,
-                 tokenizer=None, type_k=None, type_v=None, spm_infill: bool = False):
+                 tokenizer=None, type_k=None, type_v=None, spm_infill: bool = False, engine=None):
         if lora_path is None and (lora_scale is not None or lora_base is not None):
             raise InvalidArgumentError("lora_scale and lora_base go with lora_path (the adapter they are for)")
         if lora_scale is not None:
             lora_scale = check_float(lora_scale, "lora_scale")
         check_bools(spm_infill=spm_infill)
+        if engine is not None and not isinstance(engine, Engine):
+            raise ArgumentTypeError(f"engine must be a llamax.Engine (an object with submit()), not "
+                                    f"{type(engine).__name__}")
+        self._engine = engine  # (None: self; set last, once the Llama is whole)
         _check_chat_handler(chat_handler)
         if tokenizer is not None and not (callable(getattr(tokenizer, "tokenize", None))
                                           and callable(getattr(tokenizer, "detokenize", None))):
@@ -849,7 +859,7 @@ class Llama(_SessionMixin):
             tokens, prefix_text = self._prompt_tokens(prompt), None
         else:
             tokens, prefix_text = self._infill_tokens(prompt, suffix)
-        handle = self.submit(GenerationRequest(
+        handle = (self._engine or self).submit(GenerationRequest(
             tokens=tokens, sampling=SamplingParams.from_keywords(locals()),
             adapters=AdapterSet.of(active_loras, control_vectors, control_vector), max_tokens=max_tokens,
             logprobs=logprobs, stop=stop, grammar=None if grammar is None else GrammarSpec(grammar),
@@ -866,7 +876,7 @@ class Llama(_SessionMixin):
         echo_lp = None
         if echo and logprobs is not None:
             # OpenAI's echo with logprobs: an entry per prompt token too (the first without logprobs)
-            scored = self._prompt_logprobs(tokens, logprobs, handle.state)
+            scored = handle.score_prompt(logprobs)
             echo_lp = completion_logprobs(self._model, [t for t, _, _ in scored],
                                           [(lp, top or []) for _, lp, top in scored], 0)
             echo_lp["top_logprobs"][0] = None
@@ -972,7 +982,7 @@ class Llama(_SessionMixin):
             n_top = 0 if top_logprobs is None else top_logprobs
             n_top = check_int(n_top, "top_logprobs", 0, 20, error=InvalidArgumentError,
                               msg="top_logprobs must be an int in [0, 20]")
-        handle = self.submit(GenerationRequest(
+        handle = (self._engine or self).submit(GenerationRequest(
             tokens=tokens, sampling=SamplingParams.from_keywords(locals()),
             adapters=AdapterSet.of(active_loras, control_vectors, control_vector), max_tokens=max_tokens,
             logprobs=n_top, stop=stop, grammar=None if grammar is None else GrammarSpec(grammar, triggers, starts),
@@ -1372,7 +1382,7 @@ class Llama(_SessionMixin):
                      cache_before=self._cache_before if self.cache is not None else None,
                      cache_after=self._cache_after if self.cache is not None else None,
                      prefix_chunk=self._prefix_chunk, prefix_cache=self._prefix_cache,
-                     prefix_exact=self._prefix_exact, draft=self._native_draft())
+                     prefix_exact=self._prefix_exact, draft=self._native_draft(), score=self._prompt_logprobs)
         return RequestHandle(_Request(rt, tokens, sampler, max_tokens, stops, p.logprobs, state, names, p.cancel,
                                       p.cache_prompt, p.logits_processor, p.stopping_criteria, p.share, p.cache_salt))
 

@@ -91,10 +91,13 @@ class RequestHandle:
         """The prompt's length in tokens (what must fit the context)."""
         return len(self._req.tokens)
 
-    @property
-    def state(self):
-        """The :class:`llamax.State` it runs under (its adapters)."""
-        return self._req.state
+    def score_prompt(self, n_top: int) -> list:
+        """The prompt's own logprobs under this request's adapters: per
+        token after the first, ``(token, logprob, top)`` (the first has
+        ``(token, None, None)``); what a completion's ``echo`` with
+        ``logprobs`` reports.  Decoded on a context of its own."""
+        req = self._req
+        return req.rt.score(req.tokens, n_top, req.state)
 
     def _take(self) -> _Request:
         if self._used:
@@ -316,6 +319,7 @@ class Runtime:
     prefix_cache: bool
     prefix_exact: bool
     draft: Any                      # ((max_ngram, n_pred), adaptive) for the native loop, or None
+    score: Any = None               # score(tokens, n_top, state): the prompt's own logprobs (echo)
 
 
 def salt_id(cache_salt: str | None) -> int:

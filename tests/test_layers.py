@@ -65,7 +65,8 @@ LAYERS = [
     ["llamax.server.app"],
     # the routes take their backend from app.state and import none; a Ray replica or
     # the ingress builds its app with server.app.build_app, so backends sit above it
-    ["llamax.server.backends", "llamax.server.backends.local", "llamax.server.backends.multi",
+    ["llamax.server.backends", "llamax.server.backends.serving", "llamax.server.backends.local",
+     "llamax.server.backends.multi",
      "llamax.server.backends.ray", "llamax.server.backends.ray.*"],
     # the package re-exports ServerConfig, LocalBackend and build_app
     ["llamax.server", "llamax.server.run", "llamax.server.ray"],

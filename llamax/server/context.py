@@ -8,8 +8,8 @@ Who writes what:
 ============================  =============================================
 field                         written by
 ============================  =============================================
-t0                            TenantGate (or a Ray replica), on arrival
-caller                        http.need_key (a Ray replica: forwarded_caller)
+t0                            TenantGate, on arrival
+caller                        http.need_key
 model_route, model_name       the routes, then the backend (the alias)
 adapter_names                 the backend's adapter resolution
 admission                     Tenancy.admit (the tenant's places) and the
@@ -19,18 +19,20 @@ tenant_newcomer,              Tenancy.admit (the tenant's door)
 ratelimit_headers
 deadline                      the backend, as preparing starts
 usage, queue_time, ttft,      the backend as the answer is made (a Ray
-outcome                       ingress: the replica's report)
+outcome                       ingress too: from its replicas' Results)
+response_headers              the backend (a Ray ingress: the replica's id)
 ============================  =============================================
 
 TenantGate reads it as the answer's last message goes out: the
-admission's places are given back, and the usage recorded.
+admission's places are given back, and the usage recorded; as the
+answer's first message goes out, ``response_headers`` are added to it.
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 if TYPE_CHECKING:  # (the tenancy layer stands above this one)
     from llamax.server.tenancy import Caller
@@ -88,7 +90,6 @@ class RequestContext:
 
     t0: float = dataclasses.field(default_factory=time.monotonic)  # arrival (monotonic)
     caller: Caller | None = None            # who sent it: tenant and key (http.need_key)
-    forwarded_caller: Caller | None = None  # a Ray replica: the caller the ingress checked
     model_route: bool = False               # a generation or embedding route: counted and logged
     model_name: str | None = None           # the model it asked for (then the alias it got)
     adapter_names: list[str] = dataclasses.field(default_factory=list)
@@ -100,21 +101,7 @@ class RequestContext:
     admission: Admission = dataclasses.field(default_factory=Admission)  # its places, until it is over
     tenant_newcomer: bool = False           # its tenant had nothing else in flight
     ratelimit_headers: dict[str, str] | None = None  # the tenant's x-ratelimit-* at admission
-
-    # what a Ray replica reports back to the ingress after the answer
-    REPORTED = ("usage", "outcome", "ttft", "queue_time")
-
-    def report(self) -> dict[str, Any]:
-        """The replica's account of the request (the fields that are set)."""
-        return {k: getattr(self, k) for k in self.REPORTED if getattr(self, k) is not None}
-
-    def take_report(self, report: dict[str, Any]) -> None:
-        """The ingress takes a replica's account (unknown keys are refused)."""
-        for k, v in report.items():
-            if k not in self.REPORTED:
-                raise ValueError(f"a replica reported {k!r}, which is not one of {self.REPORTED}")
-            if v is not None:
-                setattr(self, k, v)
+    response_headers: dict[str, str] = dataclasses.field(default_factory=dict)  # added to the answer
 
 
 def context_of_scope(scope: dict) -> RequestContext:

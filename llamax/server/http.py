@@ -132,9 +132,6 @@ def need_key(request: Request) -> None:
     (with a tenants file: a tenant's key, or an admin key).  Sets
     the request context's ``caller`` (a :class:`llamax.server.tenancy.Caller`)."""
     ctx = request_context(request)
-    if ctx.forwarded_caller is not None:  # a Ray replica: the ingress checked the key (never from a header)
-        ctx.caller = ctx.forwarded_caller
-        return
     keys, admin_keys = _keys(request)
     tenancy = request.app.state.tenancy
     given = presented_key(request)

@@ -5,21 +5,26 @@ with adapter affinity across replicas.
   (name → id, path on storage every node sees), the default set, and which
   replica holds what.  Registered once for the whole application; every
   other deployment reads it, so replicas can't drift apart.
-- :class:`LlamaReplica` (``--replicas`` of them, ``backends/ray/replica.py``): one ``llamax.Llama`` with
-  the single-process server's app (:func:`llamax.server.app.build_app`)
-  running in-process.  An adapter set is Ray Serve's "multiplexed model":
-  ``@serve.multiplexed`` loads a set's adapters on a miss and evicts the
-  least recently used set; an evicted set's adapters are unloaded once no
-  running request holds them.  At most ``max_adapters`` adapters are loaded
-  at once: past that, the least recently used idle ones are unloaded first
-  (as the single-process server's ``--max-loaded-adapters``).
-- :class:`Ingress` (one replica, ``backends/ray/ingress.py``): auth, request parsing and errors (the same
-  code as the single-process server), the model and adapter routes, and the
-  canonical key of each request's adapter set, which it sends as the
-  multiplexed model id (a set naming more than ``max_adapters`` adapters is
-  refused here, before any replica loads anything).  Ray's router then
-  sends the request to a replica that holds the set; requests for the base
-  model carry none and spread over all replicas.  The answer carries ``x-llamax-replica``.
+- :class:`LlamaReplica` (``--replicas`` of them, ``backends/ray/replica.py``): one ``llamax.Llama``,
+  the engine: the ingress calls it with a typed ``llamax.GenerationRequest``
+  and it streams back ``llamax.Text``/``llamax.Result`` events.  Every
+  registered adapter is registered with its Llama, which loads one the
+  first time a request names it and keeps at most ``max_adapters`` loaded
+  (its own LRU: an adapter a running request holds is never the one
+  unloaded).  An adapter set is also Ray Serve's "multiplexed model", so
+  that Ray's router sends a set where it is loaded (``max_sets`` keys per
+  replica).
+- :class:`Ingress` (one replica, ``backends/ray/ingress.py``): the single-process
+  server's serving code (auth, parsing, adapters, tenants, admission, OpenAI
+  shaping) over a vocabulary-only front Llama that tokenizes and renders
+  the chat template, and submits each request to a replica
+  (``Llama(engine=RemoteEngine)``); the model and adapter routes; the
+  canonical key of each request's adapter set, sent as the multiplexed
+  model id (a set naming more than ``max_adapters`` adapters is refused
+  here, before any replica loads anything).  Ray's router then sends the
+  request to a replica that holds the set; requests for the base model
+  carry none and spread over all replicas.  The answer carries
+  ``x-llamax-replica``.
 
 The key is the set's adapter *names* (``coder`` or ``coder+translator``),
 not their scales: a scale is a per-request number that costs nothing to
@@ -29,7 +34,7 @@ one multiplexed model.
 Ray keeps some state per multiplexed model id (the router's fallback
 table, a gauge series per replica), for as long as it runs: only the first
 ``max_affinity_sets`` distinct sets get an id; later ones are served
-without affinity, their adapters loaded for the request and let go after.
+without affinity (whichever replica gets one loads its adapters on demand).
 
 Needs the ``ray`` extra: ``pip install "llamax[ray]"``.
 """

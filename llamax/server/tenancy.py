@@ -293,7 +293,7 @@ class TenantGate:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        ctx = context_of_scope(scope)  # (a Ray replica made it already, with the caller the ingress checked)
+        ctx = context_of_scope(scope)
         t0 = ctx.t0
         status = 500
         over = False
@@ -316,6 +316,8 @@ class TenantGate:
             elif msg["type"] == "http.response.start":
                 status = msg["status"]
                 extra = self.tenancy.fresh_headers(ctx)
+                if ctx.response_headers:
+                    extra = dict(ctx.response_headers, **(extra or {}))
                 if extra:
                     have = {k.lower() for k, _ in msg.get("headers", ())}
                     msg = dict(msg, headers=list(msg.get("headers", [])) + [

@@ -109,8 +109,20 @@ def test_bad_parts_are_refused_by_name(base_llm):
         base_llm.submit(_request(m, adapters=AdapterSet.of([{"name": "nope", "scale": 1.0}])))
     with pytest.raises(llamax.TokenError, match="outside"):
         base_llm.submit(_request(m, tokens=np.array([1, m.n_vocab], np.int32)))
-    with pytest.raises(llamax.ArgumentTypeError, match="int32"):
-        base_llm.submit(_request(m, tokens=[1, 2, 3]))
+    # a list of ids (what tokenize returns) is taken as an int32 copy; other shapes are refused by name
+    ids = [1, 2, 3]
+    req = _request(m, tokens=ids)
+    assert req.tokens.dtype == np.int32 and req.tokens.tolist() == ids and ids == [1, 2, 3]
+    for bad, err, msg in [([], llamax.ArgumentTypeError, "empty"), ("1 2", llamax.ArgumentTypeError, "list"),
+                          ([1, 2.0], llamax.ArgumentTypeError, "float"), ([1, True], llamax.ArgumentTypeError, "bool"),
+                          ([2**31], llamax.InvalidArgumentError, "int32"),
+                          (np.zeros((2, 2), np.int32), llamax.ArgumentTypeError, "2-D"),
+                          (np.array([1.0]), llamax.ArgumentTypeError, "float64"),
+                          (np.array([2**40]), llamax.InvalidArgumentError, "int32")]:
+        with pytest.raises(err, match=msg):
+            _request(m, tokens=bad)
+    wide = np.array([1, 2], np.int64)
+    assert _request(m, tokens=wide).tokens.dtype == np.int32 and wide.dtype == np.int64
     with pytest.raises(llamax.ArgumentTypeError, match="GenerationRequest"):
         base_llm.submit({"tokens": [1]})
 

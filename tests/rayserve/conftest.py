@@ -1,5 +1,5 @@
 """The Ray Serve application on a local Ray cluster (``ray.init(num_cpus=2)``):
-two replicas of SmolLM2, at most two adapter sets each, the server tests'
+two replicas of SmolLM2, at most two adapter sets (and two adapters loaded) each, the server tests'
 adapters and control vector plus five tenant adapters (t0..t4).
 
 One cluster for the module that uses it (about 20 s to start and stop on
@@ -69,7 +69,7 @@ def ray_server(smollm2_path, adapters, gen_dir):
                            loras=[("coder", str(adapters["coder"])), ("writer", str(adapters["writer"])), *tenants],
                            control_vectors=[("calm", str(adapters["calm"]))])
         t0 = time.monotonic()
-        deploy(cfg, RayOptions(replicas=REPLICAS, max_sets=MAX_SETS))
+        deploy(cfg, RayOptions(replicas=REPLICAS, max_sets=MAX_SETS, max_adapters=MAX_SETS))
         assert time.monotonic() - t0 < 120
         yield RayServer(f"http://127.0.0.1:{port}", cfg)
 

@@ -1,17 +1,19 @@
 """What one request may make the Ray path hold (issue #30, item 7), without
 a cluster: the ingress' per-request adapter cap and its bounded table of
-multiplexed ids, a replica's cap on loaded adapters (least recently used
-idle ones unloaded, a bounded wait while running requests hold them all),
-and the command line that sets them."""
+multiplexed ids, a replica's cap on loaded adapters (its Llama's own LRU:
+least recently used idle ones unloaded, a bounded wait while running
+requests hold them all), and the command line that sets them."""
 from __future__ import annotations
 
 import argparse
 import asyncio
-import types
+import pickle
 
 import pytest
 
 pytest.importorskip("ray.serve")
+
+import llamax  # noqa: E402
 
 from llamax.server import config as cli  # noqa: E402  (the command line's options)
 from llamax.server.backends.ray import ingress as ray_ingress  # noqa: E402
@@ -69,92 +71,109 @@ def test_multiplexed_ids_are_a_bounded_table():
     assert ing._cached("c") and ing._cached("d") and not ing._cached("e")
 
 
-class FakeLlama:
-    def __init__(self):
-        self.loaded: set[str] = set()
-        self.loads = 0
-
-    def load_lora(self, name, path):
-        assert name not in self.loaded
-        self.loaded.add(name)
-        self.loads += 1
-
-    def unload_lora(self, name):
-        self.loaded.remove(name)
+def _engine(smollm2_path, paths, max_adapters=2):
+    """A replica's engine (what LlamaReplica does with the typed calls,
+    without Ray) over a real Llama with at most ``max_adapters`` loaded."""
+    import llamax
+    reports = []
+    llm = llamax.Llama(str(smollm2_path), n_ctx=256, n_threads=1, n_parallel=2, max_loaded_adapters=max_adapters)
+    eng = ray_replica.ReplicaEngine(llm, lambda name, loaded: reports.append((name, loaded)))
+    eng.apply({"id": ("e", 1), "paths": {n: str(p) for n, p in paths.items()}, "ids": {}, "default_set": []})
+    return eng, reports
 
 
-def replica(max_adapters=2, names="abcd"):
-    """A LlamaReplica's adapter bookkeeping on a fake model, with a dict for
-    Ray's multiplexed cache (it never evicts here: Ray's LRU of sets is the
-    Ray tests' part)."""
-    r = object.__new__(ray_replica.LlamaReplica)
-    llm = FakeLlama()
-    r.backend = types.SimpleNamespace(llm=llm, adapters=types.SimpleNamespace(paths={n: f"/{n}.gguf" for n in names}),
-                                      close=lambda: None)
-    r.registry = types.SimpleNamespace(held=types.SimpleNamespace(remote=lambda *a: None))
-    r.replica_id = "r0"
-    r.max_adapters = max_adapters
-    r.loaded, r.used, r.refs, r.holding, r.sets = {}, {}, {}, {}, {}
-    r._loop = asyncio.get_running_loop()
-    r._load_lock = asyncio.Lock()
-    r._freed = asyncio.Event()
-
-    async def get_set(key):
-        if key not in r.sets:
-            s = ray_replica._AdapterSet(r, key)
-            r._ref(s)
-            r.sets[key] = s
-        return r.sets[key]
-    r._get_set = get_set
-    return r, llm
+def _request(llm, *names, max_tokens=2):
+    import llamax
+    return llamax.GenerationRequest(tokens=llm.tokenize(b"Once upon a time"),
+                                    sampling=llamax.SamplingParams(temperature=0.0),
+                                    adapters=llamax.AdapterSet.of([{"name": n} for n in names]),
+                                    max_tokens=max_tokens)
 
 
-def test_replica_keeps_at_most_max_adapters_loaded():
-    async def main():
-        r, llm = replica(max_adapters=2)
+@pytest.fixture(scope="module")
+def four_adapters(gen_dir, smollm2_path):
+    from llamax import gguf_tools as gt
+    d = gen_dir / "bounds"
+    d.mkdir(exist_ok=True)
+    return {n: gt.make_lora(smollm2_path, d / f"{n}.gguf", rank=2, seed=60 + i) for i, n in enumerate("abcd")}
+
+
+def test_replica_keeps_at_most_max_adapters_loaded(smollm2_path, four_adapters):
+    """The replica's Llama loads a set's adapters on demand and, past its
+    cap, unloads the least recently used one no running request holds; the
+    registry hears of every load and unload."""
+    eng, reports = _engine(smollm2_path, four_adapters, max_adapters=2)
+    llm = eng.llm
+    try:
+        def loaded():
+            return {e["name"] for e in llm.list_loras() if e["loaded"]}
+
         for key in ("a", "b", "a", "c"):   # c: b is the least recently used idle adapter
-            s = await r._hold(key)
-            assert len(llm.loaded) <= 2
-            r._done(s)
-        assert llm.loaded == {"a", "c"} and llm.loads == 3
-        # a set Ray's cache does not hold is let go when its request ends
-        s = await r._hold("d", cached=False)
-        assert llm.loaded == {"c", "d"}
-        r._done(s)
-        assert llm.loaded == {"c"} and "d" not in r.refs and r.holding == {}
-        a = await r._hold("a")
-        b = await r._hold("b", cached=False)
-        assert llm.loaded == {"a", "b"}
-        # every loaded adapter is held: c waits for a request to end
-        waiting = asyncio.ensure_future(r._hold("c"))
-        await asyncio.sleep(0.05)
-        assert not waiting.done()
-        r._done(b)
-        c = await asyncio.wait_for(waiting, 5)
-        assert llm.loaded == {"a", "c"}
-        r._done(a)
-        r._done(c)
-        assert r.holding == {}
-    asyncio.run(main())
+            res = asyncio.run(eng.result(pickle.loads(pickle.dumps(_request(llm, key)))))
+            assert isinstance(res, llamax.Result) and len(res.tokens) == 2
+            assert len(loaded()) <= 2
+        assert loaded() == {"a", "c"} and eng.held == {"a", "c"}
+        assert reports == [("a", True), ("b", True), ("c", True), ("b", False)]
+        # a running request's adapter is not unloaded to make room
+        held = eng.submit(_request(llm, "d"))   # pinned until it ends (or is closed)
+        assert loaded() == {"c", "d"}
+        res = asyncio.run(eng.result(_request(llm, "a")))
+        assert isinstance(res, llamax.Result) and loaded() == {"a", "d"}
+        held.close()
+        # the registry's table drops an adapter: unloaded here too
+        eng.apply({"id": ("e", 2), "paths": {n: str(four_adapters[n]) for n in "abc"}, "ids": {}, "default_set": []})
+        assert loaded() == {"a"} and reports[-1] == ("d", False)
+        assert asyncio.run(eng.result(_request(llm, "d")))["error"][0] == 404
+    finally:
+        llm.close()
 
 
-def test_replica_waits_a_bounded_time_then_503(monkeypatch):
-    monkeypatch.setattr(ray_replica, "MAKE_ROOM_S", 0.2)
-
-    async def main():
-        r, llm = replica(max_adapters=1)
-        a = await r._hold("a", cached=False)
-        with pytest.raises(APIError) as e:
-            await r._hold("b", cached=False)
-        assert e.value.status == 503 and e.value.code == "adapters_busy"
-        assert "all 1 adapters" in e.value.message and "--max-loaded-adapters" in e.value.message
-        assert r.holding == {"a": 1} and llm.loaded == {"a"}
+def test_replica_waits_a_bounded_time_then_503(smollm2_path, four_adapters, monkeypatch):
+    import llamax.adapters
+    monkeypatch.setattr(llamax.adapters.AdapterRegistry, "make_room_timeout", 0.2)
+    eng, _ = _engine(smollm2_path, four_adapters, max_adapters=1)
+    llm = eng.llm
+    try:
+        held = eng.submit(_request(llm, "a"))
+        err = asyncio.run(eng.result(_request(llm, "b")))["error"]
+        status, message, _, code, headers = err
+        assert (status, code, headers) == (503, "adapters_busy", {"Retry-After": "1"})
+        assert "--max-loaded-adapters" in message and "retry later" in message
+        assert {e["name"] for e in llm.list_loras() if e["loaded"]} == {"a"}
         # a set over the cap is refused before anything loads
-        with pytest.raises(APIError, match="names 2 adapters but max_loaded_adapters=1") as e:
-            await r._hold("b+c", cached=False)
-        assert e.value.status == 400 and llm.loads == 1
-        r._done(a)
-    asyncio.run(main())
+        err = asyncio.run(eng.result(_request(llm, "b", "c")))["error"]
+        assert err[0] == 400 and "max_loaded_adapters=1" in err[1]
+        held.close()
+        assert isinstance(asyncio.run(eng.result(_request(llm, "b"))), llamax.Result)
+    finally:
+        llm.close()
+
+
+def test_replica_events_are_the_local_engines(smollm2_path, four_adapters):
+    """What a replica streams back is what Llama.submit gives in process:
+    the same Text events and Result, for a request that travelled by pickle."""
+    eng, _ = _engine(smollm2_path, four_adapters)
+    llm = eng.llm
+    try:
+        req = _request(llm, "a", max_tokens=8)
+
+        async def relay():
+            return [ev async for batch in eng.events(pickle.loads(pickle.dumps(req))) for ev in batch]
+
+        evs = asyncio.run(relay())
+        want = llm.submit(req).result()
+        assert isinstance(evs[-1], llamax.Result) and evs[-1].tokens == want.tokens
+        assert "".join(e.text for e in evs[:-1]) == want.text
+        bad = asyncio.run(_collect(eng, _request(llm, "zz")))
+        assert len(bad) == 1 and bad[0]["error"][0] == 404
+    finally:
+        llm.close()
+
+
+def _collect(eng, req):
+    async def go():
+        return [item async for item in eng.events(req)]
+    return go()
 
 
 def test_cli_flags():

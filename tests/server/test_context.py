@@ -1,13 +1,11 @@
 """One typed request context (llamax.server.context.RequestContext) instead
 of loose keys on ``request.state``: no server module reads or writes a key
-there, and what a Ray replica reports back is a fixed set of its fields.
-What the context carries is exercised end to end by test_tenants.py (the
-caller, limits and headers, usage log's model and adapters, per-tenant
-TTFT and queue time) and tests/rayserve (the replica's report)."""
+there.  What the context carries is exercised end to end by test_tenants.py
+(the caller, limits and headers, usage log's model and adapters, per-tenant
+TTFT and queue time) and tests/rayserve (the replica's header, the usage
+recorded at the ingress from the replicas' Results)."""
 import ast
 from pathlib import Path
-
-import pytest
 
 from llamax.server.context import RequestContext, context_of_scope
 
@@ -51,16 +49,6 @@ def test_one_context_per_scope():
     assert context_of_scope(scope) is ctx and scope["state"]["ctx"] is ctx
     made = RequestContext(model_name="m")
     assert context_of_scope({"state": {"ctx": made}}) is made
-
-
-def test_report_is_the_reported_fields_only():
-    ctx = RequestContext(usage={"prompt_tokens": 3}, outcome=200, model_name="m", adapter_names=["a"])
-    assert ctx.report() == {"usage": {"prompt_tokens": 3}, "outcome": 200}
-    ingress = RequestContext()
-    ingress.take_report(dict(ctx.report(), ttft=None))  # a None leaves the field as it was
-    assert (ingress.usage, ingress.outcome, ingress.ttft) == ({"prompt_tokens": 3}, 200, None)
-    with pytest.raises(ValueError, match="model_name"):
-        ingress.take_report({"model_name": "x"})
 
 
 def test_admission_gives_every_place_back_once_last_first():

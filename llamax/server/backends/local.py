@@ -1,26 +1,23 @@
 """The single-process backend: one ``llamax.Llama`` in this process, the
 adapters it offers, admission (``--parallel`` x ``--n-contexts`` running,
-``--max-queue`` waiting) and the counters behind /metrics.  Every route's
-work is a method here; requests reach the model only through its public
-request interface (``Llama.prepare_*``)."""
+``--max-queue`` waiting) and the counters behind /metrics.  The generation
+and utility routes are :class:`~llamax.server.backends.serving.Serving`'s,
+over this Llama: requests reach the model only through its public request
+interface (``Llama.prepare_*``, which submit to ``Llama.submit``)."""
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
-import numpy as np
 from fastapi import Request
 from fastapi.responses import Response
 
 import llamax
 from llamax.server import protocol
-from llamax.server import translate
 from llamax.server.adapters import (
     AdapterTable, check_load_names, model_cards, open_runtime_file, read_default_set, runtime_allowed,
 )
@@ -28,38 +25,37 @@ from llamax.server.config import ServerConfig
 from llamax.server.context import request_context
 from llamax.server.errors import APIError, from_exception
 from llamax.server.files import OpenedFile
-from llamax.server.http import dumps, dumps_list, error_response, is_admin
-from llamax.server.streaming import ClientGone, guarded, merge, merge_completions, respond
+from llamax.server.http import error_response, is_admin
+from llamax.server.backends.serving import Counters, Serving, embedding_answer
+from llamax.server.streaming import guarded
 
-__all__ = ["LocalBackend", "Counters"]
+__all__ = ["LocalBackend", "Counters", "open_llama"]
 
 logger = logging.getLogger("llamax.server")
 
 
-class Counters:
-    """What /metrics reports beyond the batchers' own statistics."""
-
-    def __init__(self):
-        self.prompt_tokens = 0
-        self.predicted_tokens = 0
-        self.cached_tokens = 0
-        self.requests: dict[tuple[str, int], int] = {}
-        self.lock = threading.Lock()
-
-    def usage(self, u: dict) -> None:
-        with self.lock:
-            self.prompt_tokens += u.get("prompt_tokens", 0)
-            self.predicted_tokens += u.get("completion_tokens", 0)
-            self.cached_tokens += (u.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-
-    def request(self, endpoint: str, status: int) -> None:
-        with self.lock:
-            k = (endpoint, status)
-            self.requests[k] = self.requests.get(k, 0) + 1
+def open_llama(cfg: ServerConfig, max_loaded_adapters: int | None = None) -> llamax.Llama:
+    """The server's Llama as ``cfg`` describes it, with its control vectors
+    (a Ray replica's too: ``max_loaded_adapters`` is then the replica's)."""
+    llm = llamax.Llama(cfg.model, n_ctx=cfg.n_ctx, n_batch=max(cfg.n_batch, cfg.parallel),
+                       n_threads=cfg.threads, n_gpu_layers=cfg.n_gpu_layers, n_contexts=cfg.n_contexts,
+                       n_parallel=cfg.parallel, max_loaded_adapters=max_loaded_adapters or cfg.max_loaded_adapters,
+                       reserve_slots=cfg.reserve_slots or 0, deterministic=cfg.deterministic,
+                       chat_format=cfg.chat_format, prefix_cache=cfg.prefix_cache != "off",
+                       prefix_cache_exact=cfg.prefix_cache == "exact", chat_template=cfg.chat_template,
+                       verbose=cfg.verbose, **cfg.llama_options)
+    try:
+        for name, path in cfg.control_vectors:
+            llm.load_control_vector(name, path)
+    except BaseException:
+        llm.close()
+        raise
+    return llm
 
 
-class LocalBackend:
-    """The model and what the server keeps about it."""
+class LocalBackend(Serving):
+    """The model and what the server keeps about it; the routes' work is
+    :class:`~llamax.server.backends.serving.Serving`'s, over this Llama."""
 
     title = "llamax"
 
@@ -100,19 +96,11 @@ class LocalBackend:
     def load(self) -> None:
         cfg = self.cfg
         try:
-            llm = llamax.Llama(cfg.model, n_ctx=cfg.n_ctx, n_batch=max(cfg.n_batch, cfg.parallel),
-                               n_threads=cfg.threads, n_gpu_layers=cfg.n_gpu_layers, n_contexts=cfg.n_contexts,
-                               n_parallel=cfg.parallel, max_loaded_adapters=cfg.max_loaded_adapters,
-                               reserve_slots=cfg.reserve_slots or 0, deterministic=cfg.deterministic,
-                               chat_format=cfg.chat_format, prefix_cache=cfg.prefix_cache != "off",
-                               prefix_cache_exact=cfg.prefix_cache == "exact", chat_template=cfg.chat_template,
-                               verbose=cfg.verbose, **cfg.llama_options)
+            llm = open_llama(cfg)
             try:
                 for name, path in cfg.loras:
                     self._load_lora_file(llm, name, path)
                     self.adapters.record(name, path)
-                for name, path in cfg.control_vectors:
-                    llm.load_control_vector(name, path)
                 self.adapters.default_set = [{"name": n, "scale": s} for n, s in cfg.lora_scales.items() if s != 0.0]
             except BaseException:
                 llm.close()
@@ -213,29 +201,6 @@ class LocalBackend:
             return set(self.llm.list_control_vectors())
         return {n for n, _ in self.cfg.control_vectors}
 
-    def resolve(self, body: protocol.AdapterFields, request: Request) -> tuple[list[dict] | None, list[dict] | None]:
-        ctx = request_context(request)
-        loras, cvecs = self.adapters.resolve(body, self.cfg.alias, self.control_vector_names(), ctx.caller.tenant)
-        ctx.adapter_names = [s["name"] for s in loras or ()]
-        return loras, cvecs
-
-    def scheduling(self, body: protocol.AdapterFields, request: Request) -> dict:
-        """The prepare_* keywords that place a request among the tenants:
-        its share of the batch and its prefix cache's scope."""
-        t = request_context(request).caller.tenant
-        kw: dict = {"cache_salt": t.cache_salt(body.cache_salt)}
-        if t.name:  # (a tenants file's tenant, here or at a Ray ingress; not the anonymous one)
-            kw["share"] = llamax.Share(t.name, t.weight, t.priority, t.limits.concurrent)
-        return kw
-
-    def _usage(self, request: Request, u: dict, prepared: list = ()) -> None:
-        self.counters.usage(u)
-        ctx = request_context(request)
-        ctx.usage = u
-        waits = [p.queue_seconds for p in prepared if p.queue_seconds is not None]
-        if waits:
-            ctx.queue_time = max(waits)
-
     async def listing(self) -> list[dict]:
         """/lora-adapters: every offered adapter, its id, file, default scale
         and whether it is in memory."""
@@ -322,186 +287,20 @@ class LocalBackend:
 
     # -- generation ---------------------------------------------------------------
 
-    async def _prepare(self, request: Request, prepare, n: int, kwargs_for) -> list:
-        """Prepare n requests (checked, adapters resolved and pinned) in
-        worker threads, counted in the server's bound (the request's
-        admission gives the places back when it is over).  The request's
-        deadline (--request-timeout) starts here: preparing may wait for an
-        on-demand adapter, and echo scoring decodes the prompt."""
-        cfg = self.cfg
-        request_context(request).deadline = time.monotonic() + cfg.request_timeout
-        self.admit(n, request)
-        prepared: list = []
-        try:
-            async with asyncio.timeout(cfg.request_timeout):
-                for i in range(n):
-                    prepared.append(await asyncio.to_thread(prepare, **kwargs_for(i)))
-            n_ctx = self.llm.n_ctx()
-            for p in prepared:
-                if p.n_prompt_tokens > n_ctx:
-                    raise APIError(400, f"the prompt is {p.n_prompt_tokens} tokens, more than the context of "
-                                   f"{n_ctx}: shorten it", param="messages", code="context_length_exceeded")
-            return prepared
-        except TimeoutError:
-            self._drop(prepared)
-            raise APIError(408, f"the request took longer than {cfg.request_timeout:g} s (--request-timeout) "
-                           "before it could start", code="request_timeout") from None
-        except BaseException:
-            self._drop(prepared)
-            raise
-
-    def _drop(self, prepared: list) -> None:
-        for p in prepared:
-            p.close()
-
-    async def _respond(self, request: Request, endpoint: str, prepared: list, body, merge_fn):
-        ctx = request_context(request)
-        return await respond(
-            request, prepared, stream=body.stream, stream_options=body.stream_options, merge_fn=merge_fn,
-            object_name="chat.completion.chunk" if endpoint == "chat" else "text_completion",
-            model_name=ctx.model_name, deadline=ctx.deadline,
-            timeout_s=self.cfg.request_timeout,
-            on_status=lambda status: self._status(request, endpoint, status),
-            on_usage=lambda u: self._usage(request, u, prepared), on_first=lambda: _first_token(request))
-
-    def _model_route(self, request: Request, body: protocol.AdapterFields) -> str:
-        """The model name the answer carries (the alias when the body named none)."""
-        ctx = request_context(request)
-        ctx.model_route = True
-        ctx.model_name = body.model or self.cfg.alias
-        return ctx.model_name
-
-    def _status(self, request: Request, endpoint: str, status: int) -> None:
-        self.counters.request(endpoint, status)
-        request_context(request).outcome = status
-
-    async def chat(self, body: protocol.ChatCompletionRequest, request: Request):
-        loras, cvecs = self.resolve(body, request)
-        base = dict(translate.chat_kwargs(body, self.cfg.n_ctx, loras, cvecs,
-                                             (self.cfg.reasoning_budget, self.cfg.reasoning_budget_message)), **self.scheduling(body, request))
-        model_name = self._model_route(request, body)
-        seed = body.seed
-        prepared = await self._prepare(request, self.llm.prepare_chat_completion, body.n,
-                                       lambda i: dict(base, seed=None if seed is None else seed + i))
-        return await self._respond(request, "chat", prepared, body, lambda rs: merge(rs, model_name))
-
-    async def completions(self, body: protocol.CompletionRequest, request: Request):
-        loras, cvecs = self.resolve(body, request)
-        prompts = translate.split_prompts(body)
-        model = self.llm.model
-
-        def tokenized() -> list:
-            # in a worker thread: tokenizing text and checking token lists are
-            # linear in the body (up to --max-body-bytes), not loop work
-            out = []
-            for p in prompts:
-                if isinstance(p, str):
-                    # special tokens in the text are parsed, as llama-server does
-                    out.append(model.tokenize(p, add_special=True, parse_special=True))
-                else:
-                    translate.token_ids(p, model.n_vocab, "prompt", "a prompt token id")
-                    out.append(p)
-            return out
-
-        token_prompts = await asyncio.to_thread(tokenized)
-        base = dict(translate.completion_kwargs(body, self.cfg.n_ctx, loras, cvecs), **self.scheduling(body, request))
-        model_name = self._model_route(request, body)
-        order = translate.completion_merge_order(len(token_prompts), body.n)
-        seed = body.seed
-        prepared = await self._prepare(request, self.llm.prepare_completion, len(order),
-                                       lambda i: dict(base, prompt=token_prompts[order[i][0]],
-                                                      seed=None if seed is None else seed + order[i][1]))
-        return await self._respond(request, "completions", prepared, body,
-                                   lambda rs: merge_completions(rs, len(token_prompts), model_name))
-
-    async def embeddings(self, body: protocol.EmbeddingRequest, request: Request):
-        loras, cvecs = self.resolve(body, request)
-        llm = self.llm
-        if body.dimensions is not None and body.dimensions != llm.n_embd():
-            raise APIError(400, f"dimensions must be the model's {llm.n_embd()} (no truncation)",
-                           param="dimensions")
-        inp = body.input
-        if isinstance(inp, list) and not inp:
-            raise APIError(400, "input is empty", param="input")
-        if isinstance(inp, list) and len(inp) > 2048:
-            raise APIError(400, "at most 2048 inputs per request", param="input")
-        model_name = self._model_route(request, body)
-        b64 = body.encoding_format == "base64"
+    async def embed(self, request: Request, inp, loras, cvecs, b64: bool, model_name: str) -> tuple[bytes, dict]:
         cancel = threading.Event()
         running: list = []
-
-        def work() -> tuple[bytes, dict]:
-            # the decodes (GIL released), and the answer's JSON -- up to 2,048
-            # vectors of floats -- made here, not by FastAPI on the loop
-            p = llm.prepare_embedding(inp, normalize=True, truncate=True, active_loras=loras,
-                                      control_vectors=cvecs)
-            running.append(p)
-            if cancel.is_set():
-                p.cancel()
-            vecs = p.run()
-            data = []
-            for i, v in enumerate(vecs):
-                if b64:
-                    emb: Any = base64.b64encode(np.ascontiguousarray(v, dtype="<f4").tobytes()).decode()
-                else:
-                    emb = v.tolist()
-                data.append({"object": "embedding", "index": i, "embedding": emb})
-            usage = {"prompt_tokens": p.n_tokens, "total_tokens": p.n_tokens}
-            head = dumps({"object": "list", "model": model_name})[:-1]
-            return (head + ',"data":' + dumps_list(data, 16) + ',"usage":' + dumps(usage) + "}").encode(), usage
 
         def stop() -> None:
             cancel.set()
             for p in running:
                 p.cancel()
 
-        self.admit(1, request)
-        try:
-            content, usage = await guarded(request, asyncio.to_thread(work), self.cfg.request_timeout,
-                                           on_cancel=stop)
-        except ClientGone:
-            self._status(request, "embeddings", 499)
-            return Response(status_code=499)
-        self._usage(request, usage)
-        self._status(request, "embeddings", 200)
-        return Response(content, media_type="application/json")
+        return await guarded(request, asyncio.to_thread(embedding_answer, self.llm, inp, loras, cvecs, b64,
+                                                        model_name, running, cancel),
+                             self.cfg.request_timeout, on_cancel=stop)
 
-    # -- llama-server's utility routes ------------------------------------------------
-
-    async def tokenize(self, body: protocol.TokenizeRequest, request: Request):
-        model = self.llm.model
-
-        def work() -> bytes:
-            # in a worker thread: the body may be megabytes, the answer a dict per token
-            toks = model.tokenize(body.content, add_special=body.add_special, parse_special=body.parse_special)
-            if not body.with_pieces:
-                return ('{"tokens":' + dumps_list(toks.tolist(), 16384) + "}").encode()
-            # llama-server's shape: the piece as text when it is valid UTF-8 alone, else its bytes
-            out = []
-            for t in toks.tolist():
-                b = model.token_to_piece(t, special=True)
-                try:
-                    piece: Any = b.decode("utf-8")
-                except UnicodeDecodeError:
-                    piece = list(b)
-                out.append({"id": t, "piece": piece})
-            return ('{"tokens":' + dumps_list(out) + "}").encode()
-
-        return Response(await asyncio.to_thread(work), media_type="application/json")
-
-    async def detokenize(self, body: protocol.DetokenizeRequest, request: Request):
-        model = self.llm.model
-
-        def work() -> bytes:
-            toks = translate.token_ids(body.tokens, model.n_vocab, "tokens")
-            return dumps({"content": model.detokenize_text(toks.astype(np.int32), errors="replace")}).encode()
-
-        return Response(await asyncio.to_thread(work), media_type="application/json")
-
-    async def apply_template(self, body: protocol.ApplyTemplateRequest, request: Request):
-        text = await asyncio.to_thread(self.llm.apply_chat_template, translate.text_content(body.messages),
-                                       add_generation_prompt=body.add_generation_prompt, tools=body.tools)
-        return {"prompt": text}
+    # -- what only the single-process server has -------------------------------------
 
     async def slots(self) -> list[dict]:
         out = []
@@ -517,12 +316,6 @@ class LocalBackend:
         from llamax.server.metrics import render
         body, ctype = render(self)
         return Response(body, media_type=ctype)
-
-
-def _first_token(request: Request) -> None:
-    """A stream's first chunk: its time to first token, for /metrics."""
-    ctx = request_context(request)
-    ctx.ttft = time.monotonic() - ctx.t0
 
 
 def _close_after(t: asyncio.Future, f: OpenedFile | None) -> None:

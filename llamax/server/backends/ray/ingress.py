@@ -1,7 +1,12 @@
-"""The Ray Serve ingress: the same route table as the single-process
-server (auth, request parsing and errors are the same code), over a
-backend that answers the model and adapter routes from the application's
-adapter table (the registry) and forwards the rest to a replica.
+"""The Ray Serve ingress: the same route table and the same serving code
+as the single-process server (:class:`~llamax.server.backends.serving.Serving`:
+auth, parsing, adapters, tenants, OpenAI shaping), over a *front*: a
+vocabulary-only ``llamax.Llama`` that tokenizes, renders the chat template
+and plans tool calls, and submits each ``llamax.GenerationRequest`` to the
+replicas (:class:`RemoteEngine`).  A replica runs it on its model and
+sends back typed events (``llamax.Text``, then ``llamax.Result``), which
+the front's formatters shape here: one HTTP parse, one admission, no second
+app in the replica.
 
 Each request's adapter set becomes its canonical key, sent as Ray Serve's
 multiplexed model id, so Ray's router sends it to a replica that holds
@@ -15,33 +20,31 @@ import logging
 import time
 
 from fastapi import Request
-from fastapi.responses import Response, StreamingResponse
 from ray import serve
 from ray.exceptions import RayError, RayTaskError
 from ray.serve.exceptions import BackPressureError
 
+import llamax
 from llamax.server import protocol
 from llamax.server.adapters import AdapterTable, check_runtime_load, model_cards, read_default_set, runtime_allowed
 from llamax.server.app import build_app
 from llamax.server.backends.ray.registry import set_key, set_names
+from llamax.server.backends.serving import Counters, Serving
 from llamax.server.config import ServerConfig
 from llamax.server.context import request_context
 from llamax.server.errors import APIError
-from llamax.server.http import dumps
+from llamax.server.streaming import guarded
 
-__all__ = ["Ingress", "REPLICA_HEADER"]
+__all__ = ["Ingress", "RemoteEngine", "RemoteHandle", "REPLICA_HEADER"]
 
 logger = logging.getLogger("llamax.serve_ray")
 
 REPLICA_HEADER = "x-llamax-replica"
 REFRESH_S = 5.0
 
-_DROP = {b"authorization", b"x-api-key", b"host", b"connection", b"transfer-encoding", b"keep-alive"}
-_HOP = {"content-length", "transfer-encoding", "connection"}
-
 
 @serve.ingress()
-class Ingress:
+class Ingress(Serving):
     """The application's front door, and the routes' backend on Ray."""
 
     title = "llamax (Ray Serve)"
@@ -52,6 +55,8 @@ class Ingress:
         self.cfg = ServerConfig(**cfg)
         self.created = int(time.time())
         self.adapters = AdapterTable()
+        self.counters = Counters()
+        self.tenancy = None  # (build_app sets it)
         self.snapshot_id = None
         self.registry_stats: dict = {"holders": {}, "loads": {}}
         self.registry = registry
@@ -64,22 +69,15 @@ class Ingress:
         # replica keep state per id for as long as they run, so the ids are
         # a bounded table, not whatever combinations requests name
         self.affine: set[str] = set()
+        # the front: the model's vocabulary and chat template, no weights
+        self.llm = llamax.Llama(self.cfg.model, vocab_only=True, n_ctx=self.cfg.n_ctx,
+                                chat_format=self.cfg.chat_format, chat_template=self.cfg.chat_template,
+                                verbose=False, engine=RemoteEngine(self))
 
     def __serve_build_asgi_app__(self):
         return build_app(self)
 
     # -- the adapter table -----------------------------------------------------
-
-    def set_key(self, loras: list[dict] | None, body: protocol.AdapterFields) -> str:
-        """The request's set key, once the set is known to fit a replica."""
-        key = set_key(loras)
-        n = len(set_names(key))
-        if n > self.max_adapters:
-            param = "active_loras" if body.active_loras is not None else "lora" if body.lora is not None else None
-            raise APIError(400, f"the request names {n} adapters but max_loaded_adapters={self.max_adapters} "
-                           "(adapters a replica may hold at once, and so per request)", param=param,
-                           code="invalid_value")
-        return key
 
     def _cached(self, key: str) -> bool:
         """Whether ``key`` goes through Ray's multiplexing (the first
@@ -102,73 +100,48 @@ class Ingress:
         self.snapshot_id = tuple(snap["id"])
         self.refreshed = time.monotonic()
 
-    def _key_of(self, body: protocol.AdapterFields, request: Request) -> str:
-        control_vectors = {n for n, _ in self.cfg.control_vectors}
-        ctx = request_context(request)
-        loras = self.adapters.resolve(body, self.cfg.alias, control_vectors, ctx.caller.tenant)[0]
-        ctx.adapter_names = [s["name"] for s in loras or ()]
-        ctx.model_name = body.model or self.cfg.alias
-        ctx.model_route = True
-        return self.set_key(loras, body)
+    def control_vector_names(self) -> set[str]:
+        return {n for n, _ in self.cfg.control_vectors}
 
-    # -- forwarding ------------------------------------------------------------
+    def set_key(self, loras: list[dict] | None, body: protocol.AdapterFields) -> str:
+        """The request's set key, once the set is known to fit a replica."""
+        key = set_key(loras)
+        n = len(set_names(key))
+        if n > self.max_adapters:
+            param = "active_loras" if body.active_loras is not None else "lora" if body.lora is not None else None
+            raise APIError(400, f"the request names {n} adapters but max_loaded_adapters={self.max_adapters} "
+                           "(adapters a replica may hold at once, and so per request)", param=param,
+                           code="invalid_value")
+        return key
 
-    async def _forward(self, request: Request, key: str, stream: bool = False) -> Response:
-        """Send the request to a replica (one that holds the adapter set
-        ``key``, if any does) and relay its answer."""
-        await self.ready(request)
-        body = await request.body()
-        headers = [(k, v) for k, v in request.headers.raw if k not in _DROP]
+    def resolve(self, body: protocol.AdapterFields, request: Request) -> tuple[list[dict] | None, list[dict] | None]:
+        loras, cvecs = super().resolve(body, request)
+        self.set_key(loras, body)
+        return loras, cvecs
+
+    def admit(self, n: int, request: Request) -> None:
+        """A request that no replica would ever admit is refused here; the
+        bound on running and queued requests is Ray's (each replica's
+        ``max_ongoing_requests``, ``--max-queue`` waiting: then 503)."""
+        bound = self.cfg.n_contexts * self.cfg.parallel + self.cfg.max_queue
+        if n > bound:
+            raise APIError(400, f"the request needs {n} sequences (prompts x n), more than a replica ever "
+                           f"admits at once ({self.cfg.n_contexts * self.cfg.parallel} running and --max-queue "
+                           f"{self.cfg.max_queue})", param="n", code="too_many_sequences")
+
+    def _call(self, method: str, key: str, *args, stream: bool = False):
+        """A replica's ``method(*args, key, cached, snapshot)`` for the
+        adapter set ``key``, on the replica that holds it if Ray's router
+        knows one: the key is the multiplexed model id, unless the
+        application was built without affinity (for comparison) or the set
+        is past the table of sets (``cached`` False: see _cached)."""
         cached = bool(key) and self._cached(key)
-        opts = {"multiplexed_model_id": key} if cached and self.affinity else {}
-        caller = request_context(request).caller
-        t = caller.tenant
-        tenant = {"name": t.name, "weight": t.weight, "priority": t.priority, "cache_scope": t.cache_scope,
-                  "concurrent": t.limits.concurrent, "key_id": caller.key_id}
-        args = (request.method, request.url.path, request.url.query.encode(), headers, body,
-                self.snapshot_id, key, cached, tenant)
-        if not stream:
-            try:
-                parts = await self.replica.options(**opts).forward_whole.remote(*args)
-            except (RayError, BackPressureError) as e:
-                raise self._ray_error(e) from None
-            status, raw, replica = parts[0]
-            if parts and isinstance(parts[-1], dict):
-                _used(request, parts.pop())
-            return Response(b"".join(parts[1:]), status_code=status, headers=_relayed(raw, replica))
-        gen = self.replica.options(stream=True, **opts).forward.remote(*args)
-        try:
-            status, raw, replica = await gen.__anext__()
-        except StopAsyncIteration:
-            raise APIError(500, "the replica answered nothing") from None
-        except (RayError, BackPressureError) as e:
-            gen.cancel()
-            raise self._ray_error(e) from None
-
-        async def relay():
-            try:
-                async for chunk in gen:
-                    if isinstance(chunk, dict):  # (the last part: what the request used)
-                        _used(request, chunk)
-                        continue
-                    yield chunk
-            except RayError as e:  # the stream has begun: the error is its last event
-                yield b"data: " + dumps(_ray_error(e).body()).encode() + b"\r\n\r\n"
-            finally:
-                gen.cancel()
-        return StreamingResponse(relay(), status_code=status, headers=_relayed(raw, replica))
-
-    def _ray_error(self, e: BaseException) -> APIError:
-        if isinstance(e, BackPressureError):
-            # --max-queue requests wait here beyond those the replicas run
-            return APIError(503, f"the server is at capacity (every replica busy and {self.cfg.max_queue} "
-                            f"requests queued, --max-queue {self.cfg.max_queue}): retry later", code="queue_full",
-                            headers={"Retry-After": "1"})
-        return _ray_error(e)
+        opts: dict = {"multiplexed_model_id": key} if cached and self.affinity else {}
+        if stream:
+            opts["stream"] = True
+        return getattr(self.replica.options(**opts), method).remote(*args, key, cached, self.snapshot_id)
 
     # -- the routes' operations ----------------------------------------------------
-    # (generation: parsed and checked by the routes, then sent to a replica
-    # that holds the request's adapter set)
 
     async def ready(self, request: Request) -> None:
         """The registry's table, re-read every few seconds (this ingress is
@@ -179,23 +152,36 @@ class Ingress:
     async def health(self, request: Request):
         return {"status": "ok"}
 
-    async def chat(self, body: protocol.ChatCompletionRequest, request: Request):
-        return await self._forward(request, self._key_of(body, request), body.stream)
+    async def _respond(self, request: Request, endpoint: str, prepared: list, body, merge_fn):
+        """A stream's requests are sent to their replicas first: an error
+        there (the queue full, a replica gone) is the answer's status, not
+        an event of a stream already begun, and the replica is known for
+        the header."""
+        ctx = request_context(request)
+        if body.stream:
+            try:
+                for p in prepared:
+                    await p.handle.start()
+            except BaseException:
+                for p in prepared:
+                    p.cancel()
+                raise
+            _replica_header(ctx, prepared)
+            return await super()._respond(request, endpoint, prepared, body, merge_fn)
+        try:
+            return await super()._respond(request, endpoint, prepared, body, merge_fn)
+        finally:
+            _replica_header(ctx, prepared)
 
-    async def completions(self, body: protocol.CompletionRequest, request: Request):
-        return await self._forward(request, self._key_of(body, request), body.stream)
-
-    async def embeddings(self, body: protocol.EmbeddingRequest, request: Request):
-        return await self._forward(request, self._key_of(body, request))
-
-    async def tokenize(self, body: protocol.TokenizeRequest, request: Request):
-        return await self._forward(request, "")
-
-    async def detokenize(self, body: protocol.DetokenizeRequest, request: Request):
-        return await self._forward(request, "")
-
-    async def apply_template(self, body: protocol.ApplyTemplateRequest, request: Request):
-        return await self._forward(request, "")
+    async def embed(self, request: Request, inp, loras, cvecs, b64: bool, model_name: str) -> tuple[bytes, dict]:
+        key = set_key(loras)
+        call = self._call("embed", key, inp, loras, cvecs, b64, model_name)
+        replica, out = await guarded(request, _ray_errors(call, self), self.cfg.request_timeout,
+                                     on_cancel=call.cancel)
+        request_context(request).response_headers[REPLICA_HEADER] = replica
+        if isinstance(out, dict):
+            raise _raised(out)
+        return out
 
     async def slots(self):
         raise APIError(404, "/slots is per replica: with --replicas, watch Ray Serve's own metrics",
@@ -204,6 +190,14 @@ class Ingress:
     async def metrics(self):
         raise APIError(404, "--metrics is for the single-process server; on Ray Serve, use Ray's own "
                        "Prometheus metrics", code="metrics_disabled")
+
+    def _ray_error(self, e: BaseException) -> APIError:
+        if isinstance(e, BackPressureError):
+            # --max-queue requests wait here beyond those the replicas run
+            return APIError(503, f"the server is at capacity (every replica busy and {self.cfg.max_queue} "
+                            f"requests queued, --max-queue {self.cfg.max_queue}): retry later", code="queue_full",
+                            headers={"Retry-After": "1"})
+        return _ray_error(e)
 
     # -- adapters: the registry, for every replica at once -------------------------
 
@@ -258,16 +252,138 @@ class Ingress:
             self.forget(name)
 
 
-def _used(request: Request, used: dict) -> None:
-    """A replica's account of a request (its usage, its outcome, its time to
-    first token), for the tenant's limits, metrics and usage log here."""
-    request_context(request).take_report(used)
+
+class RemoteEngine:
+    """The replicas, as the front Llama's engine (``Llama(engine=)``): a
+    request submitted here runs on the replica that holds its adapter set."""
+
+    def __init__(self, ingress: Ingress):
+        self.ingress = ingress
+
+    def submit(self, request: llamax.GenerationRequest) -> RemoteHandle:
+        if not isinstance(request, llamax.GenerationRequest):
+            raise llamax.ArgumentTypeError(f"submit takes a llamax.GenerationRequest, not {type(request).__name__}")
+        if request.cancel is not None or request.logits_processor is not None or \
+                request.stopping_criteria is not None:
+            raise llamax.InvalidArgumentError("a request for a Ray replica carries no cancel token or Python "
+                                              "per-token hooks: cancel its handle")
+        return RemoteHandle(self.ingress, request, set_key(request.adapters.active_loras()))
 
 
-def _relayed(raw: list, replica: str) -> dict:
-    out = {k.decode(): v.decode() for k, v in raw if k.decode().lower() not in _HOP}
-    out[REPLICA_HEADER] = replica
-    return out
+class RemoteHandle:
+    """A request running on a replica, with a ``llamax.RequestHandle``'s
+    asynchronous surface: ``aevents`` (the replica's events, relayed),
+    ``aresult``, ``cancel``, ``close``, ``done``; ``start`` sends it (a
+    stream: the replica's first answer is awaited, so that an error there is
+    raised before anything was streamed).  ``replica``: the replica's id."""
+
+    def __init__(self, ingress: Ingress, request: llamax.GenerationRequest, key: str):
+        self.ingress = ingress
+        self.request = request
+        self.key = key
+        self.done: llamax.Result | None = None
+        self.replica: str | None = None
+        self._used = False
+        self._cancelled = False
+        self._inflight = None   # the replica call in flight (a streamed generator or one response)
+
+    @property
+    def n_prompt_tokens(self) -> int:
+        return len(self.request.tokens)
+
+    def _take(self) -> None:
+        if self._used:
+            raise llamax.InvalidArgumentError("this request has run already: submit (or prepare) another")
+        self._used = True
+
+    async def start(self) -> None:
+        if self._inflight is not None:
+            return
+        self._take()
+        self._inflight = gen = self.ingress._call("generate", self.key, self.request, stream=True)
+        try:
+            first = await gen.__anext__()
+        except StopAsyncIteration:
+            raise APIError(500, "the replica answered nothing") from None
+        except (RayError, BackPressureError) as e:
+            gen.cancel()
+            raise self.ingress._ray_error(e) from None
+        self.replica = first
+
+    async def aevents(self):
+        await self.start()
+        gen = self._inflight
+        try:
+            async for batch in gen:
+                if isinstance(batch, dict):
+                    raise _raised(batch)
+                for ev in batch:
+                    if isinstance(ev, llamax.Result):
+                        self.done = ev
+                    yield ev
+        except RayError as e:
+            # the stream has begun: the error is its last event
+            raise _ray_error(e) from None
+        finally:
+            if self.done is None:
+                gen.cancel()
+
+    async def aresult(self) -> llamax.Result:
+        self._take()
+        self._inflight = resp = self.ingress._call("generate_whole", self.key, self.request)
+        try:
+            replica, res = await resp
+        except (RayError, BackPressureError) as e:
+            raise self.ingress._ray_error(e) from None
+        self.replica = replica
+        if isinstance(res, dict):
+            raise _raised(res)
+        self.done = res
+        return res
+
+    def score_prompt(self, n_top: int) -> list:
+        """(a worker thread: blocks for the replica's answer)"""
+        ing = self.ingress
+        try:
+            out = ing.replica.score_prompt.remote(self.request, self.key, ing.snapshot_id, n_top).result()
+        except (RayError, BackPressureError) as e:
+            raise ing._ray_error(e) from None
+        if isinstance(out, dict):
+            raise _raised(out)
+        return out
+
+    def cancel(self) -> None:
+        self._cancelled = True
+        if self._inflight is not None:
+            self._inflight.cancel()
+
+    def close(self) -> None:
+        self._used = True   # (nothing is held here: the replica pins adapters while the request runs)
+
+    def events(self):
+        raise llamax.InvalidArgumentError("a Ray replica's request runs on the ingress' event loop: use aevents()")
+
+    def result(self):
+        raise llamax.InvalidArgumentError("a Ray replica's request runs on the ingress' event loop: use aresult()")
+
+
+async def _ray_errors(call, ingress: Ingress):
+    try:
+        return await call
+    except (RayError, BackPressureError) as e:
+        raise ingress._ray_error(e) from None
+
+
+def _raised(item: dict) -> APIError:
+    """A replica's error (replica.remote_error) as the APIError it was."""
+    status, message, param, code, headers = item["error"]
+    return APIError(status, message, param=param, code=code, headers=headers or None)
+
+
+def _replica_header(ctx, prepared: list) -> None:
+    replicas = list(dict.fromkeys(p.handle.replica for p in prepared if p.handle.replica))
+    if replicas:
+        ctx.response_headers[REPLICA_HEADER] = ", ".join(replicas)
 
 
 def _ray_error(e: BaseException) -> APIError:

@@ -1,334 +1,265 @@
-"""A Ray Serve replica: one model and the single-process server's app
-(:class:`~llamax.server.backends.local.LocalBackend` under the same route
-table), run in-process for each request the ingress forwards, with the
-request's adapter set held (Ray Serve's multiplexed model)."""
+"""A Ray Serve replica: one ``llamax.Llama``, the engine behind the ingress.
+
+The ingress sends typed calls, not HTTP: a ``llamax.GenerationRequest``
+(prompt tokens, sampling, adapter set, the tenant's share and cache scope)
+to :meth:`LlamaReplica.generate` (streamed events) or
+:meth:`LlamaReplica.generate_whole` (the Result), embedding inputs to
+:meth:`LlamaReplica.embed`.  The replica submits them to its Llama
+(``Llama.submit``) and sends back ``llamax.Text`` / ``llamax.Result``
+events; the ingress shapes them as OpenAI's objects.
+
+Adapters: every adapter of the application's table (the registry) is
+registered with the Llama, which loads one on demand the first time a
+request names it and, past ``max_adapters`` loaded, unloads the least
+recently used one that no running request holds (``Llama(max_loaded_adapters=)``'s
+own LRU).  Each adapter set is also Ray Serve's "multiplexed model" (its
+key is the request's multiplexed model id), so that Ray's router sends a
+set to the replica that holds it; the sets running requests hold are
+touched first, so that Ray's own LRU of ``max_sets`` keys forgets an idle
+one.  What the replica holds is reported to the registry (``/lora-adapters``)."""
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
+import threading
 
 from ray import serve
 
 import llamax
-from llamax.server.app import build_app
-from llamax.server.backends.local import LocalBackend
+from llamax.server.backends.local import open_llama
 from llamax.server.backends.ray.registry import set_names
+from llamax.server.backends.serving import embedding_answer
 from llamax.server.config import ServerConfig
-from llamax.server.context import RequestContext
 from llamax.server.errors import APIError, from_exception
-from llamax.server.http import dumps
-from llamax.server.tenancy import Caller
-from llamax.server.tenants import Limits, Tenant
 
-__all__ = ["LlamaReplica", "asgi_request", "MAKE_ROOM_S"]
+__all__ = ["LlamaReplica", "ReplicaEngine", "remote_error"]
 
 logger = logging.getLogger("llamax.serve_ray")
 
-MAKE_ROOM_S = 60.0   # a replica waits this long for running requests to let go of adapters
+
+def remote_error(e: BaseException) -> dict:
+    """An error as it travels back to the ingress (which raises it again as
+    the same APIError: status, message, param, code, headers)."""
+    if isinstance(e, llamax.AdapterInUseError):
+        err = APIError(503, f"all adapters this replica may load (--max-loaded-adapters) are held by running "
+                       f"requests: retry later ({e})", code="adapters_busy", headers={"Retry-After": "1"})
+    else:
+        err = from_exception(e)
+    if err is None or err.status == 500:
+        logger.error("a request failed in the replica: %s: %s", type(e).__name__, e)
+        err = err or APIError(500, f"internal error in a replica: {type(e).__name__}")
+    return {"error": (err.status, err.message, err.param, err.code, dict(err.headers or {}))}
 
 
-class _AdapterSet:
-    """One multiplexed model: the adapters a set names, held in the replica
-    while Ray's cache holds this object.  ``busy`` counts running requests."""
+class ReplicaEngine:
+    """What a replica does with the typed calls, without Ray (its tests
+    drive it directly): the Llama, the adapters registered with it from the
+    registry's snapshots, and what it holds, reported through
+    ``report(name, loaded)``."""
 
-    def __init__(self, replica: LlamaReplica, key: str):
-        self.replica = replica
-        self.key = key
-        self.names = set_names(key)
-        self.busy = 0
-        self.evicted = False
+    def __init__(self, llm: llamax.Llama, report=None):
+        self.llm = llm
+        self.report = report or (lambda name, loaded: None)
+        self.paths: dict[str, str] = {}   # registered adapter -> its file (as the registry's snapshot says)
+        self.held: set[str] = set()       # adapters reported loaded here
 
-    def __del__(self):
-        # Ray calls this (in a worker thread) when it evicts the set; Python
-        # may call it again when the object goes: only the first call counts
-        if self.evicted:
-            return
-        self.evicted = True
+    def apply(self, snapshot: dict) -> None:
+        """The registry's table: adapters it dropped, or whose file changed,
+        are unloaded (running requests keep theirs until they end); new ones
+        registered, to be loaded on demand."""
+        paths = snapshot["paths"]
+        for name in list(self.paths):
+            if paths.get(name) != self.paths[name]:
+                self.llm.unload_lora(name)
+                del self.paths[name]
+        for name, path in paths.items():
+            if name not in self.paths:
+                self.llm.register_lora(name, path)
+                self.paths[name] = path
+        self.sync_report()
+
+    def sync_report(self) -> None:
+        """Tell the registry which adapters were loaded or let go since the last time."""
+        loaded = {e["name"] for e in self.llm.list_loras() if e["loaded"]}
+        for name in sorted(loaded - self.held):
+            self.report(name, True)
+        for name in sorted(self.held - loaded):
+            self.report(name, False)
+        self.held = loaded
+
+    def submit(self, req: llamax.GenerationRequest) -> llamax.RequestHandle:
+        """(a worker thread: it may load adapters, or wait for room for them)"""
         try:
-            self.replica._loop.call_soon_threadsafe(self.replica._evicted, self)
-        except RuntimeError:  # the loop is closed: the replica is going away
-            pass
+            return self.llm.submit(req)
+        finally:
+            self.sync_report()
+
+    async def events(self, req: llamax.GenerationRequest):
+        """The request's events in batches (what has arrived by the time the
+        last batch was sent), or an error dict (the last item)."""
+        try:
+            handle = await asyncio.to_thread(self.submit, req)
+        except Exception as e:
+            yield remote_error(e)
+            return
+        try:
+            events = handle.aevents()
+            try:
+                async for ev in events:
+                    yield [ev]
+            finally:
+                await events.aclose()
+        except Exception as e:
+            yield remote_error(e)
+        finally:
+            self.sync_report()
+
+    async def result(self, req: llamax.GenerationRequest):
+        """The Result, or an error dict."""
+        try:
+            handle = await asyncio.to_thread(self.submit, req)
+        except Exception as e:
+            return remote_error(e)
+        try:
+            return await handle.aresult()
+        except Exception as e:
+            return remote_error(e)
+        finally:
+            self.sync_report()
+
+    def score_prompt(self, req: llamax.GenerationRequest, n_top: int):
+        """The prompt's own logprobs under its adapters (echo), or an error dict."""
+        try:
+            with self.submit(req) as handle:
+                return handle.score_prompt(n_top)
+        except Exception as e:
+            return remote_error(e)
+        finally:
+            self.sync_report()
+
+    def embed(self, inp, loras, cvecs, b64: bool, model_name: str):
+        """(a worker thread) The embeddings answer and its usage, or an error dict."""
+        try:
+            return embedding_answer(self.llm, inp, loras, cvecs, b64, model_name, [], threading.Event())
+        except Exception as e:
+            return remote_error(e)
+        finally:
+            self.sync_report()
 
 
 class LlamaReplica:
-    """One model and the single-process server's app, run in-process for
-    each request the ingress forwards."""
+    """One model, the engine of the requests the ingress sends here."""
 
     async def __init__(self, cfg: dict, registry, max_sets: int, max_adapters: int):
         self.cfg = ServerConfig(**cfg)
-        self.backend = LocalBackend(self.cfg)
-        await asyncio.to_thread(self.backend.load)
-        if self.backend.llm is None:
-            raise RuntimeError(f"the model failed to load: {self.backend.load_error}")
-        self.app = build_app(self.backend)
         self.registry = registry
         self.replica_id = serve.get_replica_context().replica_id.unique_id
+        llm = await asyncio.to_thread(open_llama, self.cfg, max_adapters)
+        self.engine = ReplicaEngine(llm, lambda name, loaded: registry.held.remote(self.replica_id, name, loaded))
         self.snapshot_id = None
         self.max_adapters = max_adapters
-        self.loaded: dict[str, str] = {}      # adapter -> the path it was loaded from
-        self.used: dict[str, float] = {}      # loaded adapter -> when a request last held it (LRU)
-        self.refs: dict[str, int] = {}        # adapter -> live sets that name it
-        self.holding: dict[str, int] = {}     # adapter -> running requests that hold it (never unloaded)
-        self.sets: dict[str, _AdapterSet] = {}
-        self._loop = asyncio.get_running_loop()
-        self._load_lock = asyncio.Lock()
-        self._freed = asyncio.Event()         # a request let go of its adapters (room may be made now)
+        self.busy: dict[str, int] = {}   # adapter set key -> running requests (Ray's LRU is told they are in use)
 
-        async def load_set(key: str) -> _AdapterSet:
-            s = _AdapterSet(self, key)
-            self._ref(s)
-            self.sets[key] = s
-            return s
+        async def touch(key: str) -> str:
+            return key   # (the adapters are the Llama's to load: Ray keeps the key for routing)
 
-        self._get_set = serve.multiplexed(max_num_models_per_replica=max_sets)(load_set)
+        self._touch = serve.multiplexed(max_num_models_per_replica=max_sets)(touch)
         # every registered adapter is checked against the model before the
         # application takes requests
         await self._sync(None)
-        for name, path in self.backend.adapters.paths.items():
+        for name, path in self.engine.paths.items():
             try:
-                await asyncio.to_thread(self.backend.check_lora_file, path)
+                await asyncio.to_thread(self._check, path)
             except llamax.LlamaxError as e:
                 raise ValueError(f"adapter {name!r} ({path}): {e}") from None
+
+    def _check(self, path: str) -> None:
+        llamax.LoraAdapter(self.engine.llm.model, path).close()
 
     async def check_adapter(self, path: str):
         """A runtime load's file against the model: None, or (status, message, code)."""
         try:
-            await asyncio.to_thread(self.backend.check_lora_file, path)
+            await asyncio.to_thread(self._check, path)
         except Exception as e:
             err = from_exception(e) or APIError(400, f"{type(e).__name__}: {e}", code="load_failed")
             return err.status, err.message, err.code
         return None
 
-    # -- the table -------------------------------------------------------------
-
     async def _sync(self, wanted) -> None:
         if wanted is not None and tuple(wanted) == self.snapshot_id:
             return
         snap = await self.registry.snapshot.remote()
-        table = self.backend.adapters
-        table.apply(snap)
+        self.engine.apply(snap)
         self.snapshot_id = tuple(snap["id"])
-        for name, path in list(self.loaded.items()):   # unregistered, or another file now
-            if table.paths.get(name) != path:
-                self._unload(name)
 
-    def _unload(self, name: str) -> None:
-        del self.loaded[name]
-        self.used.pop(name, None)
-        self.backend.llm.unload_lora(name)   # running requests keep it until they end
-        self.registry.held.remote(self.replica_id, name, False)
-
-    async def _ensure(self, s: _AdapterSet) -> None:
-        """The set's adapters loaded, from the registry's current paths,
-        with room made for them first (at most ``max_adapters`` loaded)."""
-        paths = self.backend.adapters.paths
-        for name in s.names:
-            if name not in paths:
-                raise APIError(404, f"no adapter named {name!r}", param="model", code="adapter_not_found")
-        if any(self.loaded.get(n) != paths[n] for n in s.names):
-            async with self._load_lock:
-                for name in s.names:   # another file under this name now
-                    if name in self.loaded and self.loaded[name] != paths[name]:
-                        self._unload(name)
-                missing = [n for n in s.names if n not in self.loaded]
-                await self._make_room(len(missing))
-                for name in missing:
-                    path = paths[name]
-                    await asyncio.to_thread(self.backend.llm.load_lora, name, path)
-                    self.loaded[name] = path
-                    self.registry.held.remote(self.replica_id, name, True)
-        now = time.monotonic()
-        for name in s.names:
-            self.used[name] = now
-
-    async def _make_room(self, n_new: int) -> None:
-        """Unload least recently used adapters that no running request holds
-        until ``n_new`` more fit; wait (bounded) while running requests hold
-        them all.  (The set being loaded is held: its own adapters stay.)"""
-        deadline = time.monotonic() + MAKE_ROOM_S
-        while True:
-            excess = len(self.loaded) + n_new - self.max_adapters
-            if excess <= 0:
-                return
-            idle = sorted((n for n in self.loaded if n not in self.holding), key=lambda n: self.used.get(n, 0.0))
-            for name in idle[:excess]:
-                self._unload(name)
-            if len(idle) >= excess:
-                return
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise APIError(503, f"all {self.max_adapters} adapters this replica may load "
-                               "(--max-loaded-adapters) are held by running requests: retry later",
-                               code="adapters_busy", headers={"Retry-After": "1"})
-            self._freed.clear()
-            try:
-                await asyncio.wait_for(self._freed.wait(), left)
-            except asyncio.TimeoutError:
-                pass
-
-    def _evicted(self, s: _AdapterSet) -> None:
-        if self.sets.get(s.key) is s:
-            del self.sets[s.key]
-        if s.busy == 0:
-            self._release(s)
-
-    def _ref(self, s: _AdapterSet) -> None:
-        for n in s.names:
-            self.refs[n] = self.refs.get(n, 0) + 1
-
-    def _release(self, s: _AdapterSet) -> None:
-        for name in s.names:
-            self.refs[name] -= 1
-            if self.refs[name] == 0:
-                del self.refs[name]
-                if name in self.loaded and name not in self.holding:
-                    self._unload(name)
-
-    async def _hold(self, key: str, cached: bool = True) -> _AdapterSet:
-        """The set ``key`` for one request, its adapters loaded.  ``cached``:
-        through Ray's multiplexed cache (the ingress sent ``key`` as the
-        multiplexed model id); else a set of its own, let go when the
-        request ends (Ray keeps nothing about it)."""
-        names = set_names(key)
-        if len(names) > self.max_adapters:   # the ingress refuses these first
-            raise APIError(400, f"the request names {len(names)} adapters but max_loaded_adapters="
+    async def _enter(self, key: str, cached: bool, snapshot_id) -> None:
+        """The registry's table as the ingress saw it, and the set's key in
+        Ray's multiplexed cache (``cached``: the ingress sent it as the
+        multiplexed model id): the keys running requests hold first, so
+        that Ray's LRU drops an idle one."""
+        await self._sync(snapshot_id)
+        if len(set_names(key)) > self.max_adapters:   # the ingress refuses these first
+            raise APIError(400, f"the request names {len(set_names(key))} adapters but max_loaded_adapters="
                            f"{self.max_adapters}", param="active_loras", code="invalid_value")
-        if cached or key in self.sets:
-            if key not in self.sets:
-                # Ray evicts its least recently used set to make room: touch the
-                # sets that running requests hold first, so that an idle one goes
-                for k, s in list(self.sets.items()):
-                    if s.busy and not s.evicted:
-                        await self._get_set(k)
-            s = await self._get_set(key)
-        else:
-            s = _AdapterSet(self, key)
-            s.evicted = True   # in no cache: released by _done
-            self._ref(s)
-        s.busy += 1
-        for n in s.names:
-            self.holding[n] = self.holding.get(n, 0) + 1
+        if key and cached:
+            for k, n in list(self.busy.items()):
+                if n and k != key:
+                    await self._touch(k)
+            await self._touch(key)
+        self.busy[key] = self.busy.get(key, 0) + 1
+
+    def _leave(self, key: str) -> None:
+        self.busy[key] -= 1
+        if not self.busy[key]:
+            del self.busy[key]
+
+    # -- the typed calls -----------------------------------------------------------
+
+    async def generate(self, req: llamax.GenerationRequest, key: str, cached: bool, snapshot_id):
+        """Yields this replica's id, then batches of the request's events
+        (or an error dict, last)."""
+        yield self.replica_id
         try:
-            await self._ensure(s)
-        except BaseException:
-            self._done(s)
-            raise
-        return s
-
-    def _done(self, s: _AdapterSet) -> None:
-        s.busy -= 1
-        for n in s.names:
-            self.holding[n] -= 1
-            if self.holding[n] == 0:
-                del self.holding[n]
-        if s.busy == 0 and s.evicted:
-            self._release(s)
-        self._freed.set()
-
-    # -- requests --------------------------------------------------------------
-
-    async def forward(self, method: str, path: str, query: bytes, headers: list, body: bytes, snapshot_id,
-                      key: str, cached: bool = True, tenant: dict | None = None):
-        """One HTTP request through the server's app, with the adapter set
-        ``key`` held; yields (status, headers, replica), then the body's
-        chunks.  (``key`` is also the request's multiplexed model id, unless
-        the application was built without affinity, for comparison, or
-        ``cached`` is False: past the ingress' table of sets, see _hold.)
-        ``tenant``: the caller's tenant as the ingress found it (name,
-        weight, priority, cache scope: its share of the batch and its
-        prefix cache here; its limits are the ingress'); the last part is
-        then a dict of what the request used (usage, status, ttft)."""
-        self._loop = asyncio.get_running_loop()   # where requests run (evictions are sent here)
-        s = None
-        try:
-            await self._sync(snapshot_id)
-            if key:
-                s = await self._hold(key, cached)
+            await self._enter(key, cached, snapshot_id)
         except Exception as e:
-            err = from_exception(e) or APIError(500, f"internal error: {type(e).__name__}")
-            if err.status == 500:
-                logger.exception("adapter set %r", key)
-            yield err.status, [(b"content-type", b"application/json")], self.replica_id
-            yield dumps(err.body()).encode()
+            yield remote_error(e)
             return
-        ctx = RequestContext()
-        if tenant is not None:
-            # (its limits are the ingress', but for the running ones: slots are counted here)
-            ctx.forwarded_caller = Caller(Tenant(name=tenant["name"], weight=tenant["weight"],
-                                                      priority=tenant["priority"], cache_scope=tenant["cache_scope"],
-                                                      limits=Limits(concurrent=tenant["concurrent"])),
-                                               tenant["key_id"])
         try:
-            async for part in asgi_request(self.app, method, path, query, headers, body, {"ctx": ctx}):
-                if isinstance(part, tuple):
-                    yield part[0], part[1], self.replica_id
-                else:
-                    yield part
-            if tenant is not None:
-                yield ctx.report()
+            async for batch in self.engine.events(req):
+                yield batch
         finally:
-            if s is not None:
-                self._done(s)
+            self._leave(key)
 
-    async def forward_whole(self, *args) -> list:
-        """:meth:`forward` in one answer (one handle round trip for a
-        response that is not streamed)."""
-        return [part async for part in self.forward(*args)]
+    async def generate_whole(self, req: llamax.GenerationRequest, key: str, cached: bool, snapshot_id):
+        """(this replica's id, the Result or an error dict)"""
+        try:
+            await self._enter(key, cached, snapshot_id)
+        except Exception as e:
+            return self.replica_id, remote_error(e)
+        try:
+            return self.replica_id, await self.engine.result(req)
+        finally:
+            self._leave(key)
+
+    async def score_prompt(self, req: llamax.GenerationRequest, key: str, snapshot_id, n_top: int):
+        await self._sync(snapshot_id)
+        return await asyncio.to_thread(self.engine.score_prompt, req, n_top)
+
+    async def embed(self, inp, loras, cvecs, b64: bool, model_name: str, key: str, cached: bool, snapshot_id):
+        """(this replica's id, (the answer's JSON, usage) or an error dict)"""
+        try:
+            await self._enter(key, cached, snapshot_id)
+        except Exception as e:
+            return self.replica_id, remote_error(e)
+        try:
+            return self.replica_id, await asyncio.to_thread(self.engine.embed, inp, loras, cvecs, b64, model_name)
+        finally:
+            self._leave(key)
 
     def __del__(self):
-        backend = getattr(self, "backend", None)
-        if backend is not None:
-            backend.close()
-
-
-async def asgi_request(app, method: str, path: str, query: bytes, headers: list, body: bytes,
-                       state: dict | None = None):
-    """Run one HTTP request through an ASGI app in this process; yields
-    (status, headers) and then the body's chunks.  When the caller stops
-    iterating (the client went away), the app sees ``http.disconnect``.
-    ``state``: the request's ``scope["state"]`` (read it after the end)."""
-    out: asyncio.Queue = asyncio.Queue()
-    gone = asyncio.Event()
-    sent = False
-
-    async def receive():
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        await gone.wait()
-        return {"type": "http.disconnect"}
-
-    async def send(msg):
-        await out.put(msg)
-
-    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
-             "method": method, "scheme": "http", "path": path, "raw_path": path.encode(), "root_path": "",
-             "query_string": query, "headers": headers, "client": ("127.0.0.1", 0),
-             "server": ("127.0.0.1", 80), "state": {} if state is None else state}
-    task = asyncio.ensure_future(app(scope, receive, send))
-    try:
-        while True:
-            get = asyncio.ensure_future(out.get())
-            await asyncio.wait({get, task}, return_when=asyncio.FIRST_COMPLETED)
-            if not get.done():
-                get.cancel()
-                if task.exception() is not None:
-                    raise task.exception()
-                return  # the app ended without a complete response
-            msg = get.result()
-            if msg["type"] == "http.response.start":
-                yield msg["status"], list(msg.get("headers", ()))
-            elif msg["type"] == "http.response.body":
-                if msg.get("body"):
-                    yield msg["body"]
-                if not msg.get("more_body", False):
-                    return
-    finally:
-        gone.set()
-        if not task.done():
+        engine = getattr(self, "engine", None)
+        if engine is not None:
             try:
-                await asyncio.wait_for(asyncio.shield(task), 5.0)
-            except BaseException:
-                task.cancel()
+                engine.llm.close()
+            except llamax.ContextBusyError:
+                pass
