@@ -25,8 +25,9 @@ thread, 4 sequences) against the Ray application (one replica, one
 thread, 4 sequences): ``--rounds`` alternating rounds of 20 base-model
 completions of one token, median latency of each.  With one token the
 model's work is the same and small, so the difference is the Ray path
-(and ``GET /health`` rounds, which no replica serves, tell what Ray's HTTP
-proxy to the ingress costs alone):
+(``GET /health`` rounds, which no replica serves, tell what Ray's HTTP
+proxy to the ingress costs alone, and calls of a replica's ``ping`` through
+a Serve handle what one call to a replica costs):
 HTTP proxy → ingress → replica (one handle call with the typed request)
 and back.
 
@@ -109,6 +110,33 @@ def latencies(url: str, n: int, route: str = "completion") -> list[float]:
     return out
 
 
+_LOOP = None  # one event loop for every round (a handle's router lives on the loop of its first call)
+
+
+def handle_calls(n: int) -> list[float]:
+    """``n`` calls of a replica's ``ping`` (no work) through a Serve handle,
+    from this process: what one Ray Serve call costs, the ingress's call to
+    a replica being one."""
+    import asyncio
+
+    from ray import serve
+
+    async def calls() -> list[float]:
+        h = serve.get_deployment_handle("LlamaReplica", app_name="llamax")
+        await h.ping.remote()   # (warm: the handle's router starts on the first call)
+        out = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            await h.ping.remote()
+            out.append(time.perf_counter() - t0)
+        return out
+
+    global _LOOP
+    if _LOOP is None:
+        _LOOP = asyncio.new_event_loop()
+    return _LOOP.run_until_complete(calls())
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None)
@@ -162,12 +190,13 @@ def main() -> int:
         latencies(single_url, 5)
         latencies(url, 5)
         lat: dict[str, list[float]] = {"single-process": [], "ray": [], "single-process health": [],
-                                       "ray health": []}
+                                       "ray health": [], "handle call": []}
         for _ in range(args.rounds):
             lat["single-process"] += latencies(single_url, 20)
             lat["ray"] += latencies(url, 20)
             lat["single-process health"] += latencies(single_url, 20, "health")
             lat["ray health"] += latencies(url, 20, "health")
+            lat["handle call"] += handle_calls(20)
         med = {k: statistics.median(v) * 1000 for k, v in lat.items()}
         results["overhead"] = {"median_ms": med, "ray_overhead_ms": med["ray"] - med["single-process"],
                                "proxy_overhead_ms": med["ray health"] - med["single-process health"],
@@ -197,7 +226,8 @@ def main() -> int:
         f"{o['median_ms']['single-process']:.1f} ms, Ray Serve {o['median_ms']['ray']:.1f} ms: "
         f"the Ray path adds {o['ray_overhead_ms']:.1f} ms.  Of that, Ray Serve's HTTP proxy to the "
         f"ingress (GET /health, no replica call): single-process {o['median_ms']['single-process health']:.1f} ms, "
-        f"Ray Serve {o['median_ms']['ray health']:.1f} ms, {o['proxy_overhead_ms']:.1f} ms more.",
+        f"Ray Serve {o['median_ms']['ray health']:.1f} ms, {o['proxy_overhead_ms']:.1f} ms more; a Serve "
+        f"handle call to a replica that does no work (`ping`): {o['median_ms']['handle call']:.1f} ms.",
     ]
     out.with_suffix(".md").write_text("\n".join(md) + "\n")
     print("\n".join(md))

@@ -209,3 +209,22 @@ def _bounded(request):
     t0 = time.monotonic()
     yield
     assert time.monotonic() - t0 < 240, f"{request.node.name} took over 4 minutes"
+
+
+def test_echo_logprobs_are_scored_on_a_replica(http, server, smollm2_path):
+    """A completion's echo with logprobs: the prompt is scored by a replica
+    (the ingress has no weights), with the local engine's numbers."""
+    r = http.post("/v1/completions", json={"model": "smol", "prompt": PROMPT, "max_tokens": 3, "temperature": 0.0,
+                                           "echo": True, "logprobs": 2})
+    assert r.status_code == 200, r.text
+    lp = r.json()["choices"][0]["logprobs"]
+    llm = llamax.Llama(str(smollm2_path), n_ctx=1024, n_threads=1)
+    try:
+        want = llm.create_completion(PROMPT, max_tokens=3, temperature=0.0, echo=True, logprobs=2)
+    finally:
+        llm.close()
+    ref = want["choices"][0]["logprobs"]
+    assert lp["tokens"] == ref["tokens"] and len(lp["tokens"]) > 3
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    for got, exp in zip(lp["token_logprobs"][1:], ref["token_logprobs"][1:]):
+        assert abs(got - exp) < 0.05, (lp["token_logprobs"], ref["token_logprobs"])

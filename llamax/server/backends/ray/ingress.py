@@ -63,6 +63,7 @@ class Ingress(Serving):
         self.replica = replica
         self.admin_lock = asyncio.Lock()
         self.refreshed = 0.0
+        self.loop: asyncio.AbstractEventLoop | None = None   # the routes' loop (ready() notes it)
         self.max_adapters = max_adapters
         self.max_affinity_sets = max_affinity_sets
         # the set keys sent as multiplexed model ids: Ray's router and each
@@ -146,6 +147,7 @@ class Ingress(Serving):
     async def ready(self, request: Request) -> None:
         """The registry's table, re-read every few seconds (this ingress is
         its only writer, but the registry may have been restarted)."""
+        self.loop = asyncio.get_running_loop()
         if self.snapshot_id is None or time.monotonic() - self.refreshed > REFRESH_S:
             await self._refresh()
 
@@ -342,12 +344,17 @@ class RemoteHandle:
         return res
 
     def score_prompt(self, n_top: int) -> list:
-        """(a worker thread: blocks for the replica's answer)"""
+        """(a worker thread: blocks for the replica's answer; the call is
+        made on the routes' loop, where the replica handle's router lives)"""
         ing = self.ingress
-        try:
-            out = ing.replica.score_prompt.remote(self.request, self.key, ing.snapshot_id, n_top).result()
-        except (RayError, BackPressureError) as e:
-            raise ing._ray_error(e) from None
+
+        async def call():
+            try:
+                return await ing.replica.score_prompt.remote(self.request, self.key, ing.snapshot_id, n_top)
+            except (RayError, BackPressureError) as e:
+                raise ing._ray_error(e) from None
+
+        out = asyncio.run_coroutine_threadsafe(call(), ing.loop).result()
         if isinstance(out, dict):
             raise _raised(out)
         return out

@@ -215,6 +215,11 @@ class LlamaReplica:
 
     # -- the typed calls -----------------------------------------------------------
 
+    async def ping(self) -> str:
+        """This replica's id: a call that does no work (what one call costs:
+        benchmarks/bench_ray.py)."""
+        return self.replica_id
+
     async def generate(self, req: llamax.GenerationRequest, key: str, cached: bool, snapshot_id):
         """Yields this replica's id, then batches of the request's events
         (or an error dict, last)."""
