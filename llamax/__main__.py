@@ -143,6 +143,10 @@ def _tenant_key(args) -> int:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["as-llama-cpp"]:  # (the rest is the program's own command line: argparse stays out of it)
+        from llamax import as_llama_cpp
+        return as_llama_cpp.main(argv[1:])
     p = argparse.ArgumentParser(prog="python -m llamax", description="llamax command line")
     sub = p.add_subparsers(dest="cmd", metavar="command")
     d = sub.add_parser("demo", help="three users, one model, per-request LoRA adapters")
@@ -173,6 +177,8 @@ def main(argv=None) -> int:
     c.add_argument("--base", required=True, help="the GGUF base model the adapter was trained for")
     c.add_argument("-o", "--output", required=True, help="the LoRA GGUF to write")
     c.add_argument("--dtype", choices=("f32", "f16"), default="f32", help="tensor type (default f32)")
+    sub.add_parser("as-llama-cpp", help="run a Python program with `import llama_cpp` meaning llamax for every "
+                   "module: as-llama-cpp [--replace] (SCRIPT | -m MODULE) [ARGS...]")
     args = p.parse_args(argv)
     if args.cmd == "tenant-key":
         return _tenant_key(args)

@@ -12,7 +12,7 @@ __all__ = [
     "AdapterInUseError", "DecodeError", "KVCacheFullError", "CancelledError",
     "OutOfMemoryError", "GrammarError", "ContextBusyError", "ClosedError",
     "InvalidUtf8Error", "ViewsExportedError", "UnknownAdapterError", "PeftError",
-    "OversubscriptionWarning",
+    "ShadowingError", "OversubscriptionWarning",
 ]
 
 
@@ -99,6 +99,11 @@ class UnknownAdapterError(LlamaxError, KeyError):
 
 class PeftError(LlamaxError, ValueError):
     """A PEFT adapter directory that can't become a llama.cpp LoRA (see llamax.peft)."""
+
+
+class ShadowingError(LlamaxError, ImportError):
+    """``llama_cpp`` can't be made to mean llamax here without hiding the
+    real one silently (``llamax.as_llama_cpp.install``)."""
 
 
 class OversubscriptionWarning(RuntimeWarning):

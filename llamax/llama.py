@@ -11,6 +11,7 @@ from __future__ import annotations
 import abc
 import logging
 import os
+import warnings
 import random
 import threading
 import time
@@ -231,6 +232,16 @@ class LlamaTokenizer(BaseLlamaTokenizer):
         return cls(Llama(model_path=path, vocab_only=True))
 
 
+# keywords older llama-cpp-python releases had, which libraries built on it
+# still pass (LangChain's LlamaCpp, ChatLlamaCpp and LlamaCppEmbeddings: all
+# three), and which 0.3 absorbs through **kwargs: why each means nothing now
+_ABSORBED = {
+    "n_parts": "llama.cpp finds a model's parts (split GGUF files) itself",
+    "f16_kv": "the KV cache's type is type_k/type_v (f16 unless set)",
+    "device": "the device is llama.cpp's choice from the build and n_gpu_layers/main_gpu",
+}
+
+
 class Llama(_SessionMixin):
     """One base model serving many requests, each with its own adapters and control vector.
 
@@ -298,7 +309,13 @@ class Llama(_SessionMixin):
                  rope_freq_base: float = 0.0, rope_freq_scale: float = 0.0, yarn_ext_factor: float = -1.0,
                  yarn_attn_factor: float = 1.0, yarn_beta_fast: float = 32.0, yarn_beta_slow: float = 1.0,
                  yarn_orig_ctx: int = 0, op_offload=None, swa_full=None, numa=False, chat_handler=None,
-                 tokenizer=None, type_k=None, type_v=None, spm_infill: bool = False, engine=None):
+                 tokenizer=None, type_k=None, type_v=None, spm_infill: bool = False, engine=None,
+                 n_parts=None, f16_kv=None, device=None):
+        for kw, value in (("n_parts", n_parts), ("f16_kv", f16_kv), ("device", device)):
+            if value is not None:
+                warnings.warn(f"{kw}={value!r} has no effect: {_ABSORBED[kw]} (llama-cpp-python 0.3 takes it "
+                              "through **kwargs and ignores it too; LangChain passes it)", DeprecationWarning,
+                              stacklevel=2)
         if lora_path is None and (lora_scale is not None or lora_base is not None):
             raise InvalidArgumentError("lora_scale and lora_base go with lora_path (the adapter they are for)")
         if lora_scale is not None:

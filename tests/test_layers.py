@@ -73,7 +73,7 @@ LAYERS = [
     ["llamax.server.cli", "llamax.server.__main__"],
     # entry points: `python -m llamax serve` runs the server's cli; serve_ray is the
     # old name of llamax.server.ray
-    ["llamax.__main__", "llamax.serve_ray"],
+    ["llamax.__main__", "llamax.serve_ray", "llamax.as_llama_cpp"],
 ]
 
 # -- the graph -----------------------------------------------------------------

@@ -58,7 +58,8 @@ BY_CLASS: dict[type, tuple[int, str]] = {
     llamax.ContextBusyError: (503, "context_busy"),  # a context another thread holds: try again
     llamax.DecodeError: (500, "decode_error"),       # llama_decode failed: the server's fault, not the request's
     llamax.ViewsExportedError: (500, "internal_error"),
-    llamax.FetchError: (500, "fetch_failed"),          # a pinned download (model, data) failed on the server's side
+    llamax.FetchError: (500, "fetch_failed"),
+    llamax.ShadowingError: (500, "internal_error"),   # (the process's setup, never a request's doing)          # a pinned download (model, data) failed on the server's side
 }
 
 

@@ -1,27 +1,19 @@
 """llama-cpp-python's own tests, run against llamax.
 
 llamax is imported under the name the tests use, ``llama_cpp`` (with its
-submodules' names), exactly as a user switching by ``import llamax as
-llama_cpp`` would.  With ``LLAMAX_COMPAT_PEER=1`` nothing is aliased and the
+submodules' names), by ``llamax.as_llama_cpp.install()``, as a user whose
+libraries import ``llama_cpp`` would.  With ``LLAMAX_COMPAT_PEER=1`` nothing is aliased and the
 same files run against llama-cpp-python 0.3.36 itself (tools/compat/peer_tests.py
 does that in the peer's venv, to know what it passes here).
 """
 import os
-import sys
 
 if os.environ.get("LLAMAX_COMPAT_PEER") != "1":
-    import llamax
-    from llamax import grammar, llama_cache, llama_chat_format, llama_speculative, llama_tokenizer, llama_types
+    # (the documented way, llamax.as_llama_cpp: it refuses where the real
+    # llama_cpp is imported or installed, so these tests run against llamax)
+    import llamax.as_llama_cpp
 
-    for name, module in {
-        "llama_cpp": llamax, "llama_cpp.llama_types": llama_types, "llama_cpp.llama_chat_format": llama_chat_format,
-        "llama_cpp.llama_grammar": grammar, "llama_cpp.llama_cache": llama_cache,
-        "llama_cpp.llama_speculative": llama_speculative, "llama_cpp.llama_tokenizer": llama_tokenizer,
-    }.items():
-        if name in sys.modules and sys.modules[name] is not module:
-            raise RuntimeError(f"{name} is already imported from {sys.modules[name].__file__}: these tests must "
-                               "run against llamax")
-        sys.modules[name] = module
+    llamax.as_llama_cpp.install()
 
 
 def pytest_collection_modifyitems(config, items):
