@@ -111,7 +111,7 @@ class RayOptions:
     """How ``--replicas`` serves: Ray Serve replicas, adapter sets and affinity."""
 
     replicas: int = 2
-    max_sets: int = 4                  # adapter sets per replica (--max-adapter-sets)
+    max_sets: int = 4                  # adapter sets Ray's router keeps per replica (--max-adapter-sets)
     max_adapters: int = 8              # adapters loaded per replica, and per request (--max-loaded-adapters)
     max_affinity_sets: int = 1024      # distinct sets sent as multiplexed ids (later ones: no affinity)
     replica_cpus: float = 1.0          # Ray's logical CPUs per replica
@@ -291,8 +291,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--replicas", type=int, default=None,
                    help="serve from R Ray Serve replicas with adapter affinity (each loads the model)")
     g.add_argument("--max-adapter-sets", type=int, default=None,
-                   help="adapter sets (Ray Serve's multiplexed models) per replica, least recently used "
-                        "evicted (default 4)")
+                   help="adapter sets Ray Serve's router remembers per replica (its multiplexed models: the "
+                        "least recently used forgotten; the adapters themselves are bounded by "
+                        "--max-loaded-adapters) (default 4)")
     g.add_argument("--ray-address", default=None,
                    help="join this Ray cluster (e.g. auto, or HEAD:6379) instead of starting a local one")
     g.add_argument("--replica-cpus", type=float, default=1.0,
