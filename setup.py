@@ -58,14 +58,28 @@ class LlamaxBuildExt(build_ext):
                 link.symlink_to(info["source"], target_is_directory=True)
         except OSError:
             pass
+        # llamax.llama_cpp: ctypes bindings of the pinned llama.h, and the C++
+        # table of its functions' addresses compiled into the extension
+        import gen_llama_api
+        table = Path("build") / "generated" / "llama_api_table.cpp"
+        bindings = HERE / "llamax" / "llama_cpp.py"
+        gen_llama_api.generate(Path(info["source"]) / "include" / "llama.h", llama_build.PATCH_DIR, bindings,
+                               HERE / table)
+        if not self.inplace and self.build_lib:
+            out = Path(self.build_lib) / "llamax"
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "llama_cpp.py").write_text(bindings.read_text())
         for ext in self.extensions:
+            if str(table) not in ext.sources:
+                ext.sources.append(str(table))
             ext.include_dirs[:0] = info["include_dirs"]
             # Static archives, dependants first; the whole of llama.cpp ends
             # up inside the extension (no libllama.so to find at run time).
             ext.extra_objects = info["libraries"] + ext.extra_objects
             # A rebuilt llama.cpp (a changed patch) or a changed shim header
             # must relink the extension, not leave the old archives inside it.
-            ext.depends = list(ext.depends) + info["libraries"] + [str(p) for p in sorted((HERE / "csrc").glob("*.h"))]
+            ext.depends = list(ext.depends) + info["libraries"] + [str(p) for p in sorted((HERE / "csrc").glob("*.h"))] + \
+                [str(HERE / "buildsys" / "gen_llama_api.py")]
             ext.extra_link_args = ext.extra_link_args + info["extra_link_args"]
             ext.extra_compile_args = ext.extra_compile_args + info["extra_compile_args"]
             ext.runtime_library_dirs = list(ext.runtime_library_dirs or []) + info["runtime_library_dirs"]

@@ -251,15 +251,38 @@ void check_adapter_kv_types(const std::string & path) {
 
 }  // namespace
 
+namespace {
+std::mutex owned_mutex;
+std::unordered_set<const void *> owned_set;
+}  // namespace
+
+void owned_add(const void * p) {
+    std::lock_guard<std::mutex> lock(owned_mutex);
+    owned_set.insert(p);
+}
+
+void owned_remove(const void * p) {
+    std::lock_guard<std::mutex> lock(owned_mutex);
+    owned_set.erase(p);
+}
+
+bool owned_has(const void * p) {
+    std::lock_guard<std::mutex> lock(owned_mutex);
+    return owned_set.count(p) != 0;
+}
+
 ModelPtr model_own(llama_model * model) {
+    owned_add(model);
     return ModelPtr(model, [](llama_model * m) {
         packed::forget(m);
+        owned_remove(m);
         llama_model_free(m);
     });
 }
 
 Adapter::~Adapter() {
     if (ptr != nullptr) {
+        owned_remove(ptr);
         llama_adapter_lora_free(ptr);  // erases it from the model's set (patch 0003: any thread)
     }
 }
@@ -276,6 +299,7 @@ AdapterPtr adapter_load(const ModelPtr & model, const std::string & path) {
                               (why.empty() ? std::string() : ": " + why));
     }
     auto a = std::make_shared<Adapter>();
+    owned_add(p);
     a->ptr = p;
     a->model = model;
     a->path = path;
@@ -1133,9 +1157,11 @@ Context::Context(const ModelPtr & model_ref, llama_context_params params, int32_
     // Without KV memory (encoders) or with non-causal attention, llama.cpp
     // needs a whole batch in one ubatch (it asserts n_ubatch >= n_tokens).
     n_call_max_ = (!has_memory_ || !llama_get_causal_attn(ctx_)) ? (int32_t) llama_n_ubatch(ctx_) : n_batch_;
+    owned_add(ctx_);
     try {
         set_threads(params.n_threads, params.n_threads_batch);
     } catch (...) {
+        owned_remove(ctx_);
         llama_free(ctx_);  // the destructor won't run for a constructor that throws
         ctx_ = nullptr;
         free_threadpools();
@@ -1146,6 +1172,7 @@ Context::Context(const ModelPtr & model_ref, llama_context_params params, int32_
 Context::~Context() {
     watch_sigint(false);
     if (ctx_ != nullptr) {
+        owned_remove(ctx_);
         llama_free(ctx_);
     }
     free_threadpools();

@@ -134,6 +134,14 @@ SgemmFn embedding_sgemm();
 using ModelPtr = std::shared_ptr<llama_model>;
 ModelPtr model_own(llama_model * model);  // the deleter is llama_model_free
 
+// The llama.cpp objects llamax owns (models, contexts, adapters, samplers),
+// by address, while they live: llamax.llama_cpp's ctypes bindings of
+// llama.h refuse to free one (owned_has), so that nothing llamax holds is
+// freed under it through the raw C API.
+void owned_add(const void * p);
+void owned_remove(const void * p);
+bool owned_has(const void * p);
+
 struct Adapter {
     llama_adapter_lora * ptr = nullptr;
     ModelPtr model;

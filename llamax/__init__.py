@@ -77,3 +77,22 @@ __all__ += [
 ]
 __all__ += _errors.__all__  # (this form, so that type checkers read the names)
 __all__ += llama_types.__all__
+
+
+# (submodules whose names look like C API names: imported, never looked up in it)
+_SUBMODULES = frozenset({"llama", "llama_cpp", "llama_types", "llama_cache", "llama_chat_format",
+                         "llama_speculative", "llama_tokenizer"})
+
+
+def __getattr__(name: str):
+    # llama.h's C API at the top level, as llama-cpp-python re-exports its
+    # llama_cpp.llama_cpp (``llama_cpp.llama_decode`` under llamax.as_llama_cpp):
+    # the ctypes bindings load on first use
+    if (name.startswith(("llama_", "LLAMA_")) or name in ("ggml_abort_callback", "ggml_log_callback")) and \
+            name not in _SUBMODULES:
+        import importlib
+        try:
+            return getattr(importlib.import_module("llamax.llama_cpp"), name)
+        except AttributeError:
+            pass
+    raise AttributeError(f"module 'llamax' has no attribute {name!r}")

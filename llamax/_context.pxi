@@ -363,6 +363,13 @@ cdef class Context:
         return self._c
 
     @property
+    def _as_parameter_(self):
+        """The ``llama_context *`` (ctypes): what llamax.llama_cpp's
+        functions take for a context (ClosedError once it is closed)."""
+        import ctypes
+        return ctypes.c_void_p(<uintptr_t> self._get().raw())
+
+    @property
     def n_ctx(self):
         return self._get().n_ctx()
 

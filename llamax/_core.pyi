@@ -7,6 +7,7 @@ without raising ``ArgumentTypeError``; values it range-checks at run time
 """
 
 import array
+import ctypes
 import logging
 import os
 from pathlib import Path
@@ -93,6 +94,8 @@ def numa_init(numa: bool | int) -> None: ...
 
 @disjoint_base
 class Model:
+    @property
+    def _as_parameter_(self) -> ctypes.c_void_p: ...
     def __init__(
         self,
         path: _Path,
@@ -183,6 +186,8 @@ class Model:
 
 @disjoint_base
 class LoraAdapter:
+    @property
+    def _as_parameter_(self) -> ctypes.c_void_p: ...
     def __init__(self, model: Model, path: _Path) -> None: ...
     @property
     def model(self) -> Model: ...
@@ -276,6 +281,8 @@ def _set_embedding_sgemm(address: int) -> None: ...
 def _packed_config(enabled: bool | None = None, isa: str | None = None, budget: int | None = None,
                    bf16: bool | None = None) -> dict[str, Any]: ...
 def _packed_isas() -> list[str]: ...
+def _llama_api() -> dict[str, int]: ...
+def _llama_owned(addr: object) -> bool: ...
 def _packed_bench(M: int, N: int, K: int, seconds: float = 0.5, sgemm_address: int = 0,
                   bf16: bool = False) -> dict[str, Any]: ...
 def _packed_self_check(M: int, N: int, K: int, threads: int = 1, seed: int = 0, bias: bool = False,
@@ -285,6 +292,8 @@ def _packed_self_check(M: int, N: int, K: int, threads: int = 1, seed: int = 0, 
 
 @disjoint_base
 class Sampler:
+    @property
+    def _as_parameter_(self) -> ctypes.c_void_p: ...
     def __init__(
         self,
         model: Model,
@@ -328,6 +337,8 @@ class Sampler:
 
 @disjoint_base
 class Context:
+    @property
+    def _as_parameter_(self) -> ctypes.c_void_p: ...
     def __init__(
         self,
         model: Model,

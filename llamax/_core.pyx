@@ -26,7 +26,7 @@ from cpython.buffer cimport PyBUF_FORMAT, PyBUF_ND, PyBUF_STRIDES, PyBUF_WRITABL
 from cpython.exc cimport PyErr_CheckSignals, PyErr_SetInterrupt
 from cpython.ref cimport Py_DECREF, Py_INCREF, PyObject
 from cpython.pythread cimport PyThread_get_thread_ident
-from libc.stdint cimport INT32_MAX, INT32_MIN, INT64_MAX, uint64_t, int8_t, int32_t, int64_t, uint8_t, uint32_t
+from libc.stdint cimport INT32_MAX, INT32_MIN, INT64_MAX, uint64_t, int8_t, int32_t, int64_t, uint8_t, uint32_t, uintptr_t
 from libc.string cimport memcpy, memset
 from libcpp cimport bool as cbool
 from libcpp.memory cimport shared_ptr
@@ -461,3 +461,4 @@ include "_state.pxi"
 include "_sampler.pxi"
 include "_context.pxi"
 include "_batcher.pxi"
+include "_llama_api.pxi"

@@ -29,6 +29,12 @@ cdef class LoraAdapter:
             raise ClosedError(f"LoRA adapter {self.path!r} is closed")
         return self._a.get()
 
+    @property
+    def _as_parameter_(self):
+        """The ``llama_adapter_lora *`` (ctypes), for llamax.llama_cpp."""
+        import ctypes
+        return ctypes.c_void_p(<uintptr_t> self._ptr().ptr)
+
     def close(self):
         """Let go of the adapter (idempotent).  It is freed now unless a
         :class:`State` still names it: then when the last such state goes."""

@@ -268,6 +268,13 @@ cdef class Model:
             raise ClosedError("the model is closed")
         return self._model
 
+    @property
+    def _as_parameter_(self):
+        """The ``llama_model *`` (ctypes): what llamax.llama_cpp's functions
+        take for a model (ClosedError once it is closed)."""
+        import ctypes
+        return ctypes.c_void_p(<uintptr_t> self._ptr())
+
     def close(self):
         """Free the model now: closes its contexts and adapters first.
 

@@ -141,6 +141,7 @@ cdef class Sampler:
         for bp in bpatterns:
             c_patterns.push_back(<const char *> bp)
         self._smpl = chain
+        owned_add(chain)   # (llama_sampler_free through llamax.llama_cpp is refused for it)
         self._grammar = NULL
         if reasoning_budget is not None:
             # first: what follows (penalties, grammar, the draw) sees a forced token as the only candidate
@@ -203,6 +204,7 @@ cdef class Sampler:
 
     def __dealloc__(self):
         if self._smpl != NULL:
+            owned_remove(self._smpl)
             llama_sampler_free(self._smpl)
             self._smpl = NULL
 
@@ -214,12 +216,19 @@ cdef class Sampler:
                                    "callback inside it)")
         return self._smpl
 
+    @property
+    def _as_parameter_(self):
+        """The ``llama_sampler *`` chain (ctypes), for llamax.llama_cpp."""
+        import ctypes
+        return ctypes.c_void_p(<uintptr_t> self._ptr())
+
     def close(self):
         """Free the sampler chain now.  Idempotent; ContextBusyError while in use."""
         if self._smpl == NULL:
             return
         if self._in_use:
             raise ContextBusyError("this sampler is in use by a running request")
+        owned_remove(self._smpl)
         llama_sampler_free(self._smpl)
         self._smpl = NULL
         self._grammar = NULL

@@ -49,12 +49,11 @@ MODULES = {
     "llama_cpp.llama_cache": "llamax.llama_cache",
     "llama_cpp.llama_speculative": "llamax.llama_speculative",
     "llama_cpp.llama_tokenizer": "llamax.llama_tokenizer",
+    "llama_cpp.llama_cpp": "llamax.llama_cpp",   # llama.h's C API through ctypes (generated at build time)
 }
 
 # llama-cpp-python's modules llamax does not offer, and what to do instead
 MISSING = {
-    "llama_cpp.llama_cpp": "llama-cpp-python's ctypes bindings of llama.h are not offered by llamax yet: use "
-                           "llamax.Model, llamax.Context and llamax.Sampler (docs/guide.md)",
     "llama_cpp.server": "llama-cpp-python's server is not aliased: run `python -m llamax serve MODEL` (docs/server.md)",
     "llama_cpp.llava_cpp": "llava (mtmd) bindings are not offered by llamax",
     "llama_cpp.mtmd_cpp": "mtmd bindings are not offered by llamax",

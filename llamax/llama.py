@@ -381,6 +381,9 @@ class Llama(_SessionMixin):
             numa_init(numa)
         deterministic = check_bool(deterministic, "deterministic")
         self.deterministic = deterministic
+        from llamax._core import _default_gpu_layers
+        self._model_kwargs = dict(n_gpu_layers=_default_gpu_layers(n_gpu_layers), use_mmap=use_mmap,
+                                  use_mlock=use_mlock, vocab_only=vocab_only, split_mode=split_mode, main_gpu=main_gpu)
         self._model = Model(self.model_path, n_gpu_layers=n_gpu_layers, use_mmap=use_mmap, vocab_only=vocab_only,
                             use_mlock=use_mlock, kv_overrides=kv_overrides, split_mode=split_mode,
                             main_gpu=main_gpu, tensor_split=tensor_split, repack=not deterministic)
@@ -542,8 +545,58 @@ class Llama(_SessionMixin):
 
     @property
     def model(self) -> Model:
-        """The native :class:`llamax.Model` (shared by all contexts)."""
+        """The native :class:`llamax.Model` (shared by all contexts).  It
+        passes as the ``llama_model *`` to llama.h's functions
+        (``llama_cpp.llama_model_get_vocab(llm.model)``: llamax.llama_cpp)."""
         return self._model
+
+    @property
+    def ctx(self) -> Context:
+        """llama-cpp-python's ``Llama.ctx``: the context requests run on, a
+        :class:`llamax.Context`, which passes as the ``llama_context *`` to
+        llama.h's functions (llamax.llama_cpp: ``llama_decode(llm.ctx,
+        batch)``).  A Llama of one context and one sequence only: with
+        ``n_parallel`` > 1 a batcher's thread drives its contexts.  The
+        raw C API is the caller's to use one call at a time, and not while
+        a request of this Llama runs."""
+        self._check_open()
+        slots = self._pool.slots if self._pool is not None else []
+        if len(slots) != 1 or isinstance(slots[0], _BatchSlot):
+            raise InvalidArgumentError("Llama.ctx is the context of a Llama made with n_parallel=1 and n_contexts=1 "
+                                       "(and not vocab_only)")
+        return slots[0].ctx
+
+    @property
+    def context_params(self):
+        """llama-cpp-python's ``Llama.context_params``: a
+        ``llama_cpp.llama_context_params`` (ctypes) with the values this
+        Llama's context runs with, read from it (llama.cpp's defaults for
+        the rest)."""
+        from llamax import llama_cpp as api
+        ctx = self.ctx
+        p = api.llama_context_default_params()
+        p.n_ctx = api.llama_n_ctx(ctx)
+        p.n_batch = api.llama_n_batch(ctx)
+        p.n_ubatch = api.llama_n_ubatch(ctx)
+        p.n_seq_max = api.llama_n_seq_max(ctx)
+        p.n_threads = api.llama_n_threads(ctx)
+        p.n_threads_batch = api.llama_n_threads_batch(ctx)
+        p.pooling_type = api.llama_pooling_type(ctx)
+        p.embeddings = False   # (this context generates; embed() runs on a context of its own)
+        return p
+
+    @property
+    def model_params(self):
+        """llama-cpp-python's ``Llama.model_params``: a
+        ``llama_cpp.llama_model_params`` (ctypes) with the values the
+        model was loaded with (llama.cpp's defaults for the rest)."""
+        from llamax import llama_cpp as api
+        p = api.llama_model_default_params()
+        for k in ("n_gpu_layers", "use_mmap", "use_mlock", "vocab_only", "split_mode", "main_gpu"):
+            v = self._model_kwargs.get(k)
+            if v is not None:
+                setattr(p, k, v)
+        return p
 
     @property
     def metadata(self) -> dict:

@@ -39,7 +39,9 @@ LAYERS = [
     ["llamax._core", "llamax._errors", "llamax._validate", "llamax._cuda", "llamax._cpus"],
     # leaf helpers
     ["llamax.cancel", "llamax._fetch", "llamax.models", "llamax.llama_types", "llamax.gguf_tools",
-     "llamax._sgemm", "llamax.sampling"],
+     "llamax._sgemm", "llamax.sampling",
+     # llama.h's C API through ctypes (generated at build time: buildsys/gen_llama_api.py)
+     "llamax.llama_cpp"],
     # the engine's typed surface: what every front submits (GenerationRequest, AdapterSet,
     # Share, ...) and the events it gets back; on sampling and cancel only
     ["llamax.engine"],

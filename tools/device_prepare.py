@@ -85,7 +85,8 @@ def pack_tree(dest: Path) -> Path:
 
 # What tests/core and tests/api import that the device image lacks, as wheels
 # for its Python 3.12 on x86_64 (its pip list: KINDS.md of the device tool)
-WHEELS = ["gguf>=0.10", "jsonschema>=4", "jsonschema-specifications", "referencing", "rpds-py"]
+WHEELS = ["gguf>=0.10", "jsonschema>=4", "jsonschema-specifications", "referencing", "rpds-py",
+          "pycparser>=2.21"]  # (pycparser: the build generates llamax.llama_cpp from llama.h)
 # ... and what the server needs (device_check.sh's tenants phase), with their
 # dependencies resolved together (pydantic pins its pydantic-core exactly)
 SERVER_WHEELS = ["fastapi>=0.110", "uvicorn>=0.29", "sse-starlette>=2.0"]

@@ -31,7 +31,7 @@ mkdir -p "$dest"
 (cd "$root" && git ls-files -z --cached --others --exclude-standard \
     | tar --null -T - --ignore-failed-read -cf -) | tar -C "$dest" -xf -
 
-python3 -m pip install -q "Cython>=3.0" "cmake>=3.21" ninja setuptools wheel
+python3 -m pip install -q "Cython>=3.0" "cmake>=3.21" ninja setuptools wheel "pycparser>=2.21"
 cd "$dest"
 start=$(date +%s)
 LLAMAX_CPU=baseline LLAMAX_CYTHON_BUILD_DIR="$dest/build/cython" \

@@ -55,6 +55,9 @@ cdef extern from "llamax.h" namespace "llamax" nogil:
         cbool try_lock()
 
     string take_last_log_error()
+    void owned_add(const void * p)
+    void owned_remove(const void * p)
+    cbool owned_has(const void * p)
     cdef enum class CErrorKind "llamax::ErrorKind":
         InvalidGGUF "llamax::ErrorKind::InvalidGGUF"
         OutOfMemory "llamax::ErrorKind::OutOfMemory"

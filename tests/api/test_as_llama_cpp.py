@@ -61,13 +61,15 @@ def test_install_makes_every_module_see_llamax(third_party, smollm2_path):
         alias.install()   # (again: nothing more)
         import someone_elses_lib, llama_cpp
         import llama_cpp.llama_grammar, llama_cpp.llama_cache, llama_cpp.llama_speculative
-        import llama_cpp.llama_tokenizer, llama_cpp.llama
+        import llama_cpp.llama_tokenizer, llama_cpp.llama, llama_cpp.llama_cpp
         assert llama_cpp is llamax and someone_elses_lib.Llama is llamax.Llama
         for name, target in alias.MODULES.items():
             assert sys.modules[name] is sys.modules[target], name
         from llama_cpp.llama_grammar import LlamaGrammar
         assert LlamaGrammar is llamax.LlamaGrammar
         llm = someone_elses_lib.load({str(smollm2_path)!r})
+        # the low-level API at llama_cpp.* too, as llama-cpp-python re-exports it (outlines' way to the vocabulary)
+        assert llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(llm.model)) == llm.n_vocab()
         print(type(llm).__module__, llm.tokenize(b"Hello"))
     """, path=[third_party])
     assert r.returncode == 0, r.stderr
@@ -75,8 +77,8 @@ def test_install_makes_every_module_see_llamax(third_party, smollm2_path):
 
 
 @pytest.mark.parametrize("name, says", [
-    ("llama_cpp.llama_cpp", "ctypes bindings"),    # not offered (yet): a message, not a half module
     ("llama_cpp.server", "python -m llamax serve"),
+    ("llama_cpp.mtmd_cpp", "mtmd"),
     ("llama_cpp.engine", "offers llama_cpp,"),     # a llamax file is never imported twice under another name
     ("llama_cpp._internals", "offers llama_cpp,"),
 ])
