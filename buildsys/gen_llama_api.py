@@ -364,6 +364,7 @@ def generate(header: Path, patch_dir: Path, out_py: Path, out_cpp: Path) -> list
     names = g.funcs
     exports = sorted({*names, *g.defined, *(f"{t}_p" for t in g.defined), *(n for n, _ in g.enums),
                       *defines(header), *(f"{n}_p" for n in g.opaque if n.startswith("llama_")),
+                      *(f"{n}_p_ctypes" for n in g.opaque if n.startswith("llama_")),
                       *(n for n in g.typedefs if n not in EXTERNAL), "ggml_abort_callback", "ggml_log_callback"})
     py = (HEAD.format(header=f"llama.h ({header.stat().st_size} bytes)") + consts + "\n\n" + body + OWNED +
           "__all__ = [\n" + "".join(f"    {n!r},\n" for n in exports) + "]\n")

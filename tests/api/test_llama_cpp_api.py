@@ -123,6 +123,11 @@ def test_the_c_api_under_the_alias_names(llm):
     assert llamax.llama_model_get_vocab is api.llama_model_get_vocab   # llama_cpp.* re-exports it
     assert llamax.LLAMA_DEFAULT_SEED == 0xFFFFFFFF and api.LLAMA_TOKEN_NULL == -1
     assert api.llama_token is ctypes.c_int32 and api.llama_model_p_ctypes is ctypes.c_void_p
+    star: dict = {}
+    exec("from llamax.llama_cpp import *", star)   # what `from llama_cpp.llama_cpp import *` gives
+    for name in ("llama_decode", "llama_batch", "llama_model_p", "llama_model_p_ctypes", "llama_token",
+                 "LLAMA_DEFAULT_SEED", "LLAMA_VOCAB_TYPE_BPE", "llama_progress_callback", "ggml_log_callback"):
+        assert name in star, name
     kv = api.llama_model_kv_override()
     kv.val_i64 = 7                                      # the anonymous union, as llama-cpp-python lays it out
     assert kv.value.val_i64 == 7
