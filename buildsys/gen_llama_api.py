@@ -337,6 +337,13 @@ class Gen:
                 out.append(f"{name} = _bind({name!r}, {res}, {argl})")
             self.funcs.append(name)
         out.append("")
+        # llama-cpp-python's ``_lib`` (its CDLL of libllama), which libraries read
+        # function addresses from (llguidance: ctypes.cast(_lib.llama_tokenize, c_void_p))
+        out.append("class _Lib:\n"
+                   "    \"\"\"Each function of llama.h by name, bound to llamax's llama.cpp (the frees checked).\"\"\"\n\n")
+        out.append("_lib = _Lib()")
+        out.append("_lib.__dict__.update({" + ", ".join(f"{n!r}: {n}" for n in self.funcs) + "})")
+        out.append("")
         return "\n".join(out)
 
 

@@ -123,6 +123,10 @@ def test_the_c_api_under_the_alias_names(llm):
     assert llamax.llama_model_get_vocab is api.llama_model_get_vocab   # llama_cpp.* re-exports it
     assert llamax.LLAMA_DEFAULT_SEED == 0xFFFFFFFF and api.LLAMA_TOKEN_NULL == -1
     assert api.llama_token is ctypes.c_int32 and api.llama_model_p_ctypes is ctypes.c_void_p
+    # llama-cpp-python's _lib, where llguidance reads a function's address from
+    addr = ctypes.cast(api._lib.llama_tokenize, ctypes.c_void_p).value
+    assert addr == llamax._core._llama_api()["llama_tokenize"]
+    assert api._lib.llama_free is api.llama_free   # (the checked free)
     star: dict = {}
     exec("from llamax.llama_cpp import *", star)   # what `from llama_cpp.llama_cpp import *` gives
     for name in ("llama_decode", "llama_batch", "llama_model_p", "llama_model_p_ctypes", "llama_token",
