@@ -52,7 +52,9 @@ from llamax.grammar import LlamaGrammar  # noqa: E402,F401
 from llamax.llama_cache import (  # noqa: E402,F401
     BaseLlamaCache, LlamaCache, LlamaDiskCache, LlamaRAMCache, LlamaState,
 )
-from llamax._session import LogitsProcessorList, MinTokensLogitsProcessor, StoppingCriteriaList  # noqa: E402,F401
+from llamax._session import (  # noqa: E402,F401
+    LogitsProcessor, LogitsProcessorList, MinTokensLogitsProcessor, StoppingCriteria, StoppingCriteriaList,
+)
 from llamax.llama_speculative import LlamaDraftModel, LlamaPromptLookupDecoding  # noqa: E402,F401
 from llamax.llama_tokenizer import LlamaTokenizer  # noqa: E402,F401
 from llamax.templates import ChatTemplate, ChatTemplateError  # noqa: E402,F401
@@ -72,7 +74,8 @@ __all__ = [
 ]
 __all__ += [
     "LlamaGrammar", "BaseLlamaCache", "LlamaCache", "LlamaDiskCache", "LlamaRAMCache", "LlamaState",
-    "LogitsProcessorList", "MinTokensLogitsProcessor", "StoppingCriteriaList", "LlamaDraftModel",
+    "LogitsProcessor", "LogitsProcessorList", "MinTokensLogitsProcessor", "StoppingCriteria",
+    "StoppingCriteriaList", "LlamaDraftModel",
     "LlamaPromptLookupDecoding", "LlamaTokenizer",
 ]
 __all__ += _errors.__all__  # (this form, so that type checkers read the names)

@@ -20,9 +20,10 @@ import json
 import os
 import random
 import threading
-from typing import Iterator, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import numpy as np
+import numpy.typing as npt
 
 from llamax._core import Sampler, State
 from llamax._errors import ArgumentTypeError, ContextOverflowError, InvalidArgumentError, TokenError
@@ -31,7 +32,13 @@ from llamax.llama_cache import BASE_STATE, BaseLlamaCache, LlamaState
 from llamax.pool import _lcp, _Pool, _Slot
 from llamax.request import apply_processors, check_processors, grammar_text
 
-__all__ = ["LogitsProcessorList", "StoppingCriteriaList", "MinTokensLogitsProcessor"]
+__all__ = ["LogitsProcessor", "LogitsProcessorList", "StoppingCriteria", "StoppingCriteriaList",
+           "MinTokensLogitsProcessor"]
+
+# llama-cpp-python's type names for the per-token hooks (lm-format-enforcer imports LogitsProcessor):
+# (input_ids, scores) -> new scores, and (input_ids, logits) -> stop?
+LogitsProcessor = Callable[[npt.NDArray[np.intc], npt.NDArray[np.single]], npt.NDArray[np.single]]
+StoppingCriteria = Callable[[npt.NDArray[np.intc], npt.NDArray[np.single]], bool]
 
 _DEFAULT_SEED = 0xFFFFFFFF
 
