@@ -155,27 +155,32 @@ def test_newcomer_preemption_and_its_switch(model, monkeypatch, preempt):
     aborts it (redone after the newcomer's own step); with
     LLAMAX_NEWCOMER_PREEMPT=0 (read when the batcher is made) it waits for
     that decode instead and still gets its step.  Either way its first
-    token is the one it gets alone.  (The default's >= 1 preemption over
-    six arrivals relies on an arrival landing inside a decode, which the
-    flood keeps running back to back; the switch's 0 holds whatever the
-    timing.)"""
+    token is the one it gets alone.  (The default's >= 1 preemption relies
+    on an arrival landing inside a decode, which the flood keeps running
+    back to back: up to 4 rounds of six arrivals, until one has; a fresh
+    clone once saw none in one round, on a loaded 2-core machine.  The
+    switch's 0 holds whatever the timing.)"""
     monkeypatch.setenv("LLAMAX_NEWCOMER_PREEMPT", preempt)
     toks = model.tokenize("The capital of France is")
     late_toks = model.tokenize("Water boils at")
     ctx, b = batcher(model, slots=4, reserve_slots=1)
+    got = []
     with ctx, b:
         flood = generating(b, model, toks, max_tokens=400)
-        got = [b.submit(late_toks, greedy(model), max_tokens=2, ignore_eos=True, tenant=B).result()[0][0]
-               for _ in range(6)]
-        st = b.stats()
+        for _ in range(4 if preempt == "1" else 1):
+            got += [b.submit(late_toks, greedy(model), max_tokens=2, ignore_eos=True, tenant=B).result()[0][0]
+                     for _ in range(6)]
+            st = b.stats()
+            if st["n_preempted"]:
+                break
         assert all(not s.done for s in flood)
         for s in flood:
             s.cancel()
     ctx2, b2 = batcher(model, slots=4)
     with ctx2, b2:
         want = b2.submit(late_toks, greedy(model), max_tokens=2, ignore_eos=True).result()[0][0]
-    assert got == [want] * 6
-    assert st["n_newcomer_steps"] >= 6
+    assert got == [want] * len(got)
+    assert st["n_newcomer_steps"] >= len(got)
     if preempt == "1":
         assert st["n_preempted"] >= 1 and st["preempted_s"] > 0, st
     else:
