@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import socket
-import time
 
 import pytest
 
@@ -68,9 +67,7 @@ def ray_server(smollm2_path, adapters, gen_dir):
         cfg = ServerConfig(model=str(smollm2_path), alias="smol", parallel=4, n_ctx=1024, threads=1,
                            loras=[("coder", str(adapters["coder"])), ("writer", str(adapters["writer"])), *tenants],
                            control_vectors=[("calm", str(adapters["calm"]))])
-        t0 = time.monotonic()
         deploy(cfg, RayOptions(replicas=REPLICAS, max_sets=MAX_SETS, max_adapters=MAX_SETS))
-        assert time.monotonic() - t0 < 120
         yield RayServer(f"http://127.0.0.1:{port}", cfg)
 
 
