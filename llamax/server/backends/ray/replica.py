@@ -95,8 +95,10 @@ class ReplicaEngine:
             self.sync_report()
 
     async def events(self, req: llamax.GenerationRequest):
-        """The request's events in batches (what has arrived by the time the
-        last batch was sent), or an error dict (the last item)."""
+        """The request's events, each as a list of one (the shape the
+        ingress reads), or an error dict (the last item).  What the
+        replica holds is reported once the request is submitted: adapters
+        are loaded, and others unloaded to make room, only then."""
         try:
             handle = await asyncio.to_thread(self.submit, req)
         except Exception as e:
@@ -111,8 +113,6 @@ class ReplicaEngine:
                 await events.aclose()
         except Exception as e:
             yield remote_error(e)
-        finally:
-            self.sync_report()
 
     async def result(self, req: llamax.GenerationRequest):
         """The Result, or an error dict."""
@@ -124,8 +124,6 @@ class ReplicaEngine:
             return await handle.aresult()
         except Exception as e:
             return remote_error(e)
-        finally:
-            self.sync_report()
 
     def score_prompt(self, req: llamax.GenerationRequest, n_top: int):
         """The prompt's own logprobs under its adapters (echo), or an error dict."""
@@ -134,8 +132,6 @@ class ReplicaEngine:
                 return handle.score_prompt(n_top)
         except Exception as e:
             return remote_error(e)
-        finally:
-            self.sync_report()
 
     def embed(self, inp, loras, cvecs, b64: bool, model_name: str):
         """(a worker thread) The embeddings answer and its usage, or an error dict."""
