@@ -2,6 +2,8 @@
 priority, the reserve that keeps a slot for a newcomer), and a prefix cache
 scoped by salt.  Orders are read from ``BatchSequence.admit_order``, the
 batcher's own count, so nothing here depends on timing."""
+import time
+
 import pytest
 
 import llamax
@@ -159,7 +161,12 @@ def test_newcomer_preemption_and_its_switch(model, monkeypatch, preempt):
     on an arrival landing inside a decode, which the flood keeps running
     back to back: up to 4 rounds of six arrivals, until one has; a fresh
     clone once saw none in one round, on a loaded 2-core machine.  The
-    switch's 0 holds whatever the timing.)"""
+    switch's 0 holds whatever the timing.)  Each arrival waits a part of
+    the mean decode first: submitted the moment the previous newcomer is
+    done, it can win the race against the flood's next decode every time
+    (CI saw 24 such arrivals and no preemption: 50 decodes, 2 a newcomer),
+    and then it preempts nothing.  Waiting picks no outcome: it only gives
+    the flood's decode a chance to be in flight."""
     monkeypatch.setenv("LLAMAX_NEWCOMER_PREEMPT", preempt)
     toks = model.tokenize("The capital of France is")
     late_toks = model.tokenize("Water boils at")
@@ -168,8 +175,11 @@ def test_newcomer_preemption_and_its_switch(model, monkeypatch, preempt):
     with ctx, b:
         flood = generating(b, model, toks, max_tokens=400)
         for _ in range(4 if preempt == "1" else 1):
-            got += [b.submit(late_toks, greedy(model), max_tokens=2, ignore_eos=True, tenant=B).result()[0][0]
-                     for _ in range(6)]
+            for part in (0.1, 0.3, 0.5, 0.2, 0.4, 0.6):
+                st = b.stats()
+                time.sleep(part * st["decode_s"] / max(st["n_decodes"], 1))
+                got.append(b.submit(late_toks, greedy(model), max_tokens=2, ignore_eos=True,
+                                    tenant=B).result()[0][0])
             st = b.stats()
             if st["n_preempted"]:
                 break
