@@ -106,10 +106,10 @@ class _SessionMixin:
         self._last_row = -1       # the position whose logits the last eval left in the scores
         self._requires_eval = True
         self._held = threading.local()  # the slot this thread's running request holds
-        self._base_state = State(self._model)
+        self._base_state = State(self._native_model)
         st = os.stat(self.model_path) if os.path.exists(self.model_path) else None
         self._model_key = json.dumps([os.path.abspath(self.model_path), st.st_size if st else 0,
-                                      self._model.n_vocab, self._model.n_embd, self._model.n_layer,
+                                      self._native_model.n_vocab, self._native_model.n_embd, self._native_model.n_layer,
                                       self._ctx_kwargs["n_ctx"]])
 
     # -- the session context -------------------------------------------------------
@@ -240,8 +240,8 @@ class _SessionMixin:
             raise ArgumentTypeError(f"{what} must be a flat sequence of ints") from None
         if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
             raise ArgumentTypeError(f"{what} must be a flat sequence of ints")
-        if arr.size and (arr.min() < 0 or arr.max() >= self._model.n_vocab):
-            raise TokenError(f"{what} has an id outside [0, n_vocab={self._model.n_vocab})")
+        if arr.size and (arr.min() < 0 or arr.max() >= self._native_model.n_vocab):
+            raise TokenError(f"{what} has an id outside [0, n_vocab={self._native_model.n_vocab})")
         return arr.astype(np.int32)
 
     def eval(self, tokens: Sequence[int]) -> None:
@@ -298,7 +298,7 @@ class _SessionMixin:
             temp = 0.8
         if temp < 0:  # llama-cpp-python: a plain draw from the softmax
             temp, top_k, top_p, min_p, typical_p = 1.0, 0, 1.0, 0.0, 1.0
-        return Sampler(self._model, temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, typical_p=typical_p,
+        return Sampler(self._native_model, temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, typical_p=typical_p,
                        repeat_penalty=repeat_penalty, frequency_penalty=frequency_penalty,
                        presence_penalty=presence_penalty, penalty_last_n=self.last_n_tokens_size,
                        seed=None if self._seed == _DEFAULT_SEED else self._seed & 0xFFFFFFFF,
@@ -319,7 +319,7 @@ class _SessionMixin:
     def _sample_with(self, sampler: Sampler, idx: int, logits_processor=None) -> int:
         row = self._row(idx)
         if logits_processor is not None:
-            row = apply_processors(logits_processor, self._input_ids[: idx + 1], row.copy(), self._model.n_vocab)
+            row = apply_processors(logits_processor, self._input_ids[: idx + 1], row.copy(), self._native_model.n_vocab)
         with self._hold_session() as slot:
             return sampler.sample_logits(slot.ctx, row)
 
@@ -406,7 +406,7 @@ class _SessionMixin:
                     if room > 0:
                         ids = np.concatenate([self._input_ids, np.asarray(toks, np.intc)])
                         guess = np.asarray(draft(ids), dtype=np.int64)[:room]
-                        toks = toks + [int(t) for t in guess if 0 <= t < self._model.n_vocab]
+                        toks = toks + [int(t) for t in guess if 0 <= t < self._native_model.n_vocab]
         finally:
             sampler.close()
 
@@ -427,7 +427,7 @@ class _SessionMixin:
         elif session and n and self._last_row == n - 1:
             scores = self.scores[n - 1:n].copy()
         else:
-            scores = np.zeros((0, self._model.n_vocab), np.float32)
+            scores = np.zeros((0, self._native_model.n_vocab), np.float32)
         with self._rng_lock:
             rng = self._rng.getstate()
             seed = self._seed
@@ -474,7 +474,7 @@ class _SessionMixin:
             sc = np.asarray(state.scores, np.float32)
             self._scores_n = 0
             self._last_row = -1
-            if n and sc.ndim == 2 and sc.shape[1] == self._model.n_vocab:
+            if n and sc.ndim == 2 and sc.shape[1] == self._native_model.n_vocab:
                 if sc.shape[0] == n:
                     self.scores[:n] = sc
                     self._scores_n = n
@@ -522,16 +522,16 @@ class _SessionMixin:
 
     @property
     def _is_recurrent(self) -> bool:  # (llama-cpp-python's private name; Model.is_recurrent)
-        return self._model.is_recurrent
+        return self._native_model.is_recurrent
 
     @property
     def _is_hybrid(self) -> bool:
-        return self._model.is_hybrid
+        return self._native_model.is_hybrid
 
     def token_nl(self) -> int:
-        nl = self._model.special_tokens["nl"]
+        nl = self._native_model.special_tokens["nl"]
         if nl < 0:
-            toks = self._model.tokenize(b"\n", add_special=False, parse_special=False)
+            toks = self._native_model.tokenize(b"\n", add_special=False, parse_special=False)
             nl = int(toks[-1]) if len(toks) else -1
         return nl
 

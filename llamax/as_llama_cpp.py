@@ -50,6 +50,7 @@ MODULES = {
     "llama_cpp.llama_speculative": "llamax.llama_speculative",
     "llama_cpp.llama_tokenizer": "llamax.llama_tokenizer",
     "llama_cpp.llama_cpp": "llamax.llama_cpp",   # llama.h's C API through ctypes (generated at build time)
+    "llama_cpp._internals": "llamax._internals",  # its thin classes over llama.h, backed by llamax's objects
 }
 
 # llama-cpp-python's modules llamax does not offer, and what to do instead

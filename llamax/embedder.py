@@ -73,7 +73,7 @@ class Embedder:
                 n_ctx = max(min(probe.n_ctx_train or 512, 8192), 512)
         self._llm = Llama(path, embedding=True, n_contexts=0, n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx,
                           n_threads=n_threads, pooling=pooling, n_gpu_layers=n_gpu_layers, verbose=verbose)
-        train = self._llm._model.n_ctx_train or n_ctx
+        train = self._llm._native_model.n_ctx_train or n_ctx
         if max_seq_length is None:
             max_seq_length = min(train, n_ctx)
         self.max_seq_length = max_seq_length

@@ -384,9 +384,10 @@ class Llama(_SessionMixin):
         from llamax._core import _default_gpu_layers
         self._model_kwargs = dict(n_gpu_layers=_default_gpu_layers(n_gpu_layers), use_mmap=use_mmap,
                                   use_mlock=use_mlock, vocab_only=vocab_only, split_mode=split_mode, main_gpu=main_gpu)
-        self._model = Model(self.model_path, n_gpu_layers=n_gpu_layers, use_mmap=use_mmap, vocab_only=vocab_only,
-                            use_mlock=use_mlock, kv_overrides=kv_overrides, split_mode=split_mode,
-                            main_gpu=main_gpu, tensor_split=tensor_split, repack=not deterministic)
+        self._native_model = Model(self.model_path, n_gpu_layers=n_gpu_layers, use_mmap=use_mmap,
+                                   vocab_only=vocab_only, use_mlock=use_mlock, kv_overrides=kv_overrides,
+                                   split_mode=split_mode, main_gpu=main_gpu, tensor_split=tensor_split,
+                                   repack=not deterministic)
         self.n_batch = n_batch
         self._ctx_kwargs = dict(n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, n_threads=n_threads,
                                 n_threads_batch=n_threads_batch, flash_attn=flash_attn, **ctx_extra)
@@ -424,11 +425,11 @@ class Llama(_SessionMixin):
             if not vocab_only:
                 for _ in range(n_contexts):
                     if n_parallel == 1:
-                        slots.append(_Slot(Context(self._model, **self._ctx_kwargs)))
+                        slots.append(_Slot(Context(self._native_model, **self._ctx_kwargs)))
                         continue
                     # each sequence gets n_ctx cells of its own (kv_unified=False)
                     kw = dict(self._ctx_kwargs, n_ctx=n_ctx * n_parallel)
-                    ctx = Context(self._model, n_seq_max=n_parallel, kv_unified=False, **kw)
+                    ctx = Context(self._native_model, n_seq_max=n_parallel, kv_unified=False, **kw)
                     try:
                         # (the batcher's prefix cache: whole chunks of prompts, per state)
                         pc = (self._prefix_chunk if prefix_cache_exact else 1) if prefix_cache else 0
@@ -442,10 +443,10 @@ class Llama(_SessionMixin):
                 if isinstance(s, _BatchSlot):
                     s.batcher.close()
                 s.ctx.close()
-            self._model.close()
+            self._native_model.close()
             raise
         self._pool = _BatchPool(slots) if n_parallel > 1 else _Pool(slots)
-        self._adapters = AdapterRegistry(self._model, max_loaded_adapters)
+        self._adapters = AdapterRegistry(self._native_model, max_loaded_adapters)
         self._cvecs: dict[str, ControlVector] = {}
         self._embed_lock = threading.Lock()
         self._score_lock = threading.Lock()
@@ -487,7 +488,7 @@ class Llama(_SessionMixin):
         if self._score_ctx is not None:
             self._score_ctx.close()
         self._adapters.close()
-        self._model.close()
+        self._native_model.close()
 
     @property
     def closed(self) -> bool:
@@ -496,7 +497,7 @@ class Llama(_SessionMixin):
     @property
     def busy(self) -> bool:
         """Whether a request runs on this Llama (close() would raise ContextBusyError)."""
-        return (not self._closed and (self._model.busy or any(s.busy for s in self._pool.slots)
+        return (not self._closed and (self._native_model.busy or any(s.busy for s in self._pool.slots)
                                       or self._embed_lock.locked()))
 
     def tokenizer(self):
@@ -548,7 +549,7 @@ class Llama(_SessionMixin):
         """The native :class:`llamax.Model` (shared by all contexts).  It
         passes as the ``llama_model *`` to llama.h's functions
         (``llama_cpp.llama_model_get_vocab(llm.model)``: llamax.llama_cpp)."""
-        return self._model
+        return self._native_model
 
     @property
     def ctx(self) -> Context:
@@ -567,6 +568,21 @@ class Llama(_SessionMixin):
         return slots[0].ctx
 
     @property
+    def _model(self):
+        """llama-cpp-python's ``Llama._model``: an ``llama_cpp._internals.LlamaModel``
+        over this Llama's model (borrowed: ``close()`` it through the Llama)."""
+        from llamax._internals import LlamaModel
+        self._check_open()
+        return LlamaModel._of(self._native_model)
+
+    @property
+    def _ctx(self):
+        """llama-cpp-python's ``Llama._ctx``: an ``llama_cpp._internals.LlamaContext``
+        over :attr:`ctx` (the same conditions: one context, one sequence)."""
+        from llamax._internals import LlamaContext
+        return LlamaContext._of(self._model, self.ctx)
+
+    @property
     def context_params(self):
         """llama-cpp-python's ``Llama.context_params``: a
         ``llama_cpp.llama_context_params`` (ctypes) with the values this
@@ -575,7 +591,9 @@ class Llama(_SessionMixin):
         from llamax import llama_cpp as api
         ctx = self.ctx
         p = api.llama_context_default_params()
-        p.n_ctx = api.llama_n_ctx(ctx)
+        # the size requests are held to (llama.cpp pads its own up to a multiple of 256: llama_n_ctx(ctx));
+        # what a library packs prompts by (LlamaIndex's context_window)
+        p.n_ctx = self.n_ctx()
         p.n_batch = api.llama_n_batch(ctx)
         p.n_ubatch = api.llama_n_ubatch(ctx)
         p.n_seq_max = api.llama_n_seq_max(ctx)
@@ -600,27 +618,27 @@ class Llama(_SessionMixin):
 
     @property
     def metadata(self) -> dict:
-        return self._model.metadata
+        return self._native_model.metadata
 
     def n_ctx(self) -> int:
         return self._ctx_kwargs["n_ctx"]
 
     def n_vocab(self) -> int:
-        return self._model.n_vocab
+        return self._native_model.n_vocab
 
     def n_embd(self) -> int:
-        return self._model.n_embd
+        return self._native_model.n_embd
 
     def token_bos(self) -> int:
-        return self._model.token_bos
+        return self._native_model.token_bos
 
     def token_eos(self) -> int:
-        return self._model.token_eos
+        return self._native_model.token_eos
 
     def tokenize(self, text: bytes | str, add_bos: bool = True, special: bool = False) -> list[int]:
         if self._tokenizer is not None:
             return self._own_tokens(text, add_bos, special).tolist()
-        return self._model.tokenize(text, add_special=add_bos, parse_special=special).tolist()
+        return self._native_model.tokenize(text, add_special=add_bos, parse_special=special).tolist()
 
     def _own_tokens(self, text, add_bos: bool, special: bool) -> np.ndarray:
         """``tokenizer=``'s tokens for ``text``, checked (ints in the model's vocabulary)."""
@@ -635,7 +653,7 @@ class Llama(_SessionMixin):
             toks = None
         if toks is None or len(toks) != len(out):
             raise ArgumentTypeError(f"tokenizer.tokenize() returned {type(out).__name__}, not a list of ints")
-        n = self._model.n_vocab
+        n = self._native_model.n_vocab
         bad = [t for t in toks if not 0 <= t < n]
         if bad:
             raise TokenError(f"tokenizer.tokenize() returned token id {bad[0]}, outside the model's vocabulary "
@@ -662,17 +680,17 @@ class Llama(_SessionMixin):
         return self._detok(list(tokens) if not isinstance(tokens, np.ndarray) else tokens, special)
 
     def _detok(self, tokens, special) -> bytes:
-        piece = self._model.token_to_piece
+        piece = self._native_model.token_to_piece
         if len(tokens) == 0:
             return b""
-        n_vocab = self._model.n_vocab
+        n_vocab = self._native_model.n_vocab
         for t in tokens:
             if not is_int(t):
                 raise ArgumentTypeError("tokens must be ints")
             if not 0 <= t < n_vocab:
                 raise TokenError(f"token id {t} is outside [0, n_vocab={n_vocab})")
         out = b"".join(piece(int(t), special=special) for t in tokens)
-        if int(tokens[0]) == self._model.token_bos and out[:1] == b" ":
+        if int(tokens[0]) == self._native_model.token_bos and out[:1] == b" ":
             out = out[1:]
         return out
 
@@ -702,7 +720,7 @@ class Llama(_SessionMixin):
             self._adapters.release(self._default_pins)
             self._default_pins = []
             self._default_loras = None
-            self._base_state = State(self._model)
+            self._base_state = State(self._native_model)
         self._adapters.unload(name)
 
     def list_loras(self) -> list[dict]:
@@ -731,7 +749,7 @@ class Llama(_SessionMixin):
         adapters, names = self._adapters.acquire(parse_loras(spec))
         self._default_pins = names  # held while it is the default: the session's state uses it
         self._default_loras = spec
-        self._base_state = State(self._model, adapters, None)
+        self._base_state = State(self._native_model, adapters, None)
 
     # -- control vectors ------------------------------------------------------
 
@@ -740,7 +758,7 @@ class Llama(_SessionMixin):
         self._check_open()
         if not isinstance(name, str) or not name:
             raise ArgumentTypeError("a control vector name must be a non-empty str")
-        self._cvecs[name] = ControlVector.load(self._model, path)
+        self._cvecs[name] = ControlVector.load(self._native_model, path)
 
     def unload_control_vector(self, name: str) -> None:
         try:
@@ -768,7 +786,7 @@ class Llama(_SessionMixin):
                         raise ControlVectorError(f"control_vector needs '{k}' (data is padded from layer 1)")
                 ls = check_int(control_vector["layer_start"], "control_vector['layer_start']")
                 le = check_int(control_vector["layer_end"], "control_vector['layer_end']")
-                parts.append((ControlVector.from_padded(self._model, control_vector["data"], ls, le), 1.0))
+                parts.append((ControlVector.from_padded(self._native_model, control_vector["data"], ls, le), 1.0))
             else:
                 raise ArgumentTypeError("control_vector must be a dict {'data', 'layer_start', 'layer_end'} "
                                         "or a llamax.ControlVector")
@@ -782,16 +800,16 @@ class Llama(_SessionMixin):
                 if ls is not None or le is not None:
                     ls = cv.layer_start if ls is None else ls
                     le = cv.layer_end if le is None else le
-                    n_layer = self._model.n_layer
+                    n_layer = self._native_model.n_layer
                     ls = check_int(ls, f"control_vectors[{i}]['layer_start']")
                     le = check_int(le, f"control_vectors[{i}]['layer_end']")
                     if not 1 <= ls <= le <= n_layer - 1:  # checked before the padded copy is allocated
                         raise ControlVectorError(
                             f"control_vectors[{i}] layer range [{ls}, {le}] is invalid: need 1 <= layer_start "
                             f"<= layer_end <= {n_layer - 1} (this model has {n_layer} layers)")
-                    data = np.zeros(self._model.n_embd * max(le, cv.layer_end), np.float32)
+                    data = np.zeros(self._native_model.n_embd * max(le, cv.layer_end), np.float32)
                     data[: cv.data.size] = cv.data
-                    cv = ControlVector.from_padded(self._model, data, ls, le)
+                    cv = ControlVector.from_padded(self._native_model, data, ls, le)
                 parts.append((cv, scale))
         if not parts:
             return None
@@ -812,7 +830,7 @@ class Llama(_SessionMixin):
             loras = () if self._default_loras is None else parse_loras(self._default_loras)
         adapters, names = self._adapters.acquire(loras)
         try:
-            return State(self._model, adapters, cv), names
+            return State(self._native_model, adapters, cv), names
         except BaseException:
             self._adapters.release(names)
             raise
@@ -827,7 +845,7 @@ class Llama(_SessionMixin):
     # -- templates -----------------------------------------------------------
 
     def _make_template(self, chat_format, chat_template):
-        sp = self._model.special_tokens
+        sp = self._native_model.special_tokens
         tokens = dict(bos_token=self._token_str(sp["bos"]), eos_token=self._token_str(sp["eos"]))
         if chat_format is not None:
             if chat_template is not None:
@@ -837,7 +855,7 @@ class Llama(_SessionMixin):
                 return _NamedFormat(chat_format, chat_formatter(chat_format))
             except InvalidArgumentError as e:
                 raise InvalidArgumentError(f"chat_format: {e}") from None
-        src = chat_template if chat_template is not None else self._model.chat_template()
+        src = chat_template if chat_template is not None else self._native_model.chat_template()
         return None if src is None else ChatTemplate(src, **tokens)
 
     def _reasoning_section(self) -> bool:
@@ -868,11 +886,11 @@ class Llama(_SessionMixin):
         if self._tokenizer is not None:
             tokens = self._own_tokens(text + partial, add_bos, True)
         else:
-            tokens = self._model.tokenize(text + partial, add_special=add_bos, parse_special=True)
+            tokens = self._native_model.tokenize(text + partial, add_special=add_bos, parse_special=True)
         return tokens, stops, text
 
     def _token_str(self, tok):
-        return self._model.token_text(tok) if 0 <= tok < self._model.n_vocab else ""
+        return self._native_model.token_text(tok) if 0 <= tok < self._native_model.n_vocab else ""
 
     def apply_chat_template(self, messages, *, add_generation_prompt=True, tools=None) -> str:
         if self._template is None:
@@ -942,16 +960,17 @@ class Llama(_SessionMixin):
         if prefix_text is not None:  # (offsets count from the prefix's start: the text before the gap)
             full_prompt = prefix_text
         else:
-            full_prompt = self._model.detokenize_text(tokens, errors="replace") if echo or logprobs is not None else ""
+            full_prompt = (self._native_model.detokenize_text(tokens, errors="replace")
+                           if echo or logprobs is not None else "")
         echo_lp = None
         if echo and logprobs is not None:
             # OpenAI's echo with logprobs: an entry per prompt token too (the first without logprobs)
             scored = handle.score_prompt(logprobs)
-            echo_lp = completion_logprobs(self._model, [t for t, _, _ in scored],
+            echo_lp = completion_logprobs(self._native_model, [t for t, _, _ in scored],
                                           [(lp, top or []) for _, lp, top in scored], 0)
             echo_lp["top_logprobs"][0] = None
         # text offsets count from the prompt's start, echoed or not (OpenAI's and llama-cpp-python's)
-        fmt = CompletionFormatter(self._model, cid, created, name, logprobs, full_prompt if echo else "",
+        fmt = CompletionFormatter(self._native_model, cid, created, name, logprobs, full_prompt if echo else "",
                                   len(full_prompt), echo_lp)
         return PreparedRequest(handle, fmt, stream)
 
@@ -1058,7 +1077,7 @@ class Llama(_SessionMixin):
             logprobs=n_top, stop=stop, grammar=None if grammar is None else GrammarSpec(grammar, triggers, starts),
             share=share, cache_salt=cache_salt, cache_prompt=cache_prompt, cancel=cancel,
             logits_processor=logits_processor, stopping_criteria=stopping_criteria, reasoning_budget=budget))
-        fmt = ChatFormatter(self._model, f"chatcmpl-{uuid.uuid4()}", int(time.time()), model or self.model_path,
+        fmt = ChatFormatter(self._native_model, f"chatcmpl-{uuid.uuid4()}", int(time.time()), model or self.model_path,
                             bool(logprobs), plan)
         return PreparedRequest(handle, fmt, stream)
 
@@ -1156,7 +1175,7 @@ class Llama(_SessionMixin):
         with self._score_lock:
             if self._score_ctx is None:
                 kw = dict(self._ctx_kwargs)
-                self._score_ctx = Context(self._model, **kw)
+                self._score_ctx = Context(self._native_model, **kw)
             ctx = self._score_ctx
             ctx.set_state(state)
             ctx.kv_clear()
@@ -1178,8 +1197,8 @@ class Llama(_SessionMixin):
         if self._embed_ctx is None:
             pooling = self._pooling
             if pooling is None:
-                arch = self._model.metadata.get("general.architecture", "")
-                pt = self._model.metadata.get(f"{arch}.pooling_type")
+                arch = self._native_model.metadata.get("general.architecture", "")
+                pt = self._native_model.metadata.get(f"{arch}.pooling_type")
                 pooling = {"0": "none", "1": "mean", "2": "cls", "3": "last", "4": "rank"}.get(pt, "mean")
             if pooling not in ("mean", "cls", "last"):
                 raise InvalidArgumentError(f"embeddings need pooling mean, cls or last, not {pooling!r}")
@@ -1189,7 +1208,7 @@ class Llama(_SessionMixin):
             # (and at least one row per sequence); inputs stay capped at the
             # caller's n_ctx (see _embed_limit).
             nb = max(EMBED_SEQS, -(-self._ctx_kwargs["n_ctx"] // EMBED_SEQS) * EMBED_SEQS)
-            self._embed_ctx = Context(self._model, n_ctx=nb, n_batch=nb, n_ubatch=nb,
+            self._embed_ctx = Context(self._native_model, n_ctx=nb, n_batch=nb, n_ubatch=nb,
                                       n_seq_max=EMBED_SEQS, n_threads=self._ctx_kwargs["n_threads"],
                                       n_threads_batch=self._ctx_kwargs["n_threads_batch"],
                                       flash_attn=self._ctx_kwargs["flash_attn"], embeddings=True,
@@ -1266,7 +1285,7 @@ class Llama(_SessionMixin):
             tokens, offsets = self._token_inputs(texts, limit, truncate)
         else:
             # Tokenized without the GIL and before any lock: the vocabulary is read-only.
-            tokens, offsets = self._model.tokenize_batch(list(texts), add_special=True, max_tokens=limit,
+            tokens, offsets = self._native_model.tokenize_batch(list(texts), add_special=True, max_tokens=limit,
                                                          truncate=bool(truncate))
         state, names = self._state(AdapterSet.of(active_loras, control_vectors, control_vector))
 
@@ -1303,8 +1322,8 @@ class Llama(_SessionMixin):
                                                "the model's trained length for learned positions)")
                 t = t[:limit]
             a = _int_tokens(t)
-            if a.min() < 0 or a.max() >= self._model.n_vocab:
-                raise TokenError(f"input[{i}] has a token id outside [0, n_vocab={self._model.n_vocab})")
+            if a.min() < 0 or a.max() >= self._native_model.n_vocab:
+                raise TokenError(f"input[{i}] has a token id outside [0, n_vocab={self._native_model.n_vocab})")
             arrays.append(a.astype(np.int32))
         offsets = np.zeros(len(arrays) + 1, np.int64)
         np.cumsum([len(a) for a in arrays], out=offsets[1:])
@@ -1324,13 +1343,13 @@ class Llama(_SessionMixin):
         FIM tokens is refused, not given the prefix alone."""
         if not isinstance(suffix, str):
             raise ArgumentTypeError(f"suffix must be a str, not {type(suffix).__name__}")
-        sp = self._model.special_tokens
+        sp = self._native_model.special_tokens
         missing = [k for k in ("fim_pre", "fim_suf", "fim_mid") if sp[k] < 0]
         if missing:
             raise InvalidArgumentError(
                 f"suffix needs a model with fill-in-the-middle tokens; this vocabulary has no {', '.join(missing)} "
                 "(a code model's <fim_prefix>/<fim_suffix>/<fim_middle>): leave suffix unset")
-        bos = [self._model.token_bos] if self._model.add_bos and self._model.token_bos >= 0 else []
+        bos = [self._native_model.token_bos] if self._native_model.add_bos and self._native_model.token_bos >= 0 else []
         if isinstance(prompt, (str, bytes)):
             text = prompt if isinstance(prompt, str) else prompt.decode("utf-8", "replace")
             if prompt in ("", b""):
@@ -1338,14 +1357,14 @@ class Llama(_SessionMixin):
             elif self._tokenizer is not None:
                 pre = self._own_tokens(prompt, False, False).tolist()
             else:
-                pre = self._model.tokenize(prompt, add_special=False, parse_special=False).tolist()
+                pre = self._native_model.tokenize(prompt, add_special=False, parse_special=False).tolist()
         elif isinstance(prompt, (list, tuple, np.ndarray)):
             empty = (len(prompt) == 0) if not isinstance(prompt, np.ndarray) else (prompt.ndim == 1 and
                                                                                    prompt.size == 0)
             pre = [] if empty else self._prompt_tokens(prompt).tolist()
             if bos and pre[:1] == bos:  # (BOS is added once, before the FIM tokens)
                 pre = pre[1:]
-            text = self._model.detokenize_text(pre, errors="replace")
+            text = self._native_model.detokenize_text(pre, errors="replace")
         else:
             raise ArgumentTypeError(f"prompt must be str, bytes or a list of token ids, not {type(prompt).__name__}")
         suf = self._continuation_tokens(suffix)
@@ -1362,11 +1381,11 @@ class Llama(_SessionMixin):
             return []
         if self._tokenizer is not None:
             return self._own_tokens(text, False, False).tolist()
-        lead = self._model.tokenize("\n", add_special=False, parse_special=False).tolist()
-        joined = self._model.tokenize("\n" + text, add_special=False, parse_special=False).tolist()
-        if joined[:len(lead)] == lead and self._model.detokenize_text(joined, errors="replace") == "\n" + text:
+        lead = self._native_model.tokenize("\n", add_special=False, parse_special=False).tolist()
+        joined = self._native_model.tokenize("\n" + text, add_special=False, parse_special=False).tolist()
+        if joined[:len(lead)] == lead and self._native_model.detokenize_text(joined, errors="replace") == "\n" + text:
             return joined[len(lead):]
-        return self._model.tokenize(text, add_special=False, parse_special=False).tolist()
+        return self._native_model.tokenize(text, add_special=False, parse_special=False).tolist()
 
     def _prompt_tokens(self, prompt) -> np.ndarray:
         if isinstance(prompt, (str, bytes)) and self._tokenizer is not None:
@@ -1374,7 +1393,7 @@ class Llama(_SessionMixin):
         elif isinstance(prompt, (str, bytes)):
             # special tokens in the text are parsed (<|im_start|> is one
             # token), as llama-cpp-python does for a prompt without suffix
-            tokens = self._model.tokenize(prompt, add_special=True, parse_special=True)
+            tokens = self._native_model.tokenize(prompt, add_special=True, parse_special=True)
         elif isinstance(prompt, (list, tuple, np.ndarray)):
             if not isinstance(prompt, np.ndarray) and all(is_int(x) for x in prompt):
                 tokens = _int_tokens(prompt)  # int64: np.asarray([1, 2**63]) would be float64
@@ -1391,7 +1410,7 @@ class Llama(_SessionMixin):
         else:
             raise ArgumentTypeError(f"prompt must be str, bytes or a list of token ids, not {type(prompt).__name__}")
         if len(tokens) == 0:
-            bos = self._model.token_bos
+            bos = self._native_model.token_bos
             if bos < 0:
                 raise InvalidArgumentError("empty prompt and the model has no BOS token")
             tokens = np.array([bos], np.int32)
@@ -1410,7 +1429,7 @@ class Llama(_SessionMixin):
         tokens = p.tokens
         if not isinstance(tokens, np.ndarray) or tokens.ndim != 1 or tokens.dtype != np.int32 or not len(tokens):
             raise ArgumentTypeError("GenerationRequest.tokens must be a non-empty 1-D int32 array of token ids")
-        n_vocab = self._model.n_vocab
+        n_vocab = self._native_model.n_vocab
         bad = tokens[(tokens < 0) | (tokens >= n_vocab)]
         if len(bad):
             raise TokenError(f"token id {int(bad[0])} is outside [0, n_vocab={n_vocab})")
@@ -1438,7 +1457,7 @@ class Llama(_SessionMixin):
         if (p.logits_processor is not None or p.stopping_criteria is not None) and isinstance(self._pool, _BatchPool):
             raise InvalidArgumentError("logits_processor / stopping_criteria (Python per token) need n_parallel=1")
         rb = p.reasoning_budget
-        sampler = Sampler(self._model, **p.sampling.sampler_kwargs(seed=self._next_seed(p.sampling.seed)),
+        sampler = Sampler(self._native_model, **p.sampling.sampler_kwargs(seed=self._next_seed(p.sampling.seed)),
                           penalty_last_n=self.last_n_tokens_size, grammar=grammar,
                           grammar_triggers=None if p.grammar is None else p.grammar.triggers,
                           grammar_start_triggers=None if p.grammar is None else p.grammar.start_triggers,
@@ -1448,7 +1467,7 @@ class Llama(_SessionMixin):
         salt_id(p.cache_salt)  # (checks its type)
         # Resolved last: it pins adapters, which the request must release.
         state, names = self._state(p.adapters)
-        rt = Runtime(model=self._model, pool=self._pool, release=self._adapters.release,
+        rt = Runtime(model=self._native_model, pool=self._pool, release=self._adapters.release,
                      cache_before=self._cache_before if self.cache is not None else None,
                      cache_after=self._cache_after if self.cache is not None else None,
                      prefix_chunk=self._prefix_chunk, prefix_cache=self._prefix_cache,

@@ -27,7 +27,8 @@ from llamax._errors import ArgumentTypeError, InvalidArgumentError
 from llamax.templates import ChatTemplate
 
 __all__ = [
-    "ChatFormatter", "ChatFormatterResponse", "Jinja2ChatFormatter", "chat_formatter", "get_chat_format",
+    "ChatFormatter", "ChatFormatterResponse", "Jinja2ChatFormatter", "LlamaChatCompletionHandler", "chat_formatter",
+    "get_chat_format",
     "guess_chat_format_from_gguf_metadata", "hf_tokenizer_config_to_chat_formatter", "register_chat_format",
 ]
 
@@ -90,6 +91,18 @@ class ChatFormatter(Protocol):
 
     def __call__(self, *, messages: list[llama_types.ChatCompletionRequestMessage],
                  **kwargs: Any) -> ChatFormatterResponse: ...
+
+
+class LlamaChatCompletionHandler(Protocol):
+    """A ``chat_handler=``: what ``Llama.create_chat_completion`` calls in
+    place of its own chat path, with the Llama and llama-cpp-python's
+    keywords (llama.py's ``_run_chat_handler`` says which, with their
+    defaults).  It returns a ``CreateChatCompletionResponse``, or an iterator
+    of ``CreateChatCompletionStreamResponse`` chunks when ``stream`` is true.
+    (Libraries name this type in their annotations: autogen's llama.cpp client.)"""
+
+    def __call__(self, *, llama: Any, messages: list[llama_types.ChatCompletionRequestMessage],
+                 **kwargs: Any) -> Any: ...
 
 
 # -- templates ----------------------------------------------------------------------------------

@@ -49,6 +49,8 @@ LAYERS = [
     ["llamax.pool", "llamax.grammar", "llamax.adapters", "llamax.control_vectors", "llamax.peft",
      "llamax.llama_cache", "llamax.templates", "llamax._sandbox", "llamax._session",
      "llamax.request", "llamax.formatters", "llamax.llama_chat_format", "llamax.llama_speculative",
+     # llama-cpp-python's _internals classes over Model/Context and the C API
+     "llamax._internals",
      # tool-call parsing and grammars (#35): llamax.grammar, _errors and the stdlib only
      "llamax.tool_calls", "llamax.tool_calls.*"],
     ["llamax.llama"],

@@ -80,7 +80,7 @@ def test_install_makes_every_module_see_llamax(third_party, smollm2_path):
     ("llama_cpp.server", "python -m llamax serve"),
     ("llama_cpp.mtmd_cpp", "mtmd"),
     ("llama_cpp.engine", "offers llama_cpp,"),     # a llamax file is never imported twice under another name
-    ("llama_cpp._internals", "offers llama_cpp,"),
+    ("llama_cpp._sgemm", "offers llama_cpp,"),
 ])
 def test_what_it_does_not_offer_is_refused_by_name(name, says):
     r = run(f"""

@@ -91,6 +91,9 @@ def test_params_are_the_contexts_own(llm):
     assert isinstance(p, api.llama_context_params)
     # (read from the context: llama.cpp caps n_batch at n_ctx, so 256 here, not the 512 asked)
     assert p.n_ctx == api.llama_n_ctx(llm.ctx) == 256 and p.n_threads == 2 and p.n_batch == 256
+    # n_ctx: the size llamax holds requests to, also where llama.cpp pads its own
+    with llamax.Llama(llm.model_path, n_ctx=100, verbose=False) as small:
+        assert small.context_params.n_ctx == small.n_ctx() == 100 < api.llama_n_ctx(small.ctx)
     mp = llm.model_params
     assert isinstance(mp, api.llama_model_params) and mp.use_mmap and not mp.vocab_only
 

@@ -55,4 +55,12 @@ def test_vocab_only_tokenizer():
         assert "vocab_only" in str(e)
     else:
         raise AssertionError("a vocab_only Llama generated")
+    # llama-cpp-python's `llama._ctx.ctx` is a context there; llamax makes none, and says why
+    try:
+        llama._ctx
+    except llamax.InvalidArgumentError as e:
+        assert "vocab_only" in str(e)
+    else:
+        raise AssertionError("a vocab_only Llama has a context")
+    assert llama._model.n_vocab() == 32000
     llama.close()

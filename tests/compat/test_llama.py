@@ -5,23 +5,25 @@
 # itself: tools/compat/peer_tests.py does).
 #
 # Mechanical edits, the only changes:
-#  1. `import llama_cpp._internals as internals` removed, and with it test_real_model, its only
-#     user: it drives the ctypes layer (LlamaModel/LlamaContext/LlamaBatch/LlamaSampler).
-#     test_equivalents.py::test_real_model is the same test on llamax's public
-#     Model/Context/Sampler.
+#  1. (none now: `llama_cpp._internals` and test_real_model, which drives it, are back as they
+#     were, on llamax._internals; test_equivalents.py::test_real_model runs the same steps on
+#     llamax's own Model/Context/Sampler.)
 #  2. `hf_hub_download` comes from local_models.py: no model hub here.  It maps the hub's files
 #     to local equivalents (Qwen3.5-0.8B and stories15M: SmolLM2-135M-Instruct Q4_1;
 #     bge-small-en-v1.5: all-MiniLM-L6-v2 f16; mamba-130m: a small random Mamba written by
 #     llamax.gguf_tools.make_tiny_mamba) and skips the hybrid (Falcon-H1-Tiny) cases for want
 #     of a model file.
 #  3. MODEL: the same ggml-vocab-llama-spm.gguf, from the sdist the build fetched.
-#  4. test_llama_cpp_tokenization: `assert llama._ctx.ctx is not None` (private) removed;
-#     test_equivalents.py::test_vocab_only_tokenizer checks the same on the public API.
+#  4. test_llama_cpp_tokenization: `assert llama._ctx.ctx is not None` removed: a vocab_only
+#     Llama of llamax makes no context (the model has no weights to run), so its `_ctx`
+#     raises InvalidArgumentError saying so; test_equivalents.py::test_vocab_only_tokenizer
+#     checks that (the one deliberate difference left in this file).
 #  5. The greedy continuation of "The quick brown fox jumps over the lazy dog. The quick brown
 #     fox" (2 places) is the local model's, computed in the same run by greedy_continuation
 #     (local_models.py: eval and argmax, token by token), not the hub model's literal
 #     " jumps over the lazy dog.".
 #  6. test_llama_cpp_version asserts a version string (PEP 440-like "X.Y.Z..."), not only a truthy one.
+#  7. test_real_model: the local model's tokens for "Hello, world!" (SmolLM2's, not Qwen3.5's).
 
 import ctypes
 import itertools
@@ -35,6 +37,7 @@ from compat.local_models import MODEL_LLAMA_SPM, greedy_continuation, hf_hub_dow
 import pytest
 
 import llama_cpp
+import llama_cpp._internals as internals
 
 
 MODEL = MODEL_LLAMA_SPM  # the same file, from the fetched sdist
@@ -121,6 +124,75 @@ def llama_cpp_hybrid_model_path():
     filename = "Falcon-H1-Tiny-90M-Instruct-Q2_K.gguf"
     model_path = hf_hub_download(repo_id, filename)
     return model_path
+
+
+def test_real_model(llama_cpp_model_path):
+    import os
+
+    assert os.path.exists(llama_cpp_model_path)
+
+    params = llama_cpp.llama_model_default_params()
+    if llama_cpp.llama_supports_mmap() and llama_cpp.llama_supports_mlock():
+        params.load_mode = llama_cpp.LLAMA_LOAD_MODE_MMAP_MLOCK
+    elif llama_cpp.llama_supports_mlock():
+        params.load_mode = llama_cpp.LLAMA_LOAD_MODE_MLOCK
+    elif llama_cpp.llama_supports_mmap():
+        params.load_mode = llama_cpp.LLAMA_LOAD_MODE_MMAP
+    else:
+        params.load_mode = llama_cpp.LLAMA_LOAD_MODE_NONE
+    params.check_tensors = False
+
+    model = internals.LlamaModel(path_model=llama_cpp_model_path, params=params)
+
+    cparams = llama_cpp.llama_context_default_params()
+    cparams.n_ctx = 16
+    cparams.n_batch = 16
+    cparams.n_ubatch = 16
+    cparams.n_threads = multiprocessing.cpu_count()
+    cparams.n_threads_batch = multiprocessing.cpu_count()
+    cparams.logits_all = False
+    cparams.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
+
+    context = internals.LlamaContext(model=model, params=cparams)
+    tokens = model.tokenize(b"Hello, world!", add_bos=True, special=True)
+
+    # (edit 7: the local model's tokens, not Qwen3.5's [9419, 11, 1814, 0])
+    assert tokens == [19556, 28, 905, 17]
+
+    tokens = model.tokenize(
+        b"The quick brown fox jumps over the lazy dog. The quick brown fox jumps ",
+        add_bos=True,
+        special=True,
+    )
+    prompt_token_count = len(tokens)
+
+    batch = internals.LlamaBatch(n_tokens=len(tokens), embd=0, n_seq_max=1)
+
+    seed = 1337
+    sampler = internals.LlamaSampler()
+    sampler.add_top_k(50)
+    sampler.add_top_p(0.9, 1)
+    sampler.add_temp(0.8)
+    sampler.add_dist(seed)
+
+    result = tokens
+    n_eval = 0
+    for _ in range(4):
+        batch.set_batch(tokens, n_past=n_eval, logits_all=False)
+        context.decode(batch)
+        n_eval += len(tokens)
+        token_id = sampler.sample(context, -1)
+        tokens = [token_id]
+        result += tokens
+
+    output = result[prompt_token_count:]
+    output_text = model.detokenize(output, special=True)
+    # Low-level sampling output varies across CPU and Metal backends.
+    assert len(output) == 4
+    assert output_text
+
+    model.close()
+    assert context.ctx is None
 
 
 def test_real_llama(llama_cpp_model_path):

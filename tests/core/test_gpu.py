@@ -44,7 +44,7 @@ def test_n_gpu_layers_from_the_environment(smollm2_path):
         m = llamax.Model({str(smollm2_path)!r})
         print(m.n_gpu_layers, llamax.Model({str(smollm2_path)!r}, n_gpu_layers=0).n_gpu_layers)
         llm = llamax.Llama({str(smollm2_path)!r}, n_ctx=64)
-        print(llm._model.n_gpu_layers)
+        print(llm._native_model.n_gpu_layers)
     """, env={"LLAMAX_N_GPU_LAYERS": "-1"})
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["-1", "0", "-1"]

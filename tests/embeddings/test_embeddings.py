@@ -53,7 +53,7 @@ def test_parity(kind, floor, sentences, st_reference):
 def test_long_wordpiece_word_is_unk_as_in_hugging_face(embedder):
     # BertTokenizer: a word of more than 100 characters is one [UNK];
     # llama.cpp's WPM would split it (fixed up by llamax).
-    m = embedder.llama._model
+    m = embedder.llama._native_model
     cls_, unk, sep = 101, 100, 102
     assert list(m.tokenize("a" * 101)) == [cls_, unk, sep]
     assert unk not in m.tokenize("a" * 100)
@@ -104,7 +104,7 @@ def test_batch_size_does_not_change_vectors(embedder, sentences):
 
 def test_truncation_is_explicit(embedder, sentences):
     long = max(sentences, key=len)
-    m = embedder.llama._model
+    m = embedder.llama._native_model
     assert len(m.tokenize(long)) > 256
     v = embedder.encode(long)
     toks, _ = m.tokenize_batch([long], max_tokens=256)
@@ -115,7 +115,7 @@ def test_truncation_is_explicit(embedder, sentences):
 
 
 def test_tokenize_batch_matches_tokenize(embedder, sentences):
-    m = embedder.llama._model
+    m = embedder.llama._native_model
     toks, offs = m.tokenize_batch(sentences)
     assert offs.dtype == np.int64 and toks.dtype == np.int32 and len(offs) == len(sentences) + 1
     for i, s in enumerate(sentences):
@@ -305,7 +305,7 @@ def test_create_embedding_openai_shape_and_usage(minilm_f16):
     with llamax.Llama(minilm_f16, embedding=True, n_contexts=0, n_threads=2) as llm:
         texts = ["hello world", "", "Café"]
         r = llm.create_embedding(texts)
-        n_tok = sum(len(llm._model.tokenize(t)) for t in texts)
+        n_tok = sum(len(llm._native_model.tokenize(t)) for t in texts)
         assert r["object"] == "list" and r["usage"] == {"prompt_tokens": n_tok, "total_tokens": n_tok}
         assert [d["index"] for d in r["data"]] == [0, 1, 2]
         assert all(len(d["embedding"]) == N_EMBD and isinstance(d["embedding"][0], float) for d in r["data"])

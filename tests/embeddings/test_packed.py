@@ -87,9 +87,9 @@ def test_embedder_packs_the_weights_when_made(sentences):
     path = data.minilm("f16")
     nr = 32 if _core._packed_config()["isa"] == "avx512" else 16
     with llamax.Embedder(path, max_seq_length=256, n_threads=2) as e:
-        assert e.llama._model.packed_weight_bytes == _matmul_weight_bytes(path, nr)
+        assert e.llama._native_model.packed_weight_bytes == _matmul_weight_bytes(path, nr)
         e.encode(sentences[:4])
-        assert e.llama._model.packed_weight_bytes == _matmul_weight_bytes(path, nr)
+        assert e.llama._native_model.packed_weight_bytes == _matmul_weight_bytes(path, nr)
 
 
 @needs_kernels
@@ -203,7 +203,7 @@ def test_packed_weights_agree_with_openblas_and_ggml(sentences, tmp_path):
                 with llamax.Embedder(data.minilm(kind), max_seq_length=256, n_threads=2) as e:
                     assert llamax.sgemm_info()["packed"] is None
                     out.append(np.concatenate([e.encode(texts, batch_size=64), e.encode(texts[:6], batch_size=1)]))
-                    assert e.llama._model.packed_weight_bytes == 0
+                    assert e.llama._native_model.packed_weight_bytes == 0
             np.save({str(tmp_path / (mode + ".npy"))!r}, np.concatenate(out))
         """, env={"LLAMAX_SGEMM": mode})
         assert r.returncode == 0, r.stderr
@@ -212,7 +212,7 @@ def test_packed_weights_agree_with_openblas_and_ggml(sentences, tmp_path):
     for kind in ("f32", "f16"):
         with llamax.Embedder(data.minilm(kind), max_seq_length=256, n_threads=2) as e:
             got.append(np.concatenate([e.encode(sentences, batch_size=64), e.encode(sentences[:6], batch_size=1)]))
-            assert e.llama._model.packed_weight_bytes > 0
+            assert e.llama._native_model.packed_weight_bytes > 0
     got = np.concatenate(got)
     for mode, ref in outs.items():
         assert got.shape == ref.shape == (2 * (len(sentences) + 6), N_EMBD)
@@ -284,11 +284,11 @@ def test_budget_leaves_weights_to_openblas(sentences, restore_packed):
     _core._packed_config(budget=3 * 384 * 384 * 4)  # three 384 x 384 matrices, then no more
     with llamax.Embedder(path, max_seq_length=256, n_threads=2) as e:
         part = e.encode(sentences[:10])
-        assert e.llama._model.packed_weight_bytes == 3 * 384 * 384 * 4
+        assert e.llama._native_model.packed_weight_bytes == 3 * 384 * 384 * 4
     _core._packed_config(budget=0)
     with llamax.Embedder(path, max_seq_length=256, n_threads=2) as e:
         none = e.encode(sentences[:10])
-        assert e.llama._model.packed_weight_bytes == 0
+        assert e.llama._native_model.packed_weight_bytes == 0
     assert cosines(full, part).min() > 0.99999
     assert cosines(full, none).min() > 0.99999
 
@@ -354,7 +354,7 @@ def test_bf16_weights_pack_as_bf16_where_the_cpu_multiplies_them(sentences, st_r
     for use in (True, False):
         _core._packed_config(bf16=use)
         with llamax.Embedder(path, max_seq_length=256, n_threads=2) as e:
-            assert e.llama._model.packed_weight_bytes == _matmul_weight_bytes(path, nr, bf16=use and BF16)
+            assert e.llama._native_model.packed_weight_bytes == _matmul_weight_bytes(path, nr, bf16=use and BF16)
             out[use] = e.encode(sentences, batch_size=32)
             alone = np.concatenate([e.encode([t], batch_size=1) for t in sentences[:8]])
         assert cosines(out[use][:8], alone).min() > 0.99999
@@ -374,7 +374,7 @@ def test_packed_bf16_setting_widens_bf16_weights():
         import llamax
         from llamax_dev import data
         with llamax.Embedder(data.minilm("bf16"), n_threads=2) as e:
-            print("bf16:", llamax.sgemm_info()["packed"]["bf16"], e.llama._model.packed_weight_bytes)
+            print("bf16:", llamax.sgemm_info()["packed"]["bf16"], e.llama._native_model.packed_weight_bytes)
     """, timeout=120, env={"LLAMAX_PACKED_BF16": "0"})
     assert r.returncode == 0, r.stderr
     nr = 32 if _core._packed_config()["isa"] == "avx512" else 16

@@ -334,7 +334,7 @@ CASES = {
         N_OK += 1""",
     "llama_close_during_stream": '''
         llm = llamax.Llama(SMOL, n_ctx=2048, n_threads=1)
-        ban = {t: -1e9 for t in range(llm.n_vocab()) if llm._model.is_eog(t)}
+        ban = {t: -1e9 for t in range(llm.n_vocab()) if llm._native_model.is_eog(t)}
         it = llm("Once upon a time", max_tokens=1500, stream=True, logit_bias=ban)
         next(it)
         check(llamax.ContextBusyError, "stream", llm.close)
@@ -403,12 +403,12 @@ EXIT_CASES = {
         th.start(); time.sleep(0.05)''',
     "half_consumed_stream": '''
         llm = llamax.Llama(SMOL, n_ctx=2048, n_threads=1)
-        ban = {t: -1e9 for t in range(llm.n_vocab()) if llm._model.is_eog(t)}
+        ban = {t: -1e9 for t in range(llm.n_vocab()) if llm._native_model.is_eog(t)}
         it = llm("Once upon a time", max_tokens=1500, stream=True, logit_bias=ban)
         next(it); next(it)''',
     "half_consumed_chat_stream_and_daemon": '''
         llm = llamax.Llama(SMOL, n_ctx=2048, n_threads=1, n_contexts=2)
-        ban = {t: -1e9 for t in range(llm.n_vocab()) if llm._model.is_eog(t)}
+        ban = {t: -1e9 for t in range(llm.n_vocab()) if llm._native_model.is_eog(t)}
         it = llm.create_chat_completion([{"role": "user", "content": "Hi"}], max_tokens=1500, stream=True,
                                         logit_bias=ban)
         next(it)

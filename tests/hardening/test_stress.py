@@ -103,7 +103,7 @@ def _make_llm(path, files, n_contexts):
     llm.load_lora("b", b)
     llm.load_control_vector("cv", cv)
     # (for the "cancel" requests: every end-of-generation token banned)
-    llm._test_no_eog = {t: -1e9 for t in range(llm.n_vocab()) if llm._model.is_eog(t)}
+    llm._test_no_eog = {t: -1e9 for t in range(llm.n_vocab()) if llm._native_model.is_eog(t)}
     return llm
 
 
