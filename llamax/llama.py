@@ -184,6 +184,37 @@ def _int_tokens(t) -> np.ndarray:
         raise TokenError(_NOT_INT32) from None
 
 
+
+def _token_embeddings(ctx: Context, tokens: np.ndarray, offsets: np.ndarray, normalize: bool) -> list:
+    """Pooling none: every token's vector, one (n_tokens, n_embd) float32
+    array per input.  Whole inputs are packed into decodes of up to the
+    context's n_batch tokens and n_seq_max inputs, every row an output (the
+    KV memory, where the model has one, is cleared first)."""
+    out: list = []
+    n_in = len(offsets) - 1
+    i = 0
+    while i < n_in:
+        j = i
+        while (j < n_in and j - i < ctx.n_seq_max
+               and offsets[j + 1] - offsets[i] <= ctx.n_batch):
+            j += 1
+        ctx.kv_clear()
+        toks = tokens[offsets[i]:offsets[j]]
+        seqs = np.repeat(np.arange(j - i, dtype=np.int32), np.diff(offsets[i:j + 1]).astype(np.int64))
+        pos = (np.arange(len(toks), dtype=np.int64) - np.repeat(offsets[i:j] - offsets[i],
+                                                                 np.diff(offsets[i:j + 1]))).astype(np.int32)
+        ctx.decode(toks, pos=pos, seq_ids=seqs, logits="all")
+        rows = np.array(ctx.get_embeddings(), dtype=np.float32)   # a copy: the next decode overwrites it
+        for k in range(i, j):
+            v = rows[offsets[k] - offsets[i]:offsets[k + 1] - offsets[i]]
+            if normalize:
+                n = np.linalg.norm(v, axis=1, keepdims=True)
+                v = v / np.where(n == 0, 1, n)
+            out.append(v)
+        i = j
+    ctx.kv_clear()
+    return out
+
 def _single(input) -> bool:
     """One embedding input: a str, or one list of token ids."""
     return isinstance(input, str) or (isinstance(input, (list, tuple)) and bool(input) and is_int(input[0]))
@@ -452,6 +483,7 @@ class Llama(_SessionMixin):
         self._score_lock = threading.Lock()
         self._score_ctx: Context | None = None  # echo=True with logprobs: the prompt's own logprobs
         self._embed_ctx: Context | None = None
+        self._embed_max: int | None = None   # the embedding context's limit per input (_embed_limit)
         self.chat_format = chat_format
         self._template = self._make_template(chat_format, chat_template)
         self._has_reasoning = self._reasoning_section()
@@ -1193,15 +1225,31 @@ class Llama(_SessionMixin):
 
     # -- embeddings --------------------------------------------------------------
 
+    @property
+    def generates(self) -> bool:
+        """Whether generation requests can run: it has generation contexts
+        (not ``vocab_only``, not ``n_contexts=0``), or an ``engine=`` that
+        runs them elsewhere."""
+        self._check_open()
+        return self._engine is not None or bool(self._pool is not None and self._pool.slots)
+
+    @property
+    def embedding_pooling(self) -> str:
+        """The pooling embeddings get: ``pooling=`` as given, else the
+        model's own (its GGUF's ``pooling_type``), else ``"mean"``."""
+        self._check_open()
+        if self._pooling is not None:
+            return self._pooling
+        arch = self._native_model.metadata.get("general.architecture", "")
+        pt = self._native_model.metadata.get(f"{arch}.pooling_type")
+        return {"0": "none", "1": "mean", "2": "cls", "3": "last", "4": "rank"}.get(pt, "mean")
+
     def _embedding_context(self) -> Context:
         if self._embed_ctx is None:
-            pooling = self._pooling
-            if pooling is None:
-                arch = self._native_model.metadata.get("general.architecture", "")
-                pt = self._native_model.metadata.get(f"{arch}.pooling_type")
-                pooling = {"0": "none", "1": "mean", "2": "cls", "3": "last", "4": "rank"}.get(pt, "mean")
-            if pooling not in ("mean", "cls", "last"):
-                raise InvalidArgumentError(f"embeddings need pooling mean, cls or last, not {pooling!r}")
+            pooling = self.embedding_pooling
+            if pooling not in ("mean", "cls", "last", "none"):
+                raise InvalidArgumentError(f"embeddings need pooling mean, cls, last or none (a vector per "
+                                           f"token), not {pooling!r}")
             # One decode packs whole inputs, one sequence id each, up to n_ctx
             # tokens and EMBED_SEQS inputs (see Context.embed).  Sizes are a
             # multiple of EMBED_SEQS: llama.cpp's mean-pooling graph needs it
@@ -1218,8 +1266,10 @@ class Llama(_SessionMixin):
     def _embed_limit(self) -> int:
         """The most tokens one embedding input may have: n_ctx, and for models
         with learned position embeddings (BERT) their trained length."""
-        with self._embed_lock:
-            return min(self._ctx_kwargs["n_ctx"], self._embedding_context().n_ctx_seq)
+        if self._embed_max is None:   # (once: later calls must not wait for a running embedding)
+            with self._embed_lock:
+                self._embed_max = min(self._ctx_kwargs["n_ctx"], self._embedding_context().n_ctx_seq)
+        return self._embed_max
 
     def embed(self, input, normalize: bool = False, truncate: bool = True, return_count: bool = False,
               active_loras=None, control_vector=None, control_vectors=None):
@@ -1231,7 +1281,11 @@ class Llama(_SessionMixin):
         """
         check_bools(return_count=return_count)
         vecs, n = self._embed(input, normalize, truncate, active_loras, control_vector, control_vectors)
-        out = vecs[0].tolist() if _single(input) else vecs.tolist()
+        if isinstance(vecs, list):  # pooling none: a list of vectors (one per token) per input
+            rows = [v.tolist() for v in vecs]
+            out = rows[0] if _single(input) else rows
+        else:
+            out = vecs[0].tolist() if _single(input) else vecs.tolist()
         return (out, n) if return_count else out
 
     def embed_array(self, input, *, normalize: bool = False, truncate: bool = True, max_tokens: int | None = None,
@@ -1245,6 +1299,7 @@ class Llama(_SessionMixin):
         """
         vecs, _ = self._embed(input, normalize, truncate, active_loras, control_vector, control_vectors,
                               max_tokens)
+        # (pooling none: a list of (n_tokens, n_embd) arrays, one per input)
         return vecs[0] if _single(input) else vecs
 
     def create_embedding(self, input, model: str | None = None, normalize: bool = False, truncate: bool = True,
@@ -1296,11 +1351,63 @@ class Llama(_SessionMixin):
                 ctx.set_state(state)  # a pointer compare when it is applied already
                 cancel._attach(ctx)   # cancel() aborts the decodes
                 try:
+                    if ctx.pooling == "none":
+                        return _token_embeddings(ctx, tokens, offsets, bool(normalize))
                     return ctx.embed(tokens, offsets, normalize=bool(normalize))
                 finally:
                     cancel._detach(ctx)
 
-        return PreparedEmbedding(run, lambda: self._adapters.release(names), len(texts), int(len(tokens)))
+        return PreparedEmbedding(run, lambda: self._adapters.release(names), len(texts), int(len(tokens)),
+                                 (tokens, offsets, state, bool(normalize)))
+
+    def run_embeddings(self, prepared) -> list:
+        """Run several prepared embeddings (:meth:`prepare_embedding`) as few
+        native calls: those with the same adapters and ``normalize`` have
+        their inputs packed together into the same decodes, as one request's
+        inputs are.  Returns each one's result, in order (what its
+        :meth:`~llamax.request.PreparedEmbedding.run` would return); each is
+        used up, its adapters released.  A server coalesces concurrent
+        requests with it; an error fails the whole call."""
+        self._check_open()
+        items = list(prepared)
+        if not all(isinstance(p, PreparedEmbedding) for p in items):
+            raise ArgumentTypeError("run_embeddings takes PreparedEmbedding objects (Llama.prepare_embedding)")
+        if len({id(p) for p in items}) != len(items):
+            raise InvalidArgumentError("a prepared embedding is given twice")
+        taken: list = []
+        try:
+            for p in items:
+                taken.append((p, p._take()))
+            groups: dict = {}
+            for i, (p, (tokens, offsets, state, norm)) in enumerate(taken):
+                groups.setdefault((id(state), norm), []).append(i)
+            out: list = [None] * len(items)
+            for (_, norm), idx in groups.items():
+                parts = [taken[i][1] for i in idx]
+                tokens = np.concatenate([b[0] for b in parts])
+                starts = np.cumsum([0] + [len(b[0]) for b in parts])
+                offsets = np.concatenate([[0]] + [b[1][1:] + starts[k] for k, b in enumerate(parts)])
+                with self._embed_lock:
+                    self._check_open()
+                    ctx = self._embedding_context()
+                    ctx.set_state(parts[0][2])
+                    if ctx.pooling == "none":
+                        rows = _token_embeddings(ctx, tokens, offsets, norm)
+                    else:
+                        rows = ctx.embed(tokens, offsets, normalize=norm)
+                at = 0
+                for i, b in zip(idx, parts):
+                    n = len(b[1]) - 1
+                    out[i] = rows[at:at + n]
+                    at += n
+            for r in out:
+                if not all(np.isfinite(v).all() for v in (r if isinstance(r, list) else [r])):
+                    raise InvalidArgumentError("the embedding is not finite (NaN or inf): an adapter scale or "
+                                               "control vector this large overflows the model; use smaller ones")
+            return out
+        finally:
+            for p, _ in taken:
+                p._release()
 
     def _embed(self, input, normalize, truncate, active_loras, control_vector, control_vectors,
                max_tokens=None):
@@ -1318,8 +1425,8 @@ class Llama(_SessionMixin):
                 raise ArgumentTypeError(f"input[{i}] must be a non-empty list of token ids")
             if len(t) > limit:
                 if not truncate:
-                    raise ContextOverflowError(f"input[{i}] has {len(t)} tokens, more than {limit} (n_ctx, and "
-                                               "the model's trained length for learned positions)")
+                    raise ContextOverflowError(f"input[{i}] has {len(t)} tokens: too large, more than {limit} "
+                                               "(n_ctx, and the model's trained length for learned positions)")
                 t = t[:limit]
             a = _int_tokens(t)
             if a.min() < 0 or a.max() >= self._native_model.n_vocab:

@@ -250,19 +250,32 @@ class PreparedEmbedding:
     :meth:`arun`); :meth:`cancel` from any thread aborts its decodes
     (CancelledError)."""
 
-    __slots__ = ("_run", "_release", "_token", "_used", "n_inputs", "n_tokens")
+    __slots__ = ("_run", "_release", "_token", "_used", "n_inputs", "n_tokens", "_batch")
 
-    def __init__(self, run, release, n_inputs: int, n_tokens: int):
+    def __init__(self, run, release, n_inputs: int, n_tokens: int, batch=None):
         self._run = run
         self._release = release
         self._token = CancelToken()
         self._used = False
         self.n_inputs = n_inputs    # rows of the result
         self.n_tokens = n_tokens    # tokens embedded (the usage's prompt_tokens)
+        # (tokens, offsets, adapter state, normalize): what Llama.run_embeddings
+        # packs together with other requests' inputs
+        self._batch = batch
+
+    def _take(self):
+        """Mark it used (Llama.run_embeddings runs it with others); its batch."""
+        if self._used:
+            raise InvalidArgumentError("this prepared embedding has run already: prepare another")
+        if self._token.cancelled:
+            raise CancelledError("the request was cancelled")
+        self._used = True
+        return self._batch
 
     def run(self) -> np.ndarray:
         """The pooled embeddings, float32, shape (n_inputs, n_embd); decoded
-        without the GIL."""
+        without the GIL.  (With pooling none: a list of (n_tokens, n_embd)
+        arrays, one per input.)"""
         if self._used:
             raise InvalidArgumentError("this prepared embedding has run already: prepare another")
         self._used = True
@@ -272,7 +285,7 @@ class PreparedEmbedding:
             out = self._run(self._token)
         finally:
             self._release()
-        if not np.isfinite(out).all():
+        if not all(np.isfinite(v).all() for v in (out if isinstance(out, list) else [out])):
             raise InvalidArgumentError("the embedding is not finite (NaN or inf): an adapter scale or control "
                                        "vector this large overflows the model; use smaller ones")
         return out

@@ -60,6 +60,11 @@ class ServerConfig:
     # every generation on the reference kernels: the same answer whoever
     # else is in the batch, whatever the cache reused (docs/determinism.md)
     deterministic: bool = False
+    # serve embeddings only (llama-server's --embedding): implied by an
+    # encoder model (BERT family: non-causal attention); pooling: the
+    # embedding pooling (None: the model's own, else mean)
+    embedding: bool = False
+    pooling: str | None = None
 
     def __post_init__(self):
         if self.alias is None:
@@ -95,6 +100,11 @@ class ServerConfig:
                              f"not {self.reasoning_budget!r}")
         if self.reasoning_budget_message is not None and self.reasoning_budget < 0:
             raise ValueError("--reasoning-budget-message needs --reasoning-budget N (N >= 0)")
+        if self.pooling not in (None, "none", "mean", "cls", "last", "rank"):
+            raise ValueError(f"--pooling must be none, mean, cls, last or rank, not {self.pooling!r}")
+        if self.pooling == "rank":
+            raise ValueError("--pooling rank (a reranker's scores, llama-server's /rerank) is not served by llamax "
+                             "yet: serve the model with mean, cls or last pooling, or none (a vector per token)")
         if self.tenants is not None:
             from llamax.server.tenants import load_tenants
             load_tenants(self.tenants)  # a bad file stops the server before it starts
@@ -259,6 +269,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-lora-rank", type=int, default=None, metavar="R",
                    help="the largest adapter rank the LoRA table holds (default 16; higher ranks go the union "
                         "way); a table costs (N + 1) * R * (n_in + n_out) * 4 bytes per adapted weight")
+    p.add_argument("--embedding", "--embeddings", action="store_true",
+                   help="serve embeddings only (/v1/embeddings, /embedding): a generating model's hidden states "
+                        "pooled; an encoder model (BERT family) is served this way without the flag")
+    p.add_argument("--pooling", choices=("none", "mean", "cls", "last", "rank"), default=None,
+                   help="the embeddings' pooling (default: the model's own, else mean); none: a vector per "
+                        "token, on /embedding only (rank is refused: llamax serves no reranker yet)")
     t = p.add_argument_group("tenants (docs/tenants.md)")
     t.add_argument("--tenants", metavar="FILE",
                    help="a tenants file (TOML or JSON): keys, allowed adapters, weights, limits, cache scope; "
@@ -333,7 +349,7 @@ def server_config(args):
                         lora_scales=scales, llama_options=llama_options(args), tenants=args.tenants,
                         usage_log=args.usage_log, reserve_slots=args.reserve_slots,
                         reasoning_budget=args.reasoning_budget, reasoning_budget_message=args.reasoning_budget_message,
-                        deterministic=args.deterministic)
+                        deterministic=args.deterministic, embedding=args.embedding, pooling=args.pooling)
 
 
 def ray_options(args):

@@ -9,7 +9,7 @@ _TYPES = {
     400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
     404: "not_found_error", 405: "invalid_request_error", 408: "timeout_error",
     409: "conflict_error", 413: "invalid_request_error", 429: "rate_limit_error",
-    500: "server_error", 503: "unavailable_error",
+    500: "server_error", 501: "not_supported_error", 503: "unavailable_error",
 }
 
 
@@ -59,7 +59,7 @@ BY_CLASS: dict[type, tuple[int, str]] = {
     llamax.DecodeError: (500, "decode_error"),       # llama_decode failed: the server's fault, not the request's
     llamax.ViewsExportedError: (500, "internal_error"),
     llamax.FetchError: (500, "fetch_failed"),
-    llamax.ShadowingError: (500, "internal_error"),   # (the process's setup, never a request's doing)          # a pinned download (model, data) failed on the server's side
+    llamax.ShadowingError: (500, "internal_error"),   # (the process's setup, never a request's doing)
 }
 
 

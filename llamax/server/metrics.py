@@ -55,6 +55,11 @@ class _Collector:
         yield gauge("llamacpp:requests_processing", "Requests running.", running)
         yield gauge("llamacpp:requests_deferred", "Requests waiting for a sequence slot.", waiting)
         yield gauge("llamax:queue_depth", "Requests admitted and not yet running.", waiting)
+        co = getattr(e, "coalescer", None)
+        yield counter("llamax:embedding_requests", "Embedding requests run (/v1/embeddings, /embedding).",
+                      co.requests if co is not None else 0)
+        yield counter("llamax:embedding_calls", "Native calls that ran them: concurrent requests share one.",
+                      co.calls if co is not None else 0)
         yield counter("llamax:prefix_cache_hit_tokens", "Prompt tokens reused from the prefix cache.", cached)
         yield counter("llamax:prefix_copies", "Prefixes copied from a running sequence's cells.",
                       stats["n_seq_copies"])

@@ -116,9 +116,14 @@ class CompletionRequest(SamplingFields):
 
 
 class EmbeddingRequest(AdapterFields):
-    input: Union[str, list[str], list[int], list[list[int]]]
+    # a str, token ids, or a list of str / token lists / llama-server's objects
+    # (llamax.server.embeddings.token_inputs checks the shape and says what is wrong)
+    input: Any = None
+    content: Any = None   # llama-server's name for input (the answer is then llama-server's shape)
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: Optional[int] = Field(default=None, ge=1)
+    # llama-server's: -1 none, 0 max-abs to int16's range, 1 taxicab, 2 Euclidean (default), p > 2 p-norm
+    embd_normalize: Optional[int] = Field(default=None, ge=-1, le=64)
 
 
 class TokenizeRequest(StrictModel):

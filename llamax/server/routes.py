@@ -114,11 +114,19 @@ async def completions(body: protocol.CompletionRequest, request: Request, backen
 
 
 @router.post("/v1/embeddings", dependencies=user)
-@router.post("/embeddings", dependencies=user, include_in_schema=False)
 async def embeddings(body: protocol.EmbeddingRequest, request: Request, backend=Depends(ready)):
     _model_route(request, body.model)
     request.app.state.tenancy.admit(request, 1, None)
     return await backend.embeddings(body, request)
+
+
+@router.post("/embedding", dependencies=user)
+@router.post("/embeddings", dependencies=user)
+async def embedding(body: protocol.EmbeddingRequest, request: Request, backend=Depends(ready)):
+    """llama-server's own shape: per input, its vectors (one per token with pooling none)."""
+    _model_route(request, body.model)
+    request.app.state.tenancy.admit(request, 1, None)
+    return await backend.embedding(body, request)
 
 
 # -- llama-server's utility routes --------------------------------------------------------

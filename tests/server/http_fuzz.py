@@ -332,7 +332,7 @@ def _routes(**kw) -> dict:
         "/v1/completions": from_model(
             protocol.CompletionRequest, always=("max_tokens",), **_sampling, prompt=prompts,
             best_of=(st.one_of(st.none(), st.integers(1, 3)), st.sampled_from([0, 17, 2**63])), **kw),
-        "/v1/embeddings": from_model(protocol.EmbeddingRequest, **_adapters, input=prompts, **kw),
+        "/v1/embeddings": from_model(protocol.EmbeddingRequest, always=("input",), **_adapters, input=prompts, **kw),
         "/tokenize": from_model(protocol.TokenizeRequest, **kw),
         "/detokenize": from_model(protocol.DetokenizeRequest, tokens=st.lists(TOKENS, max_size=10), **kw),
         "/apply-template": from_model(protocol.ApplyTemplateRequest, messages=messages, tools=st.one_of(st.none(), tools),

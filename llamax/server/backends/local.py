@@ -26,7 +26,8 @@ from llamax.server.context import request_context
 from llamax.server.errors import APIError, from_exception
 from llamax.server.files import OpenedFile
 from llamax.server.http import error_response, is_admin
-from llamax.server.backends.serving import Counters, Serving, embedding_answer
+from llamax.server.backends.serving import Counters, Serving
+from llamax.server.embeddings import Coalescer
 from llamax.server.streaming import guarded
 
 __all__ = ["LocalBackend", "Counters", "open_llama"]
@@ -34,9 +35,32 @@ __all__ = ["LocalBackend", "Counters", "open_llama"]
 logger = logging.getLogger("llamax.server")
 
 
+def embedding_only(cfg: ServerConfig) -> bool:
+    """Whether the server serves embeddings only: ``--embedding``, or a
+    model whose attention is not causal (the BERT family: an encoder,
+    nothing to generate with)."""
+    if cfg.embedding:
+        return True
+    with llamax.Model(cfg.model, vocab_only=True) as probe:
+        arch = probe.metadata.get("general.architecture", "")
+        return probe.metadata.get(f"{arch}.attention.causal", "true") == "false"
+
+
 def open_llama(cfg: ServerConfig, max_loaded_adapters: int | None = None) -> llamax.Llama:
     """The server's Llama as ``cfg`` describes it, with its control vectors
     (a Ray replica's too: ``max_loaded_adapters`` is then the replica's)."""
+    if embedding_only(cfg):
+        # no generation contexts: one embedding context, inputs packed into its decodes
+        # (n_ctx: what one input may hold, capped by the model's trained length)
+        llm = llamax.Llama(cfg.model, embedding=True, n_contexts=0, n_ctx=cfg.n_ctx, n_threads=cfg.threads,
+                           n_gpu_layers=cfg.n_gpu_layers, pooling=cfg.pooling,
+                           max_loaded_adapters=max_loaded_adapters or cfg.max_loaded_adapters,
+                           verbose=cfg.verbose, **cfg.llama_options)
+        if llm.embedding_pooling == "rank":
+            llm.close()
+            raise ValueError("the model's pooling is rank (a reranker): llamax serves no reranker yet; pass "
+                             "--pooling mean, cls, last or none to serve its hidden states")
+        return llm
     llm = llamax.Llama(cfg.model, n_ctx=cfg.n_ctx, n_batch=max(cfg.n_batch, cfg.parallel),
                        n_threads=cfg.threads, n_gpu_layers=cfg.n_gpu_layers, n_contexts=cfg.n_contexts,
                        n_parallel=cfg.parallel, max_loaded_adapters=max_loaded_adapters or cfg.max_loaded_adapters,
@@ -74,6 +98,7 @@ class LocalBackend(Serving):
         self.counters = Counters()
         self.prometheus_registry = None  # /metrics' collector (llamax.server.metrics), made on first use
         self.tenancy = None  # llamax.server.tenancy.Tenancy (build_app sets it)
+        self.coalescer: Coalescer | None = None  # concurrent embedding requests, one native call
 
     # -- lifetime -------------------------------------------------------------
 
@@ -105,6 +130,7 @@ class LocalBackend(Serving):
             except BaseException:
                 llm.close()
                 raise
+            self.coalescer = Coalescer(llm)
             self.llm = llm
         except BaseException as e:
             self.load_error = e
@@ -219,6 +245,9 @@ class LocalBackend(Serving):
 
     def summary(self) -> tuple[str, str]:
         """What the server prints when it is ready: what it serves, and how."""
+        if self.llm is not None and not self.llm.generates:
+            return (f"serving {self.cfg.alias!r} (embeddings only)",
+                    f"pooling {self.llm.embedding_pooling}, {len(self.adapters.ids)} adapter(s)")
         return (f"serving {self.cfg.alias!r}", f"{self.cfg.n_contexts} context(s) x {self.cfg.parallel} sequences, "
                 f"{len(self.adapters.ids)} adapter(s)")
 
@@ -287,18 +316,15 @@ class LocalBackend(Serving):
 
     # -- generation ---------------------------------------------------------------
 
-    async def embed(self, request: Request, inp, loras, cvecs, b64: bool, model_name: str) -> tuple[bytes, dict]:
-        cancel = threading.Event()
-        running: list = []
-
-        def stop() -> None:
-            cancel.set()
-            for p in running:
-                p.cancel()
-
-        return await guarded(request, asyncio.to_thread(embedding_answer, self.llm, inp, loras, cvecs, b64,
-                                                        model_name, running, cancel),
-                             self.cfg.request_timeout, on_cancel=stop)
+    async def embed_rows(self, request: Request, inputs: list, loras, cvecs, normalize: bool) -> tuple[list, int]:
+        prepared = await asyncio.to_thread(self.llm.prepare_embedding, inputs, normalize=normalize, truncate=False,
+                                           active_loras=loras, control_vectors=cvecs)
+        try:
+            # run with the embedding requests that wait beside it: one native call
+            rows = await guarded(request, self.coalescer.run(prepared), self.cfg.request_timeout)
+        finally:
+            prepared.close()   # (a no-op once it ran; lets go of the pins when it never did)
+        return list(rows), prepared.n_tokens
 
     # -- what only the single-process server has -------------------------------------
 

@@ -125,6 +125,10 @@ class MultiBackend:
         b, body = self._routed(body)
         return await b.embeddings(body, request)
 
+    async def embedding(self, body: protocol.EmbeddingRequest, request: Request):
+        b, body = self._routed(body)
+        return await b.embedding(body, request)
+
     async def tokenize(self, body, request: Request):
         return await self.first.tokenize(body, request)
 

@@ -13,12 +13,12 @@ the sequences admitted (``admit``); each choice prepared in a worker thread
 run and shaped (``llamax.server.streaming.respond`` over the formatters'
 chunks), its usage and status counted.  A backend supplies ``cfg``,
 ``llm`` (the front), ``adapters`` (an ``AdapterTable``), ``admit``,
-``control_vector_names`` and ``embed`` (the vectors, wherever they are
-computed)."""
+``control_vector_names`` and ``embed_rows`` (the vectors, wherever they
+are computed); the embedding routes' inputs, normalisation and answers are
+``llamax.server.embeddings``'."""
 from __future__ import annotations
 
 import asyncio
-import base64
 import threading
 import time
 from typing import Any
@@ -28,14 +28,14 @@ from fastapi import Request
 from fastapi.responses import Response
 
 import llamax
-from llamax.server import protocol
+from llamax.server import embeddings, protocol
 from llamax.server import translate
 from llamax.server.context import request_context
 from llamax.server.errors import APIError
 from llamax.server.http import dumps, dumps_list
 from llamax.server.streaming import ClientGone, merge, merge_completions, respond
 
-__all__ = ["Counters", "Serving", "embedding_answer"]
+__all__ = ["Counters", "Serving"]
 
 
 class Counters:
@@ -153,6 +153,7 @@ class Serving:
 
 
     async def chat(self, body: protocol.ChatCompletionRequest, request: Request):
+        self.generating("/v1/chat/completions")
         loras, cvecs = self.resolve(body, request)
         base = dict(translate.chat_kwargs(body, self.cfg.n_ctx, loras, cvecs,
                                              (self.cfg.reasoning_budget, self.cfg.reasoning_budget_message)), **self.scheduling(body, request))
@@ -163,6 +164,7 @@ class Serving:
         return await self._respond(request, "chat", prepared, body, lambda rs: merge(rs, model_name))
 
     async def completions(self, body: protocol.CompletionRequest, request: Request):
+        self.generating("/v1/completions")
         loras, cvecs = self.resolve(body, request)
         prompts = translate.split_prompts(body)
         model = self.llm.model
@@ -192,30 +194,66 @@ class Serving:
                                    lambda rs: merge_completions(rs, len(token_prompts), model_name))
 
     async def embeddings(self, body: protocol.EmbeddingRequest, request: Request):
+        """OpenAI's /v1/embeddings (llama-server's answer shape when the body
+        sends ``content`` instead of ``input``, as llama-server does)."""
+        return await self._embeddings(body, request, oai=body.content is None)
+
+    async def embedding(self, body: protocol.EmbeddingRequest, request: Request):
+        """llama-server's /embedding and /embeddings: per input, its vectors."""
+        return await self._embeddings(body, request, oai=False)
+
+    def generating(self, what: str) -> None:
+        """Refuse a generation route on a server that serves embeddings only
+        (501, llama-server's not_supported_error)."""
+        if not self.llm.generates:
+            raise APIError(501, f"this server serves embeddings only ({self.cfg.alias} is an embedding model, or "
+                           f"--embedding was given): {what} needs a generating model, served without --embedding",
+                           code="not_supported")
+
+    async def _embeddings(self, body: protocol.EmbeddingRequest, request: Request, oai: bool):
         loras, cvecs = self.resolve(body, request)
+        if body.input is not None and body.content is not None:
+            raise APIError(400, "give input or content, not both", param="content")
+        pooling = self.llm.embedding_pooling
+        if oai and pooling == "none":
+            raise APIError(400, "pooling none (a vector per token) is not OpenAI's shape: use /embedding, or "
+                           "serve the model with --pooling mean, cls or last", param="input")
         n_embd = self.llm.n_embd()
         if body.dimensions is not None and body.dimensions != n_embd:
             raise APIError(400, f"dimensions must be the model's {n_embd} (no truncation)",
                            param="dimensions")
-        inp = body.input
-        if isinstance(inp, list) and not inp:
-            raise APIError(400, "input is empty", param="input")
-        if isinstance(inp, list) and len(inp) > 2048:
-            raise APIError(400, "at most 2048 inputs per request", param="input")
+        raw = body.input if body.input is not None else body.content
+        inputs = await asyncio.to_thread(embeddings.token_inputs, raw, self.llm.model)
         model_name = self._model_route(request, body)
+        how = 2 if body.embd_normalize is None else body.embd_normalize
+        # Euclidean (the default) in the native call, as Llama.embed(normalize=True) does;
+        # the others (and none) from the raw vectors; pooling none is never normalized (llama-server)
+        native_norm = how == 2 and pooling != "none"
         self.admit(1, request)
         try:
-            content, usage = await self.embed(request, inp, loras, cvecs, body.encoding_format == "base64",
-                                              model_name)
+            rows, n_tokens = await self.embed_rows(request, inputs, loras, cvecs, native_norm)
         except ClientGone:
             self._status(request, "embeddings", 499)
             return Response(status_code=499)
+        b64 = body.encoding_format == "base64"
+
+        def answer() -> bytes:
+            # in a worker thread: up to 2,048 vectors of floats to encode
+            vecs = rows if pooling == "none" or native_norm else [embeddings.normalized(v, how) for v in rows]
+            if oai:
+                return dumps(embeddings.oai_answer(vecs, n_tokens, model_name, b64)).encode()
+            return dumps(embeddings.native_answer(vecs, b64)).encode()
+
+        content = await asyncio.to_thread(answer)
+        usage = {"prompt_tokens": n_tokens, "total_tokens": n_tokens}
         self._usage(request, usage)
         self._status(request, "embeddings", 200)
         return Response(content, media_type="application/json")
 
-    async def embed(self, request: Request, inp, loras, cvecs, b64: bool, model_name: str) -> tuple[bytes, dict]:
-        """The answer's JSON and its usage (raises ClientGone when the client left)."""
+    async def embed_rows(self, request: Request, inputs: list, loras, cvecs, normalize: bool) -> tuple[list, int]:
+        """The inputs' (token lists') embeddings, L2-normalized or not: one
+        row each (with pooling none, one (n_tokens, n_embd) array each), and
+        the tokens embedded; raises ClientGone when the client left."""
         raise NotImplementedError
 
     # -- llama-server's utility routes ------------------------------------------------
@@ -254,30 +292,6 @@ class Serving:
         text = await asyncio.to_thread(self.llm.apply_chat_template, translate.text_content(body.messages),
                                        add_generation_prompt=body.add_generation_prompt, tools=body.tools)
         return {"prompt": text}
-
-
-def embedding_answer(llm, inp, loras, cvecs, b64: bool, model_name: str, running: list,
-                     cancel: threading.Event) -> tuple[bytes, dict]:
-    """Embed ``inp`` under the adapters and make the answer's JSON (a worker
-    thread: the decodes release the GIL, and the answer -- up to 2,048
-    vectors of floats -- is encoded here, not by FastAPI on the loop).  The
-    prepared embedding is put in ``running`` (to be cancelled);
-    ``cancel``: set before it was."""
-    p = llm.prepare_embedding(inp, normalize=True, truncate=True, active_loras=loras, control_vectors=cvecs)
-    running.append(p)
-    if cancel.is_set():
-        p.cancel()
-    vecs = p.run()
-    data = []
-    for i, v in enumerate(vecs):
-        if b64:
-            emb: Any = base64.b64encode(np.ascontiguousarray(v, dtype="<f4").tobytes()).decode()
-        else:
-            emb = v.tolist()
-        data.append({"object": "embedding", "index": i, "embedding": emb})
-    usage = {"prompt_tokens": p.n_tokens, "total_tokens": p.n_tokens}
-    head = dumps({"object": "list", "model": model_name})[:-1]
-    return (head + ',"data":' + dumps_list(data, 16) + ',"usage":' + dumps(usage) + "}").encode(), usage
 
 
 def _first_token(request: Request) -> None:

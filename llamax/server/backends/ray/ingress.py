@@ -175,9 +175,9 @@ class Ingress(Serving):
         finally:
             _replica_header(ctx, prepared)
 
-    async def embed(self, request: Request, inp, loras, cvecs, b64: bool, model_name: str) -> tuple[bytes, dict]:
+    async def embed_rows(self, request: Request, inputs: list, loras, cvecs, normalize: bool) -> tuple[list, int]:
         key = set_key(loras)
-        call = self._call("embed", key, inp, loras, cvecs, b64, model_name)
+        call = self._call("embed_rows", key, inputs, loras, cvecs, normalize)
         replica, out = await guarded(request, _ray_errors(call, self), self.cfg.request_timeout,
                                      on_cancel=call.cancel)
         request_context(request).response_headers[REPLICA_HEADER] = replica

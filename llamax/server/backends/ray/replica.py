@@ -21,14 +21,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 
 from ray import serve
 
 import llamax
 from llamax.server.backends.local import open_llama
 from llamax.server.backends.ray.registry import set_names
-from llamax.server.backends.serving import embedding_answer
 from llamax.server.config import ServerConfig
 from llamax.server.errors import APIError, from_exception
 
@@ -133,10 +131,13 @@ class ReplicaEngine:
         except Exception as e:
             return remote_error(e)
 
-    def embed(self, inp, loras, cvecs, b64: bool, model_name: str):
-        """(a worker thread) The embeddings answer and its usage, or an error dict."""
+    def embed_rows(self, inputs: list, loras, cvecs, normalize: bool):
+        """(a worker thread) The inputs' (token lists') unnormalized embeddings
+        and the tokens embedded (as Serving.embed_rows), or an error dict."""
         try:
-            return embedding_answer(self.llm, inp, loras, cvecs, b64, model_name, [], threading.Event())
+            with self.llm.prepare_embedding(inputs, normalize=normalize, truncate=False, active_loras=loras,
+                                            control_vectors=cvecs) as p:
+                return list(p.run()), p.n_tokens
         except Exception as e:
             return remote_error(e)
         finally:
@@ -246,14 +247,14 @@ class LlamaReplica:
         await self._sync(snapshot_id)
         return await asyncio.to_thread(self.engine.score_prompt, req, n_top)
 
-    async def embed(self, inp, loras, cvecs, b64: bool, model_name: str, key: str, cached: bool, snapshot_id):
-        """(this replica's id, (the answer's JSON, usage) or an error dict)"""
+    async def embed_rows(self, inputs: list, loras, cvecs, normalize: bool, key: str, cached: bool, snapshot_id):
+        """(this replica's id, (rows, tokens embedded) or an error dict)"""
         try:
             await self._enter(key, cached, snapshot_id)
         except Exception as e:
             return self.replica_id, remote_error(e)
         try:
-            return self.replica_id, await asyncio.to_thread(self.engine.embed, inp, loras, cvecs, b64, model_name)
+            return self.replica_id, await asyncio.to_thread(self.engine.embed_rows, inputs, loras, cvecs, normalize)
         finally:
             self._leave(key)
 
