@@ -6,8 +6,8 @@ llama.cpp tree, interleaved in one run, loopback only.
         [--clients 16] [--requests 192] [--quick]
 
 C clients (default 16) send POST /v1/embeddings, one input per request, as
-an embedding service's callers do; texts are "short" (a sentence, ~12
-tokens) or "medium" (a paragraph, ~120 tokens), each request its own.
+an embedding service's callers do; texts are "short" (a sentence, ~17
+tokens) or "medium" (a paragraph, ~116 tokens), each request its own.
 Measured per contestant and text kind: inputs/s and p50/p95 latency, and
 errors.  Contestants alternate within each round.
 
