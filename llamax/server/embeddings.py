@@ -176,6 +176,15 @@ class Coalescer:
             return out
 
     def _work(self) -> None:
+        try:
+            self._loop()
+        except BaseException:
+            # (never expected: every error is a request's answer) the next request starts a worker
+            with self._lock:
+                self._running = False
+            raise
+
+    def _loop(self) -> None:
         while True:
             batch = self._take()
             if not batch:
@@ -190,13 +199,20 @@ class Coalescer:
                 results = self.llm.run_embeddings([p for p, _, _ in live])
                 self.calls += 1
                 self.requests += len(live)
-            except BaseException as e:   # every request of the call gets the error
+            except Exception as e:   # every request of the call gets the error
                 for p, fut, loop in live:
                     p.close()
-                    loop.call_soon_threadsafe(_settle, fut, None, e)
+                    _send(loop, fut, None, e)
                 continue
             for (p, fut, loop), r in zip(live, results):
-                loop.call_soon_threadsafe(_settle, fut, r, None)
+                _send(loop, fut, r, None)
+
+
+def _send(loop, fut: asyncio.Future, result: Any, exc: BaseException | None) -> None:
+    try:
+        loop.call_soon_threadsafe(_settle, fut, result, exc)
+    except RuntimeError:
+        pass  # the loop is closed (the server stopped): nobody waits for it
 
 
 def _settle(fut: asyncio.Future, result: Any, exc: BaseException | None) -> None:
