@@ -35,7 +35,7 @@ from llamax.formatters import ChatFormatter, CompletionFormatter
 from llamax.sampling import SamplingParams
 from llamax.engine import AdapterSet, Engine, GenerationRequest, GrammarSpec, ReasoningBudget, Share, parse_loras
 from llamax.request import (
-    PreparedEmbedding, PreparedRequest, RequestHandle, Runtime, _Request, salt_id, check_processors,
+    check_finite, PreparedEmbedding, PreparedRequest, RequestHandle, Runtime, _Request, salt_id, check_processors,
     completion_logprobs, grammar_text, row_logprobs,
 )
 
@@ -1400,11 +1400,7 @@ class Llama(_SessionMixin):
                     n = len(b[1]) - 1
                     out[i] = rows[at:at + n]
                     at += n
-            for r in out:
-                if not all(np.isfinite(v).all() for v in (r if isinstance(r, list) else [r])):
-                    raise InvalidArgumentError("the embedding is not finite (NaN or inf): an adapter scale or "
-                                               "control vector this large overflows the model; use smaller ones")
-            return out
+            return [check_finite(r) for r in out]
         finally:
             for p, _ in taken:
                 p._release()

@@ -244,6 +244,15 @@ class PreparedRequest:
         self.close()
 
 
+def check_finite(out):
+    """An embedding result (an array, or pooling none's list of arrays) as
+    it is, or InvalidArgumentError where a number is NaN or inf."""
+    if not all(np.isfinite(v).all() for v in (out if isinstance(out, list) else [out])):
+        raise InvalidArgumentError("the embedding is not finite (NaN or inf): an adapter scale or control "
+                                   "vector this large overflows the model; use smaller ones")
+    return out
+
+
 class PreparedEmbedding:
     """Embedding inputs, checked and tokenized, their adapters pinned: what
     :meth:`Llama.prepare_embedding` returns.  Run it once (:meth:`run` or
@@ -285,10 +294,7 @@ class PreparedEmbedding:
             out = self._run(self._token)
         finally:
             self._release()
-        if not all(np.isfinite(v).all() for v in (out if isinstance(out, list) else [out])):
-            raise InvalidArgumentError("the embedding is not finite (NaN or inf): an adapter scale or control "
-                                       "vector this large overflows the model; use smaller ones")
-        return out
+        return check_finite(out)
 
     async def arun(self) -> np.ndarray:
         """:meth:`run` in a worker thread."""
