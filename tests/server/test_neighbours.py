@@ -3,8 +3,8 @@ others (issue #30).
 
 For each kind of request below, against a real ``python -m llamax serve``
 on loopback (at ``--parallel 1``, one context and no batcher, and at
-``--parallel 4``): while it is in flight, ``/health`` answers within 0.5 s
-every time it is asked, a small completion from another key completes, the
+``--parallel 4``): while it is in flight, ``/health`` answers within 2 s
+every time it is asked and within 50 ms at the median, a small completion from another key completes, the
 server's resident memory stays bounded, and the request itself ends with
 success or a 4xx within its bound.
 
@@ -15,6 +15,7 @@ generation.)
 """
 from __future__ import annotations
 
+import statistics
 import threading
 import time
 
@@ -24,7 +25,12 @@ import pytest
 from .conftest import Server
 
 HOSTILE_KEY, NEIGHBOUR_KEY = "tenant-hostile", "tenant-neighbour"
-HEALTH_BOUND = 0.5    # s, each /health answer
+# s, each /health answer.  Here the slowest of ~50 probes takes 5-12 ms and
+# the median 2 ms; a loaded CI host once took 0.63 s for one probe of 79
+# (stop 59, a run 2x slower than usual), while the stalls these probes guard
+# against held the loop for the whole request (10 s and more).
+HEALTH_BOUND = 2.0
+HEALTH_MEDIAN_BOUND = 0.05
 RSS_BOUND = 600 << 20  # bytes the server may grow by during one request
 
 
@@ -149,6 +155,8 @@ def test_neighbours_are_not_stalled(srv, name, path, body, stream, ok, bound):
         assert b'"error"' in result["body"] and b'"message"' in result["body"], result["body"][:500]
     assert max(health) < HEALTH_BOUND, (f"/health took {max(health):.2f} s while {name} ran "
                                         f"({len(health)} probes)")
+    assert statistics.median(health) < HEALTH_MEDIAN_BOUND, (
+        f"/health took {statistics.median(health):.3f} s at the median while {name} ran ({len(health)} probes)")
     if neighbour:
         assert "error" not in neighbour, neighbour.get("error")
         assert neighbour["status"] == 200, neighbour
