@@ -291,11 +291,13 @@ class Text:
 
 class Result:
     """The last event of a request: its text and tokens (past a stop string
-    cut off), ``finish_reason`` (``stop`` or ``length``), the prompt's
+    cut off), ``finish_reason`` (``stop`` or ``length``) and the stop string
+    that ended it (``stop_string``, None at an end of generation), the prompt's
     length and how much of it came from the cache, the tokens' logprobs
     (when asked for) and, with a batcher, how long it waited for a slot."""
 
-    __slots__ = ("text", "tokens", "n_prompt", "n_cached", "finish_reason", "logprobs", "queue_seconds")
+    __slots__ = ("text", "tokens", "n_prompt", "n_cached", "finish_reason", "logprobs", "queue_seconds",
+                 "stop_string")
 
     def __init__(self):
         self.text = ""
@@ -304,6 +306,7 @@ class Result:
         self.n_cached = 0  # prompt tokens whose KV was reused
         self.queue_seconds: float | None = None  # batched: how long it waited for a slot
         self.finish_reason = "length"
+        self.stop_string: str | None = None  # the stop string that ended it (finish_reason "stop")
         self.logprobs: list = []  # per token: (logprob, [(token, logprob), ...])
 
     def usage(self) -> dict:

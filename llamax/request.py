@@ -198,6 +198,13 @@ class PreparedRequest:
         return None if done is None else done.finish_reason
 
     @property
+    def stop_string(self) -> str | None:
+        """The stop string that ended the request, once it has ended (None
+        before, and when it ended otherwise)."""
+        done = self.handle.done
+        return None if done is None else done.stop_string
+
+    @property
     def queue_seconds(self) -> float | None:
         """With ``n_parallel > 1``: how long it waited for a batcher slot,
         once it has ended (None before, and without a batcher)."""
@@ -958,6 +965,7 @@ def _finish(res: Result, text: _TextAssembler, finish: str) -> None:
     res.finish_reason = finish
     res.text = text.finish()
     if text.stopped:
+        res.stop_string = text.matcher.hit
         res.tokens = res.tokens[: text.n_tokens_used]
         res.logprobs = res.logprobs[: text.n_tokens_used]
 
@@ -979,12 +987,13 @@ class _StopMatcher:
     is never scanned again.  The failure tables (linear in each stop string)
     are built the first time an automaton has to fall back."""
 
-    __slots__ = ("stops", "fail", "state")
+    __slots__ = ("stops", "fail", "state", "hit")
 
     def __init__(self, stops):
         self.stops = stops
         self.fail: list = [None] * len(stops)
         self.state = [0] * len(stops)
+        self.hit: str | None = None  # the stop string that matched (the earliest start)
 
     def feed(self, piece: str) -> int | None:
         """Consume ``piece``; return where (relative to its start, so possibly
@@ -1011,6 +1020,7 @@ class _StopMatcher:
                         start = pos - m
                         if cut is None or start < cut:
                             cut = start
+                            self.hit = s
                         break
                 elif st:
                     if f is None:

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 
     from llamax.server import protocol
     from llamax.server.config import ServerConfig
+    from llamax.server.streaming import Front
 
 __all__ = ["Backend", "ProcessBackend"]
 
@@ -37,7 +38,12 @@ class Backend(Protocol):
 
     async def model_cards(self, admin: bool) -> list[dict]: ...
 
-    async def chat(self, body: protocol.ChatCompletionRequest, request: Request) -> Any: ...
+    async def chat(self, body: protocol.ChatCompletionRequest, request: Request, front: Front | None = None) -> Any:
+        """A chat completion: OpenAI's answer, or ``front``'s shape of it
+        (the routes of the other APIs: Anthropic's Messages, OpenAI's Responses)."""
+
+    async def input_tokens(self, body: protocol.ChatCompletionRequest, request: Request) -> int:
+        """The chat request's prompt length in tokens (nothing runs)."""
 
     async def completions(self, body: protocol.CompletionRequest, request: Request) -> Any: ...
 

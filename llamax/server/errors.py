@@ -29,6 +29,20 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": _TYPES.get(self.status, "server_error"),
                           "param": self.param, "code": self.code}}
 
+    def anthropic_body(self) -> dict:
+        """Anthropic's error shape (the routes of its Messages API)."""
+        return {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(self.status, "api_error"),
+                                           "message": self.message}}
+
+
+# Anthropic's error types by status (docs.anthropic.com, "Errors")
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+    405: "invalid_request_error", 408: "timeout_error", 409: "invalid_request_error",
+    413: "request_too_large", 429: "rate_limit_error", 500: "api_error", 501: "invalid_request_error",
+    503: "overloaded_error", 504: "timeout_error",
+}
+
 
 # Every llamax exception class -> (status, code).  An exception gets its own
 # class's row, else the row of the nearest base in its MRO (a subclass made

@@ -51,8 +51,13 @@ def dumps_list(items: list, chunk: int = 1024) -> str:
     return "[" + ",".join(parts) + "]"
 
 
-def error_response(err: APIError) -> JSONResponse:
-    return JSONAnswer(err.body(), status_code=err.status, headers=err.headers)
+ANTHROPIC_PATHS = ("/v1/messages",)
+
+
+def error_response(err: APIError, path: str = "") -> JSONResponse:
+    """The error's answer: OpenAI's shape, or Anthropic's on its routes."""
+    body = err.anthropic_body() if path.startswith(ANTHROPIC_PATHS) else err.body()
+    return JSONAnswer(body, status_code=err.status, headers=err.headers)
 
 
 
@@ -63,7 +68,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(APIError)
     async def _api_error(request, exc: APIError):
-        return error_response(exc)
+        return error_response(exc, request.url.path)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request, exc: RequestValidationError):
@@ -77,25 +82,25 @@ def install_error_handlers(app: FastAPI) -> None:
             msg = f"unknown field {param!r}: this server refuses fields it would not honour"
         else:
             msg = f"{param or 'body'}: {first.get('msg', 'invalid')}"
-        return error_response(APIError(400, msg, param=param, code="invalid_request"))
+        return error_response(APIError(400, msg, param=param, code="invalid_request"), request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request, exc: StarletteHTTPException):
         err = APIError(exc.status_code, str(exc.detail), code=None,
                        headers=getattr(exc, "headers", None))
-        return error_response(err)
+        return error_response(err, request.url.path)
 
     @app.exception_handler(LlamaxError)
     async def _llamax(request, exc):
         err = from_exception(exc)  # (every LlamaxError has a row)
         if err.status == 500:
             logger.exception("llamax error", exc_info=exc)
-        return error_response(err)
+        return error_response(err, request.url.path)
 
     @app.exception_handler(Exception)
     async def _bug(request, exc):
         logger.exception("unhandled error", exc_info=exc)
-        return error_response(APIError(500, f"internal error: {type(exc).__name__}"))
+        return error_response(APIError(500, f"internal error: {type(exc).__name__}"), request.url.path)
 
 
 
@@ -196,7 +201,7 @@ class BodyLimit:
                     too_big = False
                 if too_big:
                     resp = error_response(APIError(413, f"the request body is over {self.limit} bytes",
-                                                    code="body_too_large"))
+                                                    code="body_too_large"), scope.get("path", ""))
                     return await resp(scope, receive, send)
         # Read the whole body first (at most `limit` bytes are held), so
         # that an oversized chunked body is refused before any route runs.
@@ -210,7 +215,7 @@ class BodyLimit:
             seen += len(body)
             if seen > self.limit:
                 resp = error_response(APIError(413, f"the request body is over {self.limit} bytes",
-                                                code="body_too_large"))
+                                                code="body_too_large"), scope.get("path", ""))
                 return await resp(scope, receive, send)
             parts.append(body)
             if not msg.get("more_body", False):

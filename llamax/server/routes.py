@@ -12,7 +12,7 @@ import datetime
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
-from llamax.server import protocol, translate
+from llamax.server import anthropic, protocol, translate
 from llamax.server.backend import Backend
 from llamax.server.context import request_context
 from llamax.server.errors import APIError
@@ -93,12 +93,31 @@ def _model_route(request: Request, model: str | None) -> None:
 @router.post("/v1/chat/completions", dependencies=user)
 @router.post("/chat/completions", dependencies=user, include_in_schema=False)
 async def chat(body: protocol.ChatCompletionRequest, request: Request, backend=Depends(ready)):
+    return await _chat(body, request, backend)
+
+
+async def _chat(body: protocol.ChatCompletionRequest, request: Request, backend: Backend, front=None):
+    """A chat request, from the chat route or another API's (``front``)."""
     _model_route(request, body.model)
     asked = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     if asked is None:
         body.max_tokens = asked = _tenant_max_tokens(request)
     request.app.state.tenancy.admit(request, body.n, asked)
-    return await backend.chat(body, request)
+    return await backend.chat(body, request, front)
+
+
+# -- Anthropic's Messages API -----------------------------------------------------------------
+
+@router.post("/v1/messages", dependencies=user)
+async def messages(body: anthropic.MessagesRequest, request: Request, backend=Depends(ready)):
+    chat_body = await asyncio.to_thread(anthropic.chat_body, body)
+    return await _chat(chat_body, request, backend, anthropic.MessagesFront(body.model or backend.cfg.alias))
+
+
+@router.post("/v1/messages/count_tokens", dependencies=user)
+async def count_tokens(body: anthropic.CountTokensRequest, request: Request, backend=Depends(ready)):
+    chat_body = await asyncio.to_thread(anthropic.chat_body, body)
+    return {"input_tokens": await backend.input_tokens(chat_body, request)}
 
 
 @router.post("/v1/completions", dependencies=user)

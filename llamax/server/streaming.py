@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator, Callable, Protocol
 
 from fastapi import Request
 from fastapi.responses import Response
@@ -17,13 +17,35 @@ from llamax.request import PreparedRequest
 from llamax.server.errors import APIError, from_exception
 from llamax.server.http import dumps
 
-__all__ = ["ClientGone", "guarded", "merge", "merge_completions", "usage_sum", "respond"]
+__all__ = ["ClientGone", "Front", "guarded", "merge", "merge_completions", "usage_sum", "respond"]
 
 logger = logging.getLogger("llamax.server")
 
 
 class ClientGone(Exception):
     """The client disconnected before the answer was ready."""
+
+
+class Front(Protocol):
+    """Another API's shape of a chat request's answer (Anthropic's Messages,
+    OpenAI's Responses): the chat route runs the request, a front reshapes
+    the merged answer, or the stream's chunks into its own named SSE events
+    (``{"event": name, "data": json}``; no ``[DONE]``)."""
+
+    def whole(self, answer: dict, prepared: list[PreparedRequest]) -> dict:
+        """The answer in the front's shape (``answer``: the chat completion)."""
+
+    def opening(self, prepared: list[PreparedRequest]) -> list[dict]:
+        """The events before the first chunk."""
+
+    def chunk(self, chunk: dict) -> list[dict]:
+        """The events of one chat completion chunk (its id and model set)."""
+
+    def closing(self, usage: dict, prepared: list[PreparedRequest]) -> list[dict]:
+        """The last events, once every chunk is out (``usage``: the sum)."""
+
+    def error(self, err: APIError) -> dict:
+        """The event that ends a stream that failed."""
 
 
 async def _wait_disconnect(request: Request) -> None:
@@ -156,8 +178,9 @@ class _Stream:
     def __init__(self, prepared: list[PreparedRequest], *, model_name: str, object_name: str,
                  include_usage: bool, continuous: bool, time_left: float, timeout_s: float,
                  on_status: Callable[[int], None], on_usage: Callable[[dict], None],
-                 on_first: Callable[[], None] | None = None):
+                 on_first: Callable[[], None] | None = None, front: Front | None = None):
         self.prepared = prepared
+        self.front = front
         self.model_name = model_name
         self.object_name = object_name
         self.include_usage = include_usage
@@ -184,6 +207,10 @@ class _Stream:
         try:
             for p in self.prepared:
                 streams.append(p.astream())
+            front = self.front
+            if front is not None:
+                for ev in front.opening(self.prepared):
+                    yield ev
             merged = _merged(streams)
             async for i, chunk in merged:
                 if self.timed_out:
@@ -201,11 +228,20 @@ class _Stream:
                     usages.append(u)
                     if self.continuous:
                         chunk["usage"] = u
+                if front is not None:
+                    for ev in front.chunk(chunk):
+                        yield ev
+                    continue
                 yield dumps(chunk, allow_nan=False)   # (strict JSON: a NaN is an error event, not a number)
             if self.timed_out:
                 raise _timeout_error(self.timeout_s)
             total = usage_sum(usages)
             self.on_usage(total)
+            if front is not None:
+                for ev in front.closing(total, self.prepared):
+                    yield ev
+                self.on_status(200)
+                return
             if self.include_usage:
                 yield dumps({"id": cid, "object": self.object_name, "created": int(time.time()),
                              "model": self.model_name, "choices": [], "usage": total})
@@ -223,7 +259,7 @@ class _Stream:
             if err is None:
                 err = APIError(500, f"internal error: {type(exc).__name__}")
             self.on_status(err.status)
-            yield dumps(err.body())
+            yield dumps(err.body()) if self.front is None else self.front.error(err)
         finally:
             timer.cancel()
             if merged is not None:
@@ -237,10 +273,11 @@ class _Stream:
 async def respond(request: Request, prepared: list[PreparedRequest], *, stream: bool, stream_options,
                   merge_fn: Callable[[list[dict]], dict], object_name: str, model_name: str, deadline: float,
                   timeout_s: float, on_status: Callable[[int], None],
-                  on_usage: Callable[[dict], None], on_first: Callable[[], None] | None = None):
+                  on_usage: Callable[[dict], None], on_first: Callable[[], None] | None = None,
+                  front: Front | None = None):
     """Run prepared requests (one per choice) to one answer or one SSE
     stream (the places they hold are given back by the request's admission,
-    llamax.server.context, when it is over)."""
+    llamax.server.context, when it is over), in ``front``'s shape if given."""
     time_left = max(0.0, deadline - time.monotonic())
     if not stream:
         try:
@@ -252,12 +289,12 @@ async def respond(request: Request, prepared: list[PreparedRequest], *, stream: 
         out = merge_fn(results)
         on_usage(out["usage"])
         on_status(200)
-        return out
+        return out if front is None else front.whole(out, prepared)
     s = _Stream(prepared, model_name=model_name, object_name=object_name,
                 include_usage=bool(stream_options and stream_options.include_usage),
                 continuous=bool(stream_options and stream_options.continuous_usage_stats),
                 time_left=time_left, timeout_s=timeout_s, on_status=on_status, on_usage=on_usage,
-                on_first=on_first)
+                on_first=on_first, front=front)
 
     return EventSourceResponse(s.events(), send_timeout=30, ping=15,
                                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

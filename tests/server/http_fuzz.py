@@ -33,7 +33,7 @@ import httpx
 from hypothesis import strategies as st
 from pydantic import BaseModel
 
-from llamax.server import protocol
+from llamax.server import anthropic, protocol
 
 BOUND = 30.0        # s: every answer, streams read to their end
 N_CTX = 512         # the fuzzed server's --n-ctx (a long input costs a 512-token decode)
@@ -321,6 +321,40 @@ _sampling = dict(
 )
 
 
+# Anthropic's Messages API: content blocks of every kind, and odd ones
+a_blocks = st.lists(st.one_of(
+    st.fixed_dictionaries({"type": st.just("text"), "text": texts()}),
+    st.fixed_dictionaries({"type": st.just("tool_use"), "id": texts(8), "name": texts(8),
+                           "input": st.one_of(st.dictionaries(texts(4), json_values, max_size=2), json_values)}),
+    st.fixed_dictionaries({"type": st.just("tool_result"), "tool_use_id": texts(8)},
+                          optional={"content": st.one_of(texts(), parts, json_values), "is_error": json_values}),
+    st.fixed_dictionaries({"type": st.sampled_from(["thinking", "redacted_thinking", "image", "document", "", "x"])},
+                          optional={"thinking": json_values, "source": json_values, "data": json_values}),
+    json_values), max_size=3)
+a_message = st.one_of(
+    st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant"]), "content": texts()}),
+    st.fixed_dictionaries({"role": st.one_of(st.sampled_from(["user", "assistant"]), ROLES)},
+                          optional={"content": st.one_of(texts(), a_blocks, json_values)}),
+    json_values)
+a_messages = (rarely(st.lists(a_message.filter(lambda m: isinstance(m, dict)), min_size=1, max_size=4), many_turns, 8),
+              rarely(st.one_of(st.lists(a_message, min_size=1, max_size=4), st.just([])), many_turns, 8))
+a_tools = st.lists(st.one_of(
+    st.fixed_dictionaries({"name": texts(12), "input_schema": schemas},
+                          optional={"description": texts(), "type": st.sampled_from(["custom", "web_search_20250305"])}),
+    json_values), max_size=3)
+a_tool_choice = st.one_of(st.fixed_dictionaries({"type": st.sampled_from(["auto", "any", "tool", "none", "x"])},
+                                                optional={"name": texts(8), "disable_parallel_tool_use": json_values}),
+                          json_values)
+a_thinking = st.one_of(st.fixed_dictionaries({"type": st.sampled_from(["enabled", "disabled", "adaptive", "x"])},
+                                             optional={"budget_tokens": ints()}), json_values)
+a_output = st.one_of(st.fixed_dictionaries({}, optional={
+    "format": st.one_of(st.builds(lambda s: {"type": "json_schema", "schema": s}, schemas), json_values),
+    "effort": st.one_of(st.sampled_from(["low", "high"]), json_values), "x": json_values}), json_values)
+_anthropic = dict(_adapters, messages=a_messages, system=st.one_of(texts(), a_blocks, json_values),
+                  tools=st.one_of(st.none(), a_tools), tool_choice=st.one_of(st.none(), a_tool_choice),
+                  thinking=st.one_of(st.none(), a_thinking))
+
+
 def _routes(**kw) -> dict:
     """route -> the strategy of its bodies (``kw``: from_model's modes)"""
     return {
@@ -332,6 +366,11 @@ def _routes(**kw) -> dict:
         "/v1/completions": from_model(
             protocol.CompletionRequest, always=("max_tokens",), **_sampling, prompt=prompts,
             best_of=(st.one_of(st.none(), st.integers(1, 3)), st.sampled_from([0, 17, 2**63])), **kw),
+        "/v1/messages": from_model(
+            anthropic.MessagesRequest, always=("max_tokens",), **_anthropic, max_tokens=MAX_TOKENS,
+            stop_sequences=_sampling["stop"], seed=_sampling["seed"], output_config=st.one_of(st.none(), a_output),
+            **kw),
+        "/v1/messages/count_tokens": from_model(anthropic.CountTokensRequest, **_anthropic, **kw),
         "/v1/embeddings": from_model(protocol.EmbeddingRequest, always=("input",), **_adapters, input=prompts, **kw),
         "/tokenize": from_model(protocol.TokenizeRequest, **kw),
         "/detokenize": from_model(protocol.DetokenizeRequest, tokens=st.lists(TOKENS, max_size=10), **kw),
@@ -432,7 +471,18 @@ def bodies(draw, route: str) -> Body:
 ERROR_KEYS = {"message", "type", "param", "code"}
 
 
+def check_anthropic_error(body, where: str) -> None:
+    assert isinstance(body, dict) and set(body) == {"type", "error"} and body["type"] == "error", \
+        f"{where}: not an Anthropic error body: {body!r}"
+    e = body["error"]
+    assert isinstance(e, dict) and set(e) == {"type", "message"}, f"{where}: error fields {sorted(e)}"
+    assert isinstance(e["message"], str) and e["message"], f"{where}: empty message"
+    assert isinstance(e["type"], str) and e["type"] != "api_error", f"{where}: {e}"
+
+
 def check_error(body, where: str) -> None:
+    if where.split()[1].startswith("/v1/messages"):
+        return check_anthropic_error(body, where)
     assert isinstance(body, dict) and set(body) == {"error"}, f"{where}: not an OpenAI error body: {body!r}"
     e = body["error"]
     assert isinstance(e, dict) and set(e) == ERROR_KEYS, f"{where}: error fields {sorted(e)}"
@@ -473,6 +523,14 @@ def check_answer(r: httpx.Response, elapsed: float) -> None:
         return
     if ctype.startswith("text/event-stream"):
         events = list(_events(text))
+        if r.request.url.path.startswith("/v1/messages"):  # Anthropic's: no [DONE]
+            last = strict_json(events[-1]) if events else {}
+            assert last.get("type") in ("message_stop", "error"), f"{where}: {events[-3:]}"
+            for ev in events[:-1]:
+                assert strict_json(ev)["type"] != "error", f"{where}: an error before the end"
+            if last["type"] == "error":
+                check_error(last, where + " (stream)")
+            return
         assert events and (events[-1] == "[DONE]" or "error" in strict_json(events[-1])), f"{where}: {events[-3:]}"
         for ev in events[:-1] if events[-1] == "[DONE]" else events:
             obj = strict_json(ev)
@@ -512,7 +570,8 @@ class Probe:
         try:
             check_answer(r, took)
             if r.status_code >= 400:
-                code = str(r.json()["error"]["code"])
+                err = r.json()["error"]
+                code = str(err.get("code", err.get("type")))  # (Anthropic's errors have a type, no code)
             self.after()
         except AssertionError as e:  # say what was sent (hypothesis's own report may not show it whole)
             raise AssertionError(f"{e}\n{method} {path} key={key!r} body={body!r:.3000}") from None

@@ -4,7 +4,8 @@ to a real ``python -m llamax serve`` on loopback, every route.
 
 Properties, for every body: the answer is a 2xx or a 4xx, never a 5xx; a
 4xx (and an error inside a stream) is an OpenAI error body
-``{"error": {"message", "type", "param", "code"}}``; each answer (a stream
+``{"error": {"message", "type", "param", "code"}}`` (Anthropic's
+``{"type": "error", "error": {"type", "message"}}`` on its routes); each answer (a stream
 read to its end) comes within 30 s; afterwards the server is alive,
 ``/health`` says 200 and its log has no traceback or error line.
 
@@ -35,7 +36,7 @@ from .conftest import Server
 # examples per route in the default tier (the generation routes cost the most)
 DEFAULT = {"/v1/chat/completions": 60, "/v1/completions": 30, "/v1/embeddings": 15, "/tokenize": 40,
            "/detokenize": 30, "/apply-template": 40, "/v1/load_lora_adapter": 40, "/lora-adapters": 25,
-           "/v1/unload_lora_adapter": 15}
+           "/v1/unload_lora_adapter": 15, "/v1/messages": 40, "/v1/messages/count_tokens": 25}
 SLOW = int(os.environ.get("LLAMAX_HTTP_FUZZ_EXAMPLES", "400"))
 ADMIN_ROUTES = {"/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/lora-adapters"}
 GET_PATHS = ["/health", "/v1/models", "/models", "/lora-adapters", "/slots", "/metrics", "/v1/models/smol",

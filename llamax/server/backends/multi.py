@@ -113,9 +113,13 @@ class MultiBackend:
             out += await b.model_cards(admin)
         return out
 
-    async def chat(self, body: protocol.ChatCompletionRequest, request: Request):
+    async def chat(self, body: protocol.ChatCompletionRequest, request: Request, front=None):
         b, body = self._routed(body)
-        return await b.chat(body, request)
+        return await b.chat(body, request, front)
+
+    async def input_tokens(self, body: protocol.ChatCompletionRequest, request: Request) -> int:
+        b, body = self._routed(body)
+        return await b.input_tokens(body, request)
 
     async def completions(self, body: protocol.CompletionRequest, request: Request):
         b, body = self._routed(body)

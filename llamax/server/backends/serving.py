@@ -33,7 +33,7 @@ from llamax.server import translate
 from llamax.server.context import request_context
 from llamax.server.errors import APIError
 from llamax.server.http import dumps, dumps_list
-from llamax.server.streaming import ClientGone, merge, merge_completions, respond
+from llamax.server.streaming import ClientGone, Front, merge, merge_completions, respond
 
 __all__ = ["Counters", "Serving"]
 
@@ -130,7 +130,7 @@ class Serving:
         for p in prepared:
             p.close()
 
-    async def _respond(self, request: Request, endpoint: str, prepared: list, body, merge_fn):
+    async def _respond(self, request: Request, endpoint: str, prepared: list, body, merge_fn, front=None):
         ctx = request_context(request)
         return await respond(
             request, prepared, stream=body.stream, stream_options=body.stream_options, merge_fn=merge_fn,
@@ -138,7 +138,8 @@ class Serving:
             model_name=ctx.model_name, deadline=ctx.deadline,
             timeout_s=self.cfg.request_timeout,
             on_status=lambda status: self._status(request, endpoint, status),
-            on_usage=lambda u: self._usage(request, u, prepared), on_first=lambda: _first_token(request))
+            on_usage=lambda u: self._usage(request, u, prepared), on_first=lambda: _first_token(request),
+            front=front)
 
     def _model_route(self, request: Request, body: protocol.AdapterFields) -> str:
         """The model name the answer carries (the alias when the body named none)."""
@@ -152,8 +153,9 @@ class Serving:
         request_context(request).outcome = status
 
 
-    async def chat(self, body: protocol.ChatCompletionRequest, request: Request):
-        self.generating("/v1/chat/completions")
+    async def chat(self, body: protocol.ChatCompletionRequest, request: Request, front: Front | None = None):
+        """A chat completion, answered in OpenAI's shape or ``front``'s."""
+        self.generating(request.url.path)
         loras, cvecs = self.resolve(body, request)
         base = dict(translate.chat_kwargs(body, self.cfg.n_ctx, loras, cvecs,
                                              (self.cfg.reasoning_budget, self.cfg.reasoning_budget_message)), **self.scheduling(body, request))
@@ -161,10 +163,21 @@ class Serving:
         seed = body.seed
         prepared = await self._prepare(request, self.llm.prepare_chat_completion, body.n,
                                        lambda i: dict(base, seed=None if seed is None else seed + i))
-        return await self._respond(request, "chat", prepared, body, lambda rs: merge(rs, model_name))
+        return await self._respond(request, "chat", prepared, body, lambda rs: merge(rs, model_name), front)
+
+    async def input_tokens(self, body: protocol.ChatCompletionRequest, request: Request) -> int:
+        """How many tokens the chat request's prompt is (its template, tools
+        and adapters as it would run; nothing runs)."""
+        self.generating(request.url.path)
+        loras, cvecs = self.resolve(body, request)
+        kw = translate.chat_kwargs(body, self.cfg.n_ctx, loras, cvecs,
+                                   (self.cfg.reasoning_budget, self.cfg.reasoning_budget_message))
+        prepared = await asyncio.to_thread(self.llm.prepare_chat_completion, **kw)
+        prepared.close()
+        return prepared.n_prompt_tokens
 
     async def completions(self, body: protocol.CompletionRequest, request: Request):
-        self.generating("/v1/completions")
+        self.generating(request.url.path)
         loras, cvecs = self.resolve(body, request)
         prompts = translate.split_prompts(body)
         model = self.llm.model

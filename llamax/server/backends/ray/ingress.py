@@ -154,7 +154,7 @@ class Ingress(Serving):
     async def health(self, request: Request):
         return {"status": "ok"}
 
-    async def _respond(self, request: Request, endpoint: str, prepared: list, body, merge_fn):
+    async def _respond(self, request: Request, endpoint: str, prepared: list, body, merge_fn, front=None):
         """A stream's requests are sent to their replicas first: an error
         there (the queue full, a replica gone) is the answer's status, not
         an event of a stream already begun, and the replica is known for
@@ -169,9 +169,9 @@ class Ingress(Serving):
                     p.cancel()
                 raise
             _replica_header(ctx, prepared)
-            return await super()._respond(request, endpoint, prepared, body, merge_fn)
+            return await super()._respond(request, endpoint, prepared, body, merge_fn, front)
         try:
-            return await super()._respond(request, endpoint, prepared, body, merge_fn)
+            return await super()._respond(request, endpoint, prepared, body, merge_fn, front)
         finally:
             _replica_header(ctx, prepared)
 
