@@ -12,6 +12,7 @@ from fastapi import FastAPI
 
 import llamax
 from llamax.server.http import BodyLimit, JSONAnswer, install_error_handlers
+from llamax.server.responses import ResponseStore
 from llamax.server.routes import router
 from llamax.server.tenancy import Tenancy, TenantGate, UsageLog
 
@@ -32,6 +33,7 @@ def build_app(backend) -> FastAPI:
     app.state.backend = backend
     app.state.config = cfg
     app.state.tenancy = backend.tenancy = tenancy
+    app.state.responses = ResponseStore()   # the Responses API's stored responses, per tenant
     install_error_handlers(app)
     app.include_router(router)
     return app

@@ -12,7 +12,7 @@ import datetime
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
-from llamax.server import anthropic, protocol, translate
+from llamax.server import anthropic, protocol, responses, translate
 from llamax.server.backend import Backend
 from llamax.server.context import request_context
 from llamax.server.errors import APIError
@@ -112,6 +112,42 @@ async def _chat(body: protocol.ChatCompletionRequest, request: Request, backend:
 async def messages(body: anthropic.MessagesRequest, request: Request, backend=Depends(ready)):
     chat_body = await asyncio.to_thread(anthropic.chat_body, body)
     return await _chat(chat_body, request, backend, anthropic.MessagesFront(body.model or backend.cfg.alias))
+
+
+# -- OpenAI's Responses API ---------------------------------------------------------------------
+
+def _store_key(request: Request) -> str:
+    """Whose responses: the caller's tenant (one for every key without a tenants file)."""
+    return _caller(request).tenant.name or ""
+
+
+@router.post("/v1/responses", dependencies=user)
+@router.post("/responses", dependencies=user, include_in_schema=False)
+async def create_response(body: responses.ResponsesRequest, request: Request, backend=Depends(ready)):
+    store, tenant = request.app.state.responses, _store_key(request)
+    messages = await asyncio.to_thread(responses.history, body, store, tenant)
+    chat_body = await asyncio.to_thread(responses.chat_body, body, messages)
+    front = responses.ResponsesFront(body, body.model or backend.cfg.alias, store, tenant, messages)
+    return await _chat(chat_body, request, backend, front)
+
+
+@router.post("/v1/responses/input_tokens", dependencies=user)
+async def response_input_tokens(body: responses.InputTokensRequest, request: Request, backend=Depends(ready)):
+    store, tenant = request.app.state.responses, _store_key(request)
+    messages = await asyncio.to_thread(responses.history, body, store, tenant)
+    chat_body = await asyncio.to_thread(responses.chat_body, body, messages)
+    return responses.input_tokens_answer(await backend.input_tokens(chat_body, request))
+
+
+@router.get("/v1/responses/{response_id}", dependencies=user)
+async def get_response(response_id: str, request: Request):
+    return request.app.state.responses.get(_store_key(request), response_id).response
+
+
+@router.delete("/v1/responses/{response_id}", dependencies=user)
+async def delete_response(response_id: str, request: Request):
+    request.app.state.responses.delete(_store_key(request), response_id)
+    return responses.deleted(response_id)
 
 
 @router.post("/v1/messages/count_tokens", dependencies=user)

@@ -33,7 +33,7 @@ import httpx
 from hypothesis import strategies as st
 from pydantic import BaseModel
 
-from llamax.server import anthropic, protocol
+from llamax.server import anthropic, protocol, responses
 
 BOUND = 30.0        # s: every answer, streams read to their end
 N_CTX = 512         # the fuzzed server's --n-ctx (a long input costs a 512-token decode)
@@ -355,6 +355,36 @@ _anthropic = dict(_adapters, messages=a_messages, system=st.one_of(texts(), a_bl
                   thinking=st.one_of(st.none(), a_thinking))
 
 
+# OpenAI's Responses API: items of every kind, and odd ones
+r_items = st.lists(st.one_of(
+    st.fixed_dictionaries({"role": st.one_of(st.sampled_from(["user", "assistant", "system", "developer"]), ROLES)},
+                          optional={"type": st.sampled_from(["message", "x"]),
+                                    "content": st.one_of(texts(), json_values, st.lists(st.one_of(
+                                        st.fixed_dictionaries({"type": st.sampled_from(
+                                            ["input_text", "output_text", "input_image", "refusal", "x"])},
+                                            optional={"text": json_values, "refusal": json_values}),
+                                        json_values), max_size=3))}),
+    st.fixed_dictionaries({"type": st.just("function_call")},
+                          optional={"call_id": texts(8), "name": texts(8), "arguments": st.one_of(texts(), json_values)}),
+    st.fixed_dictionaries({"type": st.just("function_call_output")},
+                          optional={"call_id": texts(8), "output": st.one_of(texts(), json_values)}),
+    st.fixed_dictionaries({"type": st.sampled_from(["reasoning", "item_reference", "web_search_call"])},
+                          optional={"content": json_values, "summary": json_values, "id": texts(8)}),
+    json_values), max_size=4)
+r_tools = st.lists(st.one_of(
+    st.fixed_dictionaries({"type": st.just("function"), "name": texts(12)},
+                          optional={"description": texts(), "parameters": schemas, "strict": json_values}),
+    st.fixed_dictionaries({"type": st.sampled_from(["web_search", "file_search", "mcp", "x"])}), json_values),
+    max_size=3)
+_responses = dict(
+    _adapters, input=st.one_of(texts(), r_items, st.just([])), tools=st.one_of(st.none(), r_tools),
+    tool_choice=st.one_of(st.none(), tool_choice, st.fixed_dictionaries({"type": st.just("function"),
+                                                                        "name": texts(8)})),
+    text=st.one_of(st.none(), st.fixed_dictionaries({}, optional={"format": st.one_of(response_formats, st.builds(
+        lambda s, name: {"type": "json_schema", "name": name, "schema": s}, schemas, st.sampled_from(["x", ""])))})),
+    previous_response_id=st.one_of(st.none(), st.sampled_from(["resp_nope", ""]), texts(10)))
+
+
 def _routes(**kw) -> dict:
     """route -> the strategy of its bodies (``kw``: from_model's modes)"""
     return {
@@ -371,6 +401,10 @@ def _routes(**kw) -> dict:
             stop_sequences=_sampling["stop"], seed=_sampling["seed"], output_config=st.one_of(st.none(), a_output),
             **kw),
         "/v1/messages/count_tokens": from_model(anthropic.CountTokensRequest, **_anthropic, **kw),
+        "/v1/responses": from_model(
+            responses.ResponsesRequest, always=("max_output_tokens", "input"), **_responses,
+            max_output_tokens=MAX_TOKENS, stop=_sampling["stop"], seed=_sampling["seed"], **kw),
+        "/v1/responses/input_tokens": from_model(responses.InputTokensRequest, **_responses, **kw),
         "/v1/embeddings": from_model(protocol.EmbeddingRequest, always=("input",), **_adapters, input=prompts, **kw),
         "/tokenize": from_model(protocol.TokenizeRequest, **kw),
         "/detokenize": from_model(protocol.DetokenizeRequest, tokens=st.lists(TOKENS, max_size=10), **kw),
@@ -523,6 +557,13 @@ def check_answer(r: httpx.Response, elapsed: float) -> None:
         return
     if ctype.startswith("text/event-stream"):
         events = list(_events(text))
+        if r.request.url.path == "/v1/responses":  # OpenAI's Responses: named events, no [DONE]
+            last = strict_json(events[-1]) if events else {}
+            assert last.get("type") in ("response.completed", "response.incomplete", "error"), \
+                f"{where}: {events[-3:]}"
+            for ev in events[:-1]:
+                assert strict_json(ev)["type"] != "error", f"{where}: an error before the end"
+            return
         if r.request.url.path.startswith("/v1/messages"):  # Anthropic's: no [DONE]
             last = strict_json(events[-1]) if events else {}
             assert last.get("type") in ("message_stop", "error"), f"{where}: {events[-3:]}"

@@ -106,6 +106,24 @@ def chat(c: httpx.Client, content="Say hi.", **kw) -> httpx.Response:
 
 # -- who may call, and what it may name ---------------------------------------------
 
+def test_each_tenant_sees_its_own_stored_responses(srv):
+    """The Responses API's store is per tenant: another tenant can't read,
+    continue or delete a response (404, as for one that does not exist)."""
+    with client(srv, "acme") as a, client(srv, "acme2") as a2, client(srv, "globex") as g:
+        r = a.post("/v1/responses", json={"model": "smol", "input": "Hi", "max_output_tokens": 2})
+        assert r.status_code == 200, r.text
+        rid = r.json()["id"]
+        assert a2.get(f"/v1/responses/{rid}").json()["id"] == rid  # the same tenant, another key
+        assert g.get(f"/v1/responses/{rid}").status_code == 404
+        assert g.delete(f"/v1/responses/{rid}").status_code == 404
+        cont = g.post("/v1/responses", json={"model": "smol", "input": "x", "max_output_tokens": 2,
+                                             "previous_response_id": rid})
+        assert cont.status_code == 404 and "no response" in cont.json()["error"]["message"]
+        assert a.get(f"/v1/responses/{rid}").status_code == 200
+        assert a2.delete(f"/v1/responses/{rid}").json() == {"id": rid, "object": "response", "deleted": True}
+        assert a.get(f"/v1/responses/{rid}").status_code == 404
+
+
 def test_keys_name_tenants(srv):
     assert httpx.get(srv.url + "/v1/models").status_code == 401
     for bad in ("nobody", hash_key(KEYS["acme"]), hash_key(KEYS["acme"]).removeprefix("sha256:")):
