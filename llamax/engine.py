@@ -249,6 +249,7 @@ class GenerationRequest:
     cancel: CancelToken | None = None  # the caller's token (cancel() from any thread)
     logits_processor: Any = None       # llama-cpp-python's lists: Python per token (None: the native loop)
     stopping_criteria: Any = None
+    timings: bool = False              # True: the Result times the prompt and the generation (a callback per token)
 
     def __post_init__(self):
         object.__setattr__(self, "tokens", _token_array(self.tokens))
@@ -297,7 +298,7 @@ class Result:
     (when asked for) and, with a batcher, how long it waited for a slot."""
 
     __slots__ = ("text", "tokens", "n_prompt", "n_cached", "finish_reason", "logprobs", "queue_seconds",
-                 "stop_string")
+                 "stop_string", "prompt_seconds", "gen_seconds")
 
     def __init__(self):
         self.text = ""
@@ -307,6 +308,10 @@ class Result:
         self.queue_seconds: float | None = None  # batched: how long it waited for a slot
         self.finish_reason = "length"
         self.stop_string: str | None = None  # the stop string that ended it (finish_reason "stop")
+        # with GenerationRequest.timings (or when the tokens are read one by one): from the start
+        # of its run (past any queue) to its first token, and from there to its end
+        self.prompt_seconds: float | None = None
+        self.gen_seconds: float | None = None
         self.logprobs: list = []  # per token: (logprob, [(token, logprob), ...])
 
     def usage(self) -> dict:

@@ -945,7 +945,8 @@ class Llama(_SessionMixin):
                           tfs_z: float = 1.0, mirostat_mode: int = 0, mirostat_tau: float = 5.0,
                           mirostat_eta: float = 0.1, logits_processor=None,
                           stopping_criteria=None, share: Share | None = None,
-                          cache_salt: str | None = None, deterministic: bool | None = None) -> PreparedRequest:
+                          cache_salt: str | None = None, deterministic: bool | None = None,
+                          timings: bool = False) -> PreparedRequest:
         """An OpenAI-style text completion, checked and ready to run (see
         :class:`~llamax.request.PreparedRequest`); :meth:`create_completion`
         runs it at once (``stream=True`` gives chunks).
@@ -985,7 +986,7 @@ class Llama(_SessionMixin):
             logprobs=logprobs, stop=stop, grammar=None if grammar is None else GrammarSpec(grammar),
             share=share,
             cache_salt=cache_salt, cache_prompt=cache_prompt, cancel=cancel,
-            logits_processor=logits_processor, stopping_criteria=stopping_criteria))
+            logits_processor=logits_processor, stopping_criteria=stopping_criteria, timings=timings))
         cid = f"cmpl-{uuid.uuid4()}"
         created = int(time.time())
         name = model or self.model_path
@@ -1566,7 +1567,7 @@ class Llama(_SessionMixin):
                           grammar_start_triggers=None if p.grammar is None else p.grammar.start_triggers,
                           **({} if rb is None else dict(reasoning_budget=rb.tokens, reasoning_budget_message=rb.message,
                                                         reasoning_started_open=rb.started_open)))
-        check_bools(cache_prompt=p.cache_prompt)
+        check_bools(cache_prompt=p.cache_prompt, timings=p.timings)
         salt_id(p.cache_salt)  # (checks its type)
         # Resolved last: it pins adapters, which the request must release.
         state, names = self._state(p.adapters)
@@ -1576,7 +1577,8 @@ class Llama(_SessionMixin):
                      prefix_chunk=self._prefix_chunk, prefix_cache=self._prefix_cache,
                      prefix_exact=self._prefix_exact, draft=self._native_draft(), score=self._prompt_logprobs)
         return RequestHandle(_Request(rt, tokens, sampler, max_tokens, stops, p.logprobs, state, names, p.cancel,
-                                      p.cache_prompt, p.logits_processor, p.stopping_criteria, p.share, p.cache_salt))
+                                      p.cache_prompt, p.logits_processor, p.stopping_criteria, p.share, p.cache_salt,
+                                      p.timings))
 
     def _native_draft(self):
         """``Context.generate(draft=...)`` for the draft model, if the native

@@ -8,6 +8,7 @@ import codecs
 import dataclasses
 import queue
 import threading
+import time
 from typing import Any, Iterator
 
 import numpy as np
@@ -583,8 +584,10 @@ class _Request:
 
     def __init__(self, rt: Runtime, tokens, sampler, max_tokens, stops, logprobs, state, names,
                  token: CancelToken | None = None, cache_prompt: bool = True, logits_processor=None,
-                 stopping_criteria=None, share: Share | None = None, cache_salt: str | None = None):
+                 stopping_criteria=None, share: Share | None = None, cache_salt: str | None = None,
+                 timings: bool = False):
         self.rt = rt
+        self.timings = timings      # time the prompt and the generation (Result.prompt_seconds, gen_seconds)
         self.token = CancelToken()  # the request's one cancel token (what it runs on is attached to it)
         self.user_token = token     # the caller's: cancelling it cancels self.token
         self.tokens = tokens
@@ -744,10 +747,14 @@ class _Request:
             self.token._attach(seq)  # (raises CancelledError if stop() came while it was submitted)
             attached = True
             stopped = False
+            t_sub = time.perf_counter()
+            t_first = None
             while not stopped:
                 toks = await waits.tokens(seq)
                 if toks is None:
                     break
+                if t_first is None and toks:
+                    t_first = time.perf_counter()
                 if maker is not None and self.logprobs is not None:
                     maker.logprobs = seq.logprobs
                 for tok in toks:
@@ -764,6 +771,9 @@ class _Request:
             self._check_stopped()
             res.n_cached = seq.n_cached
             res.queue_seconds = seq.queue_seconds
+            if t_first is not None:
+                res.prompt_seconds = max(0.0, t_first - t_sub - (seq.queue_seconds or 0.0))
+                res.gen_seconds = time.perf_counter() - t_first
             if self.logprobs is not None:
                 res.logprobs = seq.logprobs[: len(res.tokens)]
             _finish(res, text, "stop" if stopped else seq.finish_reason)
@@ -821,12 +831,16 @@ class _Request:
             slot.exact_n = 0
             maker = _PieceMaker(emit) if emit is not None else None
             text = _TextAssembler(model, self.stops, maker)
-            want_cb = emit is not None or self.stops or self.logprobs is not None
+            want_cb = emit is not None or self.stops or self.logprobs is not None or self.timings
             lps = res.logprobs
+            t_run = time.perf_counter()
+            first: list = []
 
             def on_token(tok, lp=None):
                 # lp: (logprob, top) from the row tok was sampled from, given
                 # by Context.generate (and the Python loop) when logprobs are on
+                if not first:
+                    first.append(time.perf_counter())
                 if token.cancelled:
                     return True
                 if lp is not None:
@@ -852,6 +866,9 @@ class _Request:
                 slot.key = None
                 slot.tokens = np.empty(0, np.int32)
                 raise
+            if first:
+                res.prompt_seconds = first[0] - t_run
+                res.gen_seconds = time.perf_counter() - first[0]
             slot.logits_n = len(self.tokens)
             slot.exact_n = n // chunk * chunk
             n_kv = ctx.seq_pos_max(0) + 1

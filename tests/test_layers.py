@@ -64,7 +64,7 @@ LAYERS = [
      "llamax.server.backend",
      "llamax.server.files", "llamax.server.tenants"],
     ["llamax.server.translate", "llamax.server.streaming", "llamax.server.http", "llamax.server.adapters",
-     "llamax.server.embeddings",
+     "llamax.server.embeddings", "llamax.server.anthropic", "llamax.server.responses", "llamax.server.native",
      "llamax.server.metrics", "llamax.server.settings", "llamax.server.tenancy"],
     ["llamax.server.routes"],
     ["llamax.server.app"],

@@ -334,7 +334,11 @@ class MessagesFront:
         self.open: Any = None    # its kind: "thinking", "text" or ("tool", n)
         self.finish: str | None = None
 
-    def whole(self, answer: dict, prepared: list) -> dict:
+    def wrap(self, p):
+        return p
+
+    def whole(self, results: list[dict], prepared: list) -> dict:
+        answer = results[0]
         c = answer["choices"][0]
         msg = c["message"]
         blocks: list[dict] = []

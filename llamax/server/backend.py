@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 
     from llamax.server import protocol
     from llamax.server.config import ServerConfig
+    from llamax.server.native import NativeCompletionRequest
     from llamax.server.streaming import Front
 
 __all__ = ["Backend", "ProcessBackend"]
@@ -45,7 +46,11 @@ class Backend(Protocol):
     async def input_tokens(self, body: protocol.ChatCompletionRequest, request: Request) -> int:
         """The chat request's prompt length in tokens (nothing runs)."""
 
-    async def completions(self, body: protocol.CompletionRequest, request: Request) -> Any: ...
+    async def completions(self, body: protocol.CompletionRequest, request: Request,
+                          front: Front | None = None) -> Any: ...
+
+    async def native_completion(self, body: NativeCompletionRequest, request: Request) -> Any:
+        """llama-server's /completion (its body, its answer's shape)."""
 
     async def embeddings(self, body: protocol.EmbeddingRequest, request: Request) -> Any: ...
 

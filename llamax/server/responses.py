@@ -419,7 +419,11 @@ class ResponsesFront:
                                                                     "arguments": item["arguments"]}})
         return m
 
-    def whole(self, answer: dict, prepared: list) -> dict:
+    def wrap(self, p):
+        return p
+
+    def whole(self, results: list[dict], prepared: list) -> dict:
+        answer = results[0]
         c = answer["choices"][0]
         msg = c["message"]
         output: list[dict] = []

@@ -12,7 +12,7 @@ import datetime
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
-from llamax.server import anthropic, protocol, responses, translate
+from llamax.server import anthropic, native, protocol, responses, translate
 from llamax.server.backend import Backend
 from llamax.server.context import request_context
 from llamax.server.errors import APIError
@@ -166,6 +166,19 @@ async def completions(body: protocol.CompletionRequest, request: Request, backen
         body.max_tokens = 16 if limit is None else limit
     request.app.state.tenancy.admit(request, body.n * len(translate.split_prompts(body)), body.max_tokens)
     return await backend.completions(body, request)
+
+
+@router.post("/completion", dependencies=user)
+async def native_completion(body: native.NativeCompletionRequest, request: Request, backend=Depends(ready)):
+    """llama-server's own completion route: its fields, its answer's shape."""
+    _model_route(request, body.model)
+    n = body.n_predict if body.n_predict is not None else body.max_tokens
+    if n is None or n < 0:
+        limit = _tenant_max_tokens(request)
+        if limit is not None:
+            body.n_predict, body.max_tokens, n = limit, None, limit
+    request.app.state.tenancy.admit(request, 1, n if n is not None and n > 0 else None)
+    return await backend.native_completion(body, request)
 
 
 @router.post("/v1/embeddings", dependencies=user)

@@ -27,19 +27,23 @@ class ClientGone(Exception):
 
 
 class Front(Protocol):
-    """Another API's shape of a chat request's answer (Anthropic's Messages,
-    OpenAI's Responses): the chat route runs the request, a front reshapes
-    the merged answer, or the stream's chunks into its own named SSE events
-    (``{"event": name, "data": json}``; no ``[DONE]``)."""
+    """Another API's shape of a request's answer (Anthropic's Messages,
+    OpenAI's Responses, llama-server's /completion): the chat or completions
+    route runs the request (one sequence), a front reshapes the answer, or
+    the stream's chunks into its own SSE events (``{"event": name, "data":
+    json}`` or ``{"data": json}``; no ``[DONE]``)."""
 
-    def whole(self, answer: dict, prepared: list[PreparedRequest]) -> dict:
-        """The answer in the front's shape (``answer``: the chat completion)."""
+    def wrap(self, p: PreparedRequest) -> PreparedRequest:
+        """The prepared request as the front runs it (its own formatter, or ``p``)."""
+
+    def whole(self, results: list[dict], prepared: list[PreparedRequest]) -> dict:
+        """The answer in the front's shape (``results``: each sequence's object)."""
 
     def opening(self, prepared: list[PreparedRequest]) -> list[dict]:
         """The events before the first chunk."""
 
     def chunk(self, chunk: dict) -> list[dict]:
-        """The events of one chat completion chunk (its id and model set)."""
+        """The events of one chunk (its ``usage`` taken off)."""
 
     def closing(self, usage: dict, prepared: list[PreparedRequest]) -> list[dict]:
         """The last events, once every chunk is out (``usage``: the sum)."""
@@ -159,6 +163,8 @@ async def _merged(streams: list) -> AsyncIterator[tuple[int, dict]]:
 
 def _generated(chunk: dict) -> bool:
     """Whether a chunk carries generated text (not the opening role chunk)."""
+    if chunk.get("content") or chunk.get("tokens"):  # (llama-server's native shape)
+        return True
     for c in chunk.get("choices", ()):
         d = c.get("delta")
         if d is None:
@@ -218,6 +224,13 @@ class _Stream:
                 if self.on_first is not None and _generated(chunk):
                     self.on_first()
                     self.on_first = None
+                if front is not None:
+                    u = chunk.pop("usage", None)
+                    if u is not None:
+                        usages.append(u)
+                    for ev in front.chunk(chunk):
+                        yield ev
+                    continue
                 cid = cid or chunk["id"]
                 chunk["id"] = cid
                 chunk["model"] = self.model_name
@@ -228,10 +241,6 @@ class _Stream:
                     usages.append(u)
                     if self.continuous:
                         chunk["usage"] = u
-                if front is not None:
-                    for ev in front.chunk(chunk):
-                        yield ev
-                    continue
                 yield dumps(chunk, allow_nan=False)   # (strict JSON: a NaN is an error event, not a number)
             if self.timed_out:
                 raise _timeout_error(self.timeout_s)
@@ -286,10 +295,14 @@ async def respond(request: Request, prepared: list[PreparedRequest], *, stream: 
         except ClientGone:
             on_status(499)
             return Response(status_code=499)
+        if front is not None:
+            on_usage(usage_sum([r["usage"] for r in results]))
+            on_status(200)
+            return front.whole(results, prepared)
         out = merge_fn(results)
         on_usage(out["usage"])
         on_status(200)
-        return out if front is None else front.whole(out, prepared)
+        return out
     s = _Stream(prepared, model_name=model_name, object_name=object_name,
                 include_usage=bool(stream_options and stream_options.include_usage),
                 continuous=bool(stream_options and stream_options.continuous_usage_stats),

@@ -138,3 +138,24 @@ def test_create_shows_prepares_keywords(llm):
                             (llm.create_chat_completion, llm.prepare_chat_completion)):
         assert inspect.signature(create) == inspect.signature(prepare)
         assert "active_loras" in inspect.signature(create).parameters
+
+
+def test_timings_and_the_stop_string_are_in_the_result(llm):
+    """timings=True: the Result times the prompt and the generation, on one
+    context (a callback per token where it had none) and on a batcher; the
+    stop string that ended a reply is named, and an end of generation names none."""
+    p = llm.prepare_completion(PROMPT, **greedy(), timings=True)
+    p.run()
+    done = p.handle.done
+    assert done.prompt_seconds > 0 and done.gen_seconds > 0 and done.finish_reason == "length"
+    assert p.stop_string is None
+    plain = llm.prepare_completion(PROMPT, **greedy())
+    assert plain.run()["choices"][0]["text"] == llm.prepare_completion(PROMPT, **greedy(), timings=True).run()[
+        "choices"][0]["text"]
+    text = llm.create_completion(PROMPT, **greedy())["choices"][0]["text"]
+    word = text.split()[1]
+    q = llm.prepare_completion(PROMPT, **greedy(stop=["zzz-never", word]))
+    r = q.run()["choices"][0]
+    assert r["finish_reason"] == "stop" and q.stop_string == word and word not in r["text"]
+    with pytest.raises(llamax.ArgumentTypeError):
+        llm.prepare_completion(PROMPT, timings=1)

@@ -33,7 +33,7 @@ import httpx
 from hypothesis import strategies as st
 from pydantic import BaseModel
 
-from llamax.server import anthropic, protocol, responses
+from llamax.server import anthropic, native, protocol, responses
 
 BOUND = 30.0        # s: every answer, streams read to their end
 N_CTX = 512         # the fuzzed server's --n-ctx (a long input costs a 512-token decode)
@@ -405,6 +405,16 @@ def _routes(**kw) -> dict:
             responses.ResponsesRequest, always=("max_output_tokens", "input"), **_responses,
             max_output_tokens=MAX_TOKENS, stop=_sampling["stop"], seed=_sampling["seed"], **kw),
         "/v1/responses/input_tokens": from_model(responses.InputTokensRequest, **_responses, **kw),
+        "/completion": from_model(
+            native.NativeCompletionRequest, always=("n_predict", "prompt"), **_adapters,
+            prompt=st.one_of(texts(), st.lists(TOKENS, max_size=8), st.just([])), n_predict=MAX_TOKENS,
+            stop=_sampling["stop"], seed=_sampling["seed"], grammar=_sampling["grammar"],
+            logit_bias=st.one_of(st.none(), _sampling["logit_bias"], st.lists(st.one_of(
+                st.tuples(st.one_of(TOKENS, texts(6)), st.one_of(floats(), st.just(False))).map(list), json_values),
+                max_size=3)),
+            json_schema=st.one_of(st.none(), schemas.filter(lambda s: isinstance(s, dict))),
+            response_fields=st.one_of(st.none(), st.lists(st.sampled_from(
+                ["content", "timings/prompt_n", "a/b/c", "", "tokens"]), max_size=3)), **kw),
         "/v1/embeddings": from_model(protocol.EmbeddingRequest, always=("input",), **_adapters, input=prompts, **kw),
         "/tokenize": from_model(protocol.TokenizeRequest, **kw),
         "/detokenize": from_model(protocol.DetokenizeRequest, tokens=st.lists(TOKENS, max_size=10), **kw),
@@ -557,6 +567,14 @@ def check_answer(r: httpx.Response, elapsed: float) -> None:
         return
     if ctype.startswith("text/event-stream"):
         events = list(_events(text))
+        if r.request.url.path == "/completion":  # llama-server's: the last object says stop, no [DONE]
+            last = strict_json(events[-1]) if events else {}
+            assert last.get("stop") is True or "error" in last, f"{where}: {events[-3:]}"
+            for ev in events[:-1]:
+                assert "error" not in strict_json(ev), f"{where}: an error before the end"
+            if "error" in last:
+                check_error(last, where + " (stream)")
+            return
         if r.request.url.path == "/v1/responses":  # OpenAI's Responses: named events, no [DONE]
             last = strict_json(events[-1]) if events else {}
             assert last.get("type") in ("response.completed", "response.incomplete", "error"), \

@@ -121,9 +121,13 @@ class MultiBackend:
         b, body = self._routed(body)
         return await b.input_tokens(body, request)
 
-    async def completions(self, body: protocol.CompletionRequest, request: Request):
+    async def completions(self, body: protocol.CompletionRequest, request: Request, front=None):
         b, body = self._routed(body)
-        return await b.completions(body, request)
+        return await b.completions(body, request, front)
+
+    async def native_completion(self, body, request: Request):
+        b, body = self._routed(body)
+        return await b.native_completion(body, request)
 
     async def embeddings(self, body: protocol.EmbeddingRequest, request: Request):
         b, body = self._routed(body)

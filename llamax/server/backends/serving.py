@@ -28,7 +28,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 import llamax
-from llamax.server import embeddings, protocol
+from llamax.server import embeddings, native, protocol
 from llamax.server import translate
 from llamax.server.context import request_context
 from llamax.server.errors import APIError
@@ -132,6 +132,8 @@ class Serving:
 
     async def _respond(self, request: Request, endpoint: str, prepared: list, body, merge_fn, front=None):
         ctx = request_context(request)
+        if front is not None:
+            prepared = [front.wrap(p) for p in prepared]
         return await respond(
             request, prepared, stream=body.stream, stream_options=body.stream_options, merge_fn=merge_fn,
             object_name="chat.completion.chunk" if endpoint == "chat" else "text_completion",
@@ -176,7 +178,22 @@ class Serving:
         prepared.close()
         return prepared.n_prompt_tokens
 
-    async def completions(self, body: protocol.CompletionRequest, request: Request):
+    async def native_completion(self, body: native.NativeCompletionRequest, request: Request):
+        """llama-server's /completion: a completion in its shape (llamax.server.native)."""
+        self.generating(request.url.path)
+        model = self.llm.model
+        cb = await asyncio.to_thread(native.completion_body, body, self.cfg.n_ctx, model)
+        p = cb.prompt
+        text = p if isinstance(p, str) else await asyncio.to_thread(
+            lambda: model.detokenize_text(translate.token_ids(p, model.n_vocab, "prompt").astype(np.int32),
+                                          special=True, errors="replace"))
+        front = native.NativeFront(body, model, body.model or self.cfg.alias, text,
+                                   native.settings(body, cb, self.cfg.n_ctx))
+        return await self.completions(cb, request, front)
+
+    async def completions(self, body: protocol.CompletionRequest, request: Request, front: Front | None = None):
+        """A text completion, answered in OpenAI's shape or ``front``'s (one
+        prompt, one sequence: llama-server's /completion)."""
         self.generating(request.url.path)
         loras, cvecs = self.resolve(body, request)
         prompts = translate.split_prompts(body)
@@ -197,6 +214,8 @@ class Serving:
 
         token_prompts = await asyncio.to_thread(tokenized)
         base = dict(translate.completion_kwargs(body, self.cfg.n_ctx, loras, cvecs), **self.scheduling(body, request))
+        if front is not None:
+            base["timings"] = True  # (its answer reports them)
         model_name = self._model_route(request, body)
         order = translate.completion_merge_order(len(token_prompts), body.n)
         seed = body.seed
@@ -204,7 +223,7 @@ class Serving:
                                        lambda i: dict(base, prompt=token_prompts[order[i][0]],
                                                       seed=None if seed is None else seed + order[i][1]))
         return await self._respond(request, "completions", prepared, body,
-                                   lambda rs: merge_completions(rs, len(token_prompts), model_name))
+                                   lambda rs: merge_completions(rs, len(token_prompts), model_name), front)
 
     async def embeddings(self, body: protocol.EmbeddingRequest, request: Request):
         """OpenAI's /v1/embeddings (llama-server's answer shape when the body
