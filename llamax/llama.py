@@ -890,6 +890,15 @@ class Llama(_SessionMixin):
         src = chat_template if chat_template is not None else self._native_model.chat_template()
         return None if src is None else ChatTemplate(src, **tokens)
 
+    @property
+    def chat_template_source(self) -> str | None:
+        """The Jinja2 chat template requests are rendered with (the GGUF's or
+        the one given), or the built-in format's name, or None."""
+        t = self._template
+        if t is None:
+            return None
+        return t.source if isinstance(t, ChatTemplate) else t.name
+
     def _reasoning_section(self) -> bool:
         """Whether the chat template has a ``<think>`` section."""
         if not isinstance(self._template, ChatTemplate):

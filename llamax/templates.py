@@ -10,6 +10,7 @@ gigabytes or hanging the server.
 """
 from __future__ import annotations
 
+import datetime
 from typing import Any, Iterable
 
 from llamax._errors import ArgumentTypeError, InvalidArgumentError
@@ -69,6 +70,11 @@ class ChatTemplate:
                tools: list | None = None, **extra: Any) -> str:
         _check_messages(messages)
         ctx = dict(extra)
+        # today's date, as llama.cpp's templates get it (a Llama 3.x template
+        # prints it; without it, the date the template was written)
+        now = datetime.datetime.now()
+        ctx.setdefault("date_string", now.strftime("%d %b %Y"))
+        ctx.setdefault("datetime", now.strftime("%b %d %Y"))
         ctx.update(messages=[dict(m) for m in messages], add_generation_prompt=add_generation_prompt,
                    bos_token=self.bos_token, eos_token=self.eos_token)
         ctx["tools"] = tools  # None when absent (defined, as transformers renders it)

@@ -64,6 +64,9 @@ class Backend(Protocol):
 
     async def slots(self) -> Any: ...
 
+    async def props(self) -> dict:
+        """llama-server's GET /props."""
+
     async def metrics(self) -> Any: ...
 
     async def listing(self) -> list[dict]: ...

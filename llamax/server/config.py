@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import sys
 from pathlib import Path
 
 __all__ = ["ServerConfig", "RayOptions", "add_arguments", "server_config", "ray_options"]
@@ -65,6 +66,15 @@ class ServerConfig:
     # embedding pooling (None: the model's own, else mean)
     embedding: bool = False
     pooling: str | None = None
+    # llama-server's server-wide defaults: sampling fields a request leaves
+    # unset (--temp, --top-k, ...: SamplingParams names), and its n_predict
+    # (max tokens of a request that sets none; -1: none)
+    sampling_defaults: dict = dataclasses.field(default_factory=dict)
+    n_predict: int = -1
+    slots: bool = True                 # GET /slots (llama-server's --no-slots: 501)
+    cors_origins: str | None = None    # "*", "localhost" or origins, comma-separated (None: no CORS)
+    # llama-server's --reasoning: the templates' enable_thinking (None: the template's default)
+    enable_thinking: bool | None = None
 
     def __post_init__(self):
         if self.alias is None:
@@ -105,6 +115,9 @@ class ServerConfig:
         if self.pooling == "rank":
             raise ValueError("--pooling rank (a reranker's scores, llama-server's /rerank) is not served by llamax "
                              "yet: serve the model with mean, cls or last pooling, or none (a vector per token)")
+        if isinstance(self.n_predict, bool) or not isinstance(self.n_predict, int) or self.n_predict < -1 \
+                or self.n_predict == 0:
+            raise ValueError(f"--n-predict must be -1 (no limit) or a number of tokens >= 1, not {self.n_predict!r}")
         if self.tenants is not None:
             from llamax.server.tenants import load_tenants
             load_tenants(self.tenants)  # a bad file stops the server before it starts
@@ -203,11 +216,47 @@ def llama_options(args) -> dict:
         if args.max_lora_rank < 1:
             raise ValueError("--max-lora-rank must be >= 1")
         out["max_lora_rank"] = args.max_lora_rank
+    if args.ubatch_size is not None:
+        out["n_ubatch"] = args.ubatch_size
+    if args.seed is not None and args.seed != -1:
+        out["seed"] = args.seed
     return out
 
 
+# llama.cpp's built-in template names (llama-server's --chat-template NAME) -> llamax's chat formats
+TEMPLATE_NAMES = {"chatml": "chatml", "llama2": "llama-2", "llama3": "llama-3", "zephyr": "zephyr",
+                  "gemma": "gemma", "openchat": "openchat", "vicuna": "vicuna", "mistral-v1": "mistral-instruct",
+                  "chatglm3": "chatglm3", "qwen": "qwen"}
+
+
+def _chat_template(args) -> tuple[str | None, str | None]:
+    """(template text, chat format) of --chat-template (a file, a built-in
+    name, or the text itself) and --chat-template-file."""
+    if args.chat_template and args.chat_template_file:
+        raise ValueError("give --chat-template or --chat-template-file, not both")
+    path = args.chat_template_file
+    given = args.chat_template
+    if given is not None and path is None:
+        if os.path.isfile(given):
+            path = given
+        elif given in TEMPLATE_NAMES:
+            return None, TEMPLATE_NAMES[given]
+        elif "{{" in given or "{%" in given:
+            return given, None
+        else:
+            raise ValueError(f"--chat-template {given!r}: not a file, not a template's text, and not a built-in "
+                             f"name llamax has ({', '.join(sorted(TEMPLATE_NAMES))})")
+    if path is None:
+        return None, None
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read(), None
+    except OSError as e:
+        raise ValueError(f"--chat-template-file {path}: {e.strerror or e}") from None
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", help="the GGUF model to serve")
+    p.add_argument("model", nargs="?", default=None, help="the GGUF model to serve (or -m/--model)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8080, help="port (default 8080; 0: any free port)")
     p.add_argument("--alias", help="the model's name in the API (default: the file's stem)")
@@ -250,7 +299,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="on SIGINT/SIGTERM, seconds running requests get to finish before they are "
                         "cancelled (default 10)")
     p.add_argument("--chat-format", help="a built-in chat format instead of the GGUF's template")
-    p.add_argument("--chat-template", help="a Jinja2 chat template file instead of the GGUF's")
+    p.add_argument("--chat-template", metavar="FILE|NAME|TEXT",
+                   help="a Jinja2 chat template file instead of the GGUF's, a built-in format's name (chatml, "
+                        "llama2, llama3, gemma, ... as llama-server names them), or the template's text")
     p.add_argument("--verbose", action="store_true", help="llama.cpp's log and an access log")
     p.add_argument("--deterministic", action="store_true",
                    help="bit-identical answers whatever a request is batched with and whatever prefix the cache "
@@ -286,6 +337,42 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="batch slots a tenant over its fair share leaves free, so another tenant's request "
                         "starts at once (default: 1 with --tenants, else 0)")
     m = p.add_argument_group("llama.cpp (llama-server's flags)")
+    m.add_argument("--model", "-m", dest="model_flag", metavar="FILE", help="the GGUF model (llama-server's way)")
+    m.add_argument("--ctx-size", type=int, default=None, metavar="N",
+                   help="llama-server's context: N tokens of KV for all --parallel sequences (each gets N / "
+                        "--parallel; with --kv-unified, up to N each); --n-ctx is llamax's per-request size")
+    m.add_argument("--batch-size", "-b", type=int, default=None, help="tokens per decode (--n-batch)")
+    m.add_argument("--ubatch-size", "-ub", type=int, default=None, help="physical batch size (llama.cpp's n_ubatch)")
+    m.add_argument("--kv-unified", "-kvu", action="store_true",
+                   help="with --ctx-size: each sequence may use the whole context (llama-server's unified KV)")
+    m.add_argument("--seed", "-s", type=int, default=None,
+                   help="the seed of requests that send none (default: random; -1: random)")
+    for flag, name, kind in (("--temp", "temperature", float), ("--top-k", "top_k", int),
+                             ("--top-p", "top_p", float), ("--min-p", "min_p", float),
+                             ("--typical", "typical_p", float), ("--repeat-penalty", "repeat_penalty", float),
+                             ("--presence-penalty", "presence_penalty", float),
+                             ("--frequency-penalty", "frequency_penalty", float)):
+        m.add_argument(flag, dest=f"default_{name}", type=kind, default=None, metavar="X",
+                       help=f"the {name} of requests that send none (default: llama-server's)")
+    m.add_argument("--n-predict", "-n", type=int, default=-1, metavar="N",
+                   help="max tokens of a request that sets none (-1: up to the context; a tenant's cap wins)")
+    m.add_argument("--slots", dest="slots", action="store_true", default=True, help="enable GET /slots (default)")
+    m.add_argument("--no-slots", dest="slots", action="store_false", help="GET /slots answers 501")
+    m.add_argument("--cors-origins", metavar="ORIGINS",
+                   help="browser origins allowed to call the server: *, localhost (any localhost origin), or "
+                        "origins, comma-separated (default: none; llama-server allows every origin)")
+    m.add_argument("--reasoning", choices=("on", "off", "auto"), default="auto",
+                   help="thinking in templates that offer it: on, off (enable_thinking false), auto (the "
+                        "template's default)")
+    m.add_argument("--reasoning-format", choices=("auto", "deepseek"), default="auto",
+                   help="reasoning is split into reasoning_content (auto and deepseek: what llamax does)")
+    m.add_argument("--chat-template-file", metavar="FILE", help="a Jinja2 chat template file instead of the GGUF's")
+    m.add_argument("--jinja", action="store_true", help="accepted: llamax always renders Jinja2 templates")
+    m.add_argument("--no-jinja", action="store_true",
+                   help="accepted with a notice: llamax always renders the model's Jinja2 template")
+    m.add_argument("--offline", action="store_true", help="accepted: llamax never downloads anything")
+    m.add_argument("--cont-batching", "-cb", action="store_true", help="accepted: llamax always batches")
+    m.add_argument("--no-ui", action="store_true", help="accepted: llamax serves no web UI")
     m.add_argument("--cache-type-k", "-ctk", help="KV cache type for K: f16 (default), bf16, f32, q8_0, q5_1, "
                    "q5_0, q4_1, q4_0, iq4_nl")
     m.add_argument("--cache-type-v", "-ctv", help="KV cache type for V (a quantized one needs flash attention)")
@@ -333,19 +420,41 @@ def server_config(args):
     """The ServerConfig the parsed options describe (ValueError if they don't fit)."""
     keys, admin = _keys(args)
     scaled, scales = _scaled(args.lora_scaled)
-    template = None
-    if args.chat_template:
-        with open(args.chat_template, encoding="utf-8") as f:
-            template = f.read()
-    return ServerConfig(model=args.model, host=args.host, port=args.port, alias=args.alias,
-                        n_contexts=args.n_contexts, parallel=args.parallel, n_ctx=args.n_ctx,
-                        n_batch=args.n_batch, threads=args.threads, n_gpu_layers=args.n_gpu_layers, loras=args.lora + scaled, lora_dir=args.lora_dir,
+    if (args.model is None) == (args.model_flag is None):
+        raise ValueError("give the model once: MODEL.gguf, or -m/--model MODEL.gguf")
+    model = args.model if args.model is not None else args.model_flag
+    template, chat_format = _chat_template(args)
+    if args.chat_format is not None:
+        if chat_format is not None:
+            raise ValueError("give --chat-format or a built-in --chat-template name, not both")
+        chat_format = args.chat_format
+    n_ctx = args.n_ctx
+    if args.ctx_size is not None:
+        if args.n_ctx != 4096:
+            raise ValueError("give --n-ctx (per request) or --ctx-size (llama-server's: for all slots), not both")
+        if args.ctx_size < 1:
+            raise ValueError("--ctx-size must be >= 1")
+        n_ctx = args.ctx_size if args.kv_unified else max(1, args.ctx_size // max(1, args.parallel))
+    elif args.kv_unified:
+        raise ValueError("--kv-unified means something with --ctx-size only (--n-ctx is per request already)")
+    if args.batch_size is not None and args.n_batch != 512:
+        raise ValueError("give --n-batch or --batch-size, not both")
+    if args.no_jinja:
+        print("python -m llamax serve: --no-jinja: llamax always renders the model's Jinja2 chat template",
+              file=sys.stderr)
+    defaults = {k[len("default_"):]: v for k, v in vars(args).items() if k.startswith("default_") and v is not None}
+    return ServerConfig(model=model, host=args.host, port=args.port, alias=args.alias,
+                        n_contexts=args.n_contexts, parallel=args.parallel, n_ctx=n_ctx,
+                        n_batch=args.n_batch if args.batch_size is None else args.batch_size,
+                        threads=args.threads, sampling_defaults=defaults, n_predict=args.n_predict,
+                        slots=args.slots, cors_origins=args.cors_origins,
+                        enable_thinking={"on": True, "off": False, "auto": None}[args.reasoning], n_gpu_layers=args.n_gpu_layers, loras=args.lora + scaled, lora_dir=args.lora_dir,
                         max_loaded_adapters=args.max_loaded_adapters, control_vectors=args.control_vector,
                         prefix_cache=args.prefix_cache,
                         api_keys=keys, admin_api_keys=admin, allow_runtime_lora=args.allow_runtime_lora,
                         max_queue=args.max_queue, metrics=args.metrics, max_body_bytes=args.max_body_bytes,
                         request_timeout=args.request_timeout, shutdown_timeout=args.shutdown_timeout,
-                        chat_format=args.chat_format, chat_template=template, verbose=args.verbose,
+                        chat_format=chat_format, chat_template=template, verbose=args.verbose,
                         lora_scales=scales, llama_options=llama_options(args), tenants=args.tenants,
                         usage_log=args.usage_log, reserve_slots=args.reserve_slots,
                         reasoning_budget=args.reasoning_budget, reasoning_budget_message=args.reasoning_budget_message,

@@ -299,7 +299,8 @@ class NativeFront:
         return {"data": dumps(err.body())}
 
 
-def settings(body: NativeCompletionRequest, cb: protocol.CompletionRequest, n_ctx: int) -> dict:
+def settings(body: NativeCompletionRequest, cb: protocol.CompletionRequest, n_ctx: int,
+             defaults: dict | None = None) -> dict:
     """``generation_settings``: what the request runs with."""
     from llamax.sampling import SAMPLING_FIELDS, field_wire
     out: dict = {"n_ctx": n_ctx, "n_predict": cb.max_tokens, "seed": cb.seed if cb.seed is not None else -1,
@@ -310,5 +311,5 @@ def settings(body: NativeCompletionRequest, cb: protocol.CompletionRequest, n_ct
                  "lora": [e.model_dump() for e in body.lora] if body.lora else []}
     for f in SAMPLING_FIELDS:
         v = getattr(cb, field_wire(f), None)
-        out[field_wire(f)] = f.default if v is None else v
+        out[field_wire(f)] = (defaults or {}).get(f.name, f.default) if v is None else v
     return out

@@ -78,8 +78,13 @@ async def model_card(model_id: str, request: Request, backend=Depends(ready)):
 def _tenant_max_tokens(request: Request) -> int | None:
     """A request's max_tokens when it sends none: its tenant's cap (before
     the route's own default, which a capped tenant never gets: a number the
-    client did not send is never refused as over the cap)."""
-    return _caller(request).tenant.limits.max_tokens
+    client did not send is never refused as over the cap), else the server's
+    --n-predict (None when it is -1)."""
+    cap = _caller(request).tenant.limits.max_tokens
+    if cap is not None:
+        return cap
+    n = request.app.state.config.n_predict
+    return n if n > 0 else None
 
 
 def _model_route(request: Request, model: str | None) -> None:
@@ -214,8 +219,23 @@ async def apply_template(body: protocol.ApplyTemplateRequest, request: Request, 
     return await backend.apply_template(body, request)
 
 
+@router.get("/props", dependencies=user)
+async def props(backend=Depends(ready)):
+    return await backend.props()
+
+
+@router.post("/chat/completions/input_tokens", dependencies=user)
+@router.post("/v1/chat/completions/input_tokens", dependencies=user)
+async def chat_input_tokens(body: protocol.ChatCompletionRequest, request: Request, backend=Depends(ready)):
+    """llama-server's token count of a chat request: its prompt, as it would run."""
+    return {"input_tokens": await backend.input_tokens(body, request)}
+
+
 @router.get("/slots", dependencies=user)
 async def slots(backend=Depends(ready)):
+    if not backend.cfg.slots:
+        raise APIError(501, "the slots endpoint is off (the server was started with --no-slots)",
+                       code="slots_disabled")
     return await backend.slots()
 
 

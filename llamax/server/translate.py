@@ -67,18 +67,20 @@ def logit_bias(lb):
         raise APIError(400, "logit_bias keys must be token ids (as strings)", param="logit_bias") from None
 
 
-def sampling(body: protocol.SamplingFields, n_ctx: int, max_tokens) -> dict:
+def sampling(body: protocol.SamplingFields, n_ctx: int, max_tokens, defaults: dict | None = None) -> dict:
     """``prepare_*`` keywords from the OpenAI fields: every sampling field
-    (``llamax.sampling.SamplingParams``) by its wire name, an unset one at its
-    default (llama-server's: temperature 0.8, top_k 40, top_p 0.95, min_p
-    0.05), and the stops, grammar and cache switches."""
+    (``llamax.sampling.SamplingParams``) by its wire name, an unset one at the
+    server's default (``defaults``: --temp, --top-k, ...) or else llama-server's
+    (temperature 0.8, top_k 40, top_p 0.95, min_p 0.05), and the stops,
+    grammar and cache switches."""
+    defaults = defaults or {}
     if max_tokens is not None and max_tokens > n_ctx:
         raise APIError(400, f"max_tokens={max_tokens} is more than the context of {n_ctx} tokens",
                        param="max_tokens")
     kw = {}
     for f in SAMPLING_FIELDS:
         v = getattr(body, field_wire(f))
-        kw[f.name] = f.default if v is None else v
+        kw[f.name] = defaults.get(f.name, f.default) if v is None else v
     kw["logit_bias"] = logit_bias(body.logit_bias)
     kw.update(max_tokens=max_tokens, stop=stops(body.stop), grammar=body.grammar, cache_prompt=body.cache_prompt,
               deterministic=body.deterministic)
@@ -107,13 +109,18 @@ def reasoning_budget(body: protocol.ChatCompletionRequest, default: int = -1,
     return n, default_message if message is None else message
 
 
-def chat_kwargs(body: protocol.ChatCompletionRequest, n_ctx: int, loras, cvecs, budget: tuple = (-1, None)) -> dict:
+def chat_kwargs(body: protocol.ChatCompletionRequest, n_ctx: int, loras, cvecs, budget: tuple = (-1, None),
+                defaults: dict | None = None, enable_thinking: bool | None = None) -> dict:
     """``prepare_chat_completion`` keywords for one choice (the caller sets
     ``seed`` per choice); ``budget``: the server's default thinking budget
-    and message."""
+    and message; ``defaults``: its sampling defaults; ``enable_thinking``:
+    the templates' variable when the request sets none (--reasoning)."""
     messages = text_content(body.messages)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    kw = sampling(body, n_ctx, max_tokens)
+    kw = sampling(body, n_ctx, max_tokens, defaults)
+    tkw = body.chat_template_kwargs
+    if enable_thinking is not None and (tkw is None or "enable_thinking" not in tkw):
+        tkw = dict(tkw or {}, enable_thinking=enable_thinking)
     kw["max_reasoning_tokens"], kw["reasoning_budget_message"] = reasoning_budget(body, *budget)
     rf = body.response_format
     if rf is not None and rf.get("type") == "text":
@@ -121,7 +128,7 @@ def chat_kwargs(body: protocol.ChatCompletionRequest, n_ctx: int, loras, cvecs, 
     kw.update(messages=messages, stream=body.stream, logprobs=body.logprobs, top_logprobs=body.top_logprobs,
               response_format=rf, tools=body.tools, tool_choice=body.tool_choice,
               parallel_tool_calls=body.parallel_tool_calls, functions=body.functions,
-              function_call=body.function_call, chat_template_kwargs=body.chat_template_kwargs,
+              function_call=body.function_call, chat_template_kwargs=tkw,
               reasoning_effort=body.reasoning_effort,
               active_loras=loras, control_vectors=cvecs, assistant_prefill=body.assistant_prefill)
     return kw
@@ -141,10 +148,10 @@ def split_prompts(body: protocol.CompletionRequest) -> list:
     return prompts
 
 
-def completion_kwargs(body: protocol.CompletionRequest, n_ctx: int, loras, cvecs) -> dict:
+def completion_kwargs(body: protocol.CompletionRequest, n_ctx: int, loras, cvecs, defaults: dict | None = None) -> dict:
     """``prepare_completion`` keywords shared by every prompt and choice (the
     caller sets ``prompt`` and ``seed``)."""
-    kw = sampling(body, n_ctx, body.max_tokens if body.max_tokens is not None else 16)
+    kw = sampling(body, n_ctx, body.max_tokens if body.max_tokens is not None else 16, defaults)
     kw.update(stream=body.stream, echo=body.echo, logprobs=body.logprobs, suffix=body.suffix,
               active_loras=loras, control_vectors=cvecs)
     return kw

@@ -237,7 +237,9 @@ def _reference_env():
 
 
 def _same(src, messages, **kw):
-    kw = dict(dict(add_generation_prompt=True, tools=None), **kw)  # ChatTemplate.render's defaults
+    # ChatTemplate.render's defaults (date_string, datetime: llama.cpp's extra context, today's date
+    # unless given; fixed here so that plain jinja2 renders the same)
+    kw = dict(dict(add_generation_prompt=True, tools=None, date_string="26 Jul 2024", datetime="Jul 26 2024"), **kw)
     try:
         expected = _reference_env().from_string(src).render(messages=messages, bos_token="<s>", eos_token="</s>",
                                                             **kw)
@@ -348,3 +350,13 @@ def test_llama_cpp_templates_are_found():
     if not TEMPLATE_DIRS[0].is_dir():
         pytest.skip("third_party/llama.cpp is not checked out (the build fetches it)")
     assert sum(1 for k in REAL if ":" not in k) >= 50
+
+
+def test_templates_get_todays_date_as_llama_cpp_gives_it():
+    import datetime
+    t = ChatTemplate("{{ date_string }}|{{ datetime }}", bos_token="<s>", eos_token="</s>")
+    got = t.render([{"role": "user", "content": "x"}])
+    now = datetime.datetime.now()
+    assert got in (now.strftime("%d %b %Y|%b %d %Y"),
+                   (now - datetime.timedelta(seconds=5)).strftime("%d %b %Y|%b %d %Y"))  # (midnight)
+    assert t.render([{"role": "user", "content": "x"}], date_string="26 Jul 2024").startswith("26 Jul 2024|")

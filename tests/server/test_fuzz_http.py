@@ -41,7 +41,7 @@ DEFAULT = {"/v1/chat/completions": 60, "/v1/completions": 30, "/v1/embeddings": 
 SLOW = int(os.environ.get("LLAMAX_HTTP_FUZZ_EXAMPLES", "400"))
 ADMIN_ROUTES = {"/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/lora-adapters"}
 GET_PATHS = ["/health", "/v1/models", "/models", "/lora-adapters", "/slots", "/metrics", "/v1/models/smol",
-             "/v1/models/coder", "/v1/chat/completions", "/v1/responses/resp_nope"]
+             "/v1/models/coder", "/v1/chat/completions", "/v1/responses/resp_nope", "/props"]
 
 
 @pytest.fixture(scope="module")

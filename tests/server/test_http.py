@@ -374,7 +374,7 @@ def test_lora_table_in_metrics(http):
 
 def test_metrics_off(locked):
     r = httpx.get(locked.url + "/metrics", headers={"X-Api-Key": KEYS[0]})
-    err(r, 404, "metrics_disabled")
+    err(r, 501, "metrics_disabled")  # (llama-server's status: not supported)
 
 
 def test_adapters_on_demand(smollm2_path, adapters):

@@ -338,7 +338,7 @@ class LocalBackend(Serving):
 
     async def metrics(self) -> Response:
         if not self.cfg.metrics:
-            raise APIError(404, "metrics are off (start the server with --metrics)", code="metrics_disabled")
+            raise APIError(501, "metrics are off (start the server with --metrics)", code="metrics_disabled")
         from llamax.server.metrics import render
         body, ctype = render(self)
         return Response(body, media_type=ctype)

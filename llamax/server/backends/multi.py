@@ -164,6 +164,9 @@ class MultiBackend:
     async def metrics(self):
         return await self.first.metrics()
 
+    async def props(self):
+        return await self.first.props()
+
 
 class _AllSet:
     """``is_set()`` of several events at once."""

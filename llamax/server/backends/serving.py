@@ -160,7 +160,8 @@ class Serving:
         self.generating(request.url.path)
         loras, cvecs = self.resolve(body, request)
         base = dict(translate.chat_kwargs(body, self.cfg.n_ctx, loras, cvecs,
-                                             (self.cfg.reasoning_budget, self.cfg.reasoning_budget_message)), **self.scheduling(body, request))
+                                             (self.cfg.reasoning_budget, self.cfg.reasoning_budget_message),
+                                             self.cfg.sampling_defaults, self.cfg.enable_thinking), **self.scheduling(body, request))
         model_name = self._model_route(request, body)
         seed = body.seed
         prepared = await self._prepare(request, self.llm.prepare_chat_completion, body.n,
@@ -173,7 +174,8 @@ class Serving:
         self.generating(request.url.path)
         loras, cvecs = self.resolve(body, request)
         kw = translate.chat_kwargs(body, self.cfg.n_ctx, loras, cvecs,
-                                   (self.cfg.reasoning_budget, self.cfg.reasoning_budget_message))
+                                   (self.cfg.reasoning_budget, self.cfg.reasoning_budget_message),
+                                   self.cfg.sampling_defaults, self.cfg.enable_thinking)
         prepared = await asyncio.to_thread(self.llm.prepare_chat_completion, **kw)
         prepared.close()
         return prepared.n_prompt_tokens
@@ -188,7 +190,7 @@ class Serving:
             lambda: model.detokenize_text(translate.token_ids(p, model.n_vocab, "prompt").astype(np.int32),
                                           special=True, errors="replace"))
         front = native.NativeFront(body, model, body.model or self.cfg.alias, text,
-                                   native.settings(body, cb, self.cfg.n_ctx))
+                                   native.settings(body, cb, self.cfg.n_ctx, self.cfg.sampling_defaults))
         return await self.completions(cb, request, front)
 
     async def completions(self, body: protocol.CompletionRequest, request: Request, front: Front | None = None):
@@ -213,7 +215,7 @@ class Serving:
             return out
 
         token_prompts = await asyncio.to_thread(tokenized)
-        base = dict(translate.completion_kwargs(body, self.cfg.n_ctx, loras, cvecs), **self.scheduling(body, request))
+        base = dict(translate.completion_kwargs(body, self.cfg.n_ctx, loras, cvecs, self.cfg.sampling_defaults), **self.scheduling(body, request))
         if front is not None:
             base["timings"] = True  # (its answer reports them)
         model_name = self._model_route(request, body)
@@ -289,6 +291,28 @@ class Serving:
         raise NotImplementedError
 
     # -- llama-server's utility routes ------------------------------------------------
+
+    async def props(self) -> dict:
+        """llama-server's GET /props: the server's defaults and the model's
+        facts (its path, template, special tokens)."""
+        from llamax.sampling import SAMPLING_FIELDS, field_wire
+        cfg, llm = self.cfg, self.llm
+        model = llm.model
+        params = {field_wire(f): cfg.sampling_defaults.get(f.name, f.default) for f in SAMPLING_FIELDS
+                  if f.name != "logit_bias"}
+        params.update(seed=cfg.llama_options.get("seed", -1), n_predict=cfg.n_predict)
+
+        def piece(tok: int) -> str:
+            return "" if tok < 0 else model.token_to_piece(tok, special=True).decode("utf-8", "replace")
+
+        return {"default_generation_settings": {"params": params, "n_ctx": cfg.n_ctx},
+                "total_slots": cfg.parallel * cfg.n_contexts, "model_alias": cfg.alias, "model_path": cfg.model,
+                "modalities": {"vision": False, "video": False, "audio": False},
+                "endpoint_slots": cfg.slots, "endpoint_props": True, "endpoint_metrics": cfg.metrics,
+                "ui": False, "chat_template": llm.chat_template_source or "",
+                "bos_token": piece(model.special_tokens["bos"]), "eos_token": piece(model.special_tokens["eos"]),
+                "build_info": f"llamax {llamax.__version__}", "is_sleeping": False,
+                "generates": llm.generates}
 
     async def tokenize(self, body: protocol.TokenizeRequest, request: Request):
         model = self.llm.model

@@ -190,7 +190,7 @@ class Ingress(Serving):
                        code="not_found")
 
     async def metrics(self):
-        raise APIError(404, "--metrics is for the single-process server; on Ray Serve, use Ray's own "
+        raise APIError(501, "--metrics is for the single-process server; on Ray Serve, use Ray's own "
                        "Prometheus metrics", code="metrics_disabled")
 
     def _ray_error(self, e: BaseException) -> APIError:
