@@ -1042,7 +1042,7 @@ class Llama(_SessionMixin):
                                reasoning_effort: str | None = None, share: Share | None = None,
                                cache_salt: str | None = None, max_reasoning_tokens: int | None = None,
                                reasoning_budget_message: str | None = None,
-                               deterministic: bool | None = None) -> PreparedRequest:
+                               deterministic: bool | None = None, timings: bool = False) -> PreparedRequest:
         """An OpenAI-style chat completion through the model's chat template,
         checked and ready to run (see :class:`~llamax.request.PreparedRequest`);
         :meth:`create_chat_completion` runs it at once.
@@ -1118,7 +1118,8 @@ class Llama(_SessionMixin):
             adapters=AdapterSet.of(active_loras, control_vectors, control_vector), max_tokens=max_tokens,
             logprobs=n_top, stop=stop, grammar=None if grammar is None else GrammarSpec(grammar, triggers, starts),
             share=share, cache_salt=cache_salt, cache_prompt=cache_prompt, cancel=cancel,
-            logits_processor=logits_processor, stopping_criteria=stopping_criteria, reasoning_budget=budget))
+            logits_processor=logits_processor, stopping_criteria=stopping_criteria, reasoning_budget=budget,
+            timings=timings))
         fmt = ChatFormatter(self._native_model, f"chatcmpl-{uuid.uuid4()}", int(time.time()), model or self.model_path,
                             bool(logprobs), plan)
         return PreparedRequest(handle, fmt, stream)

@@ -24,6 +24,12 @@ def run(args) -> int:
     opts = None
     try:
         cfg = server_config(args)
+        if args.replicas is not None and cfg.sleep_idle_seconds is not None:
+            raise ValueError("--sleep-idle-seconds is for the single-process server (Ray Serve scales replicas "
+                             "itself)")
+        if args.replicas is not None and "," in cfg.host:
+            raise ValueError("--host with several addresses is for the single-process server (Ray Serve's proxy "
+                             "listens on one)")
         if args.replicas is None and args.ray_address:
             raise ValueError("--ray-address needs --replicas")
         if args.replicas is None and args.max_adapter_sets is not None:

@@ -75,6 +75,9 @@ class ServerConfig:
     cors_origins: str | None = None    # "*", "localhost" or origins, comma-separated (None: no CORS)
     # llama-server's --reasoning: the templates' enable_thinking (None: the template's default)
     enable_thinking: bool | None = None
+    # llama-server's --sleep-idle-seconds: the model is let go after this long
+    # without a request, and loaded again by the next one (None: never)
+    sleep_idle_seconds: float | None = None
 
     def __post_init__(self):
         if self.alias is None:
@@ -118,6 +121,12 @@ class ServerConfig:
         if isinstance(self.n_predict, bool) or not isinstance(self.n_predict, int) or self.n_predict < -1 \
                 or self.n_predict == 0:
             raise ValueError(f"--n-predict must be -1 (no limit) or a number of tokens >= 1, not {self.n_predict!r}")
+        if self.sleep_idle_seconds is not None:
+            if not self.sleep_idle_seconds > 0:
+                raise ValueError("--sleep-idle-seconds must be > 0 (-1: never sleep)")
+            if self.allow_runtime_lora:
+                raise ValueError("--sleep-idle-seconds with --allow-runtime-lora: waking would have to read "
+                                 "runtime-loaded adapter files again; give adapters with --lora instead")
         if self.tenants is not None:
             from llamax.server.tenants import load_tenants
             load_tenants(self.tenants)  # a bad file stops the server before it starts
@@ -373,6 +382,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--offline", action="store_true", help="accepted: llamax never downloads anything")
     m.add_argument("--cont-batching", "-cb", action="store_true", help="accepted: llamax always batches")
     m.add_argument("--no-ui", action="store_true", help="accepted: llamax serves no web UI")
+    # llama-server's flags llamax refuses, each with its reason (not silently ignored)
+    m.add_argument("--context-shift", action="store_true", help="refused: llamax never shifts the context")
+    m.add_argument("--slot-save-path", metavar="DIR", help="refused: llamax's slots share one prefix cache")
+    m.add_argument("--cache-ram", "-cram", type=int, default=None, metavar="MiB",
+                   help="refused: llamax keeps cached prefixes in the contexts' KV (--prefix-cache)")
+    m.add_argument("--reranking", "--rerank", action="store_true", help="refused: llamax serves no reranker yet")
+    m.add_argument("--sleep-idle-seconds", type=float, default=-1, metavar="N",
+                   help="let the model go after N seconds without a request (its memory freed); the next "
+                        "request loads it again (default -1: never)")
     m.add_argument("--cache-type-k", "-ctk", help="KV cache type for K: f16 (default), bf16, f32, q8_0, q5_1, "
                    "q5_0, q4_1, q4_0, iq4_nl")
     m.add_argument("--cache-type-v", "-ctv", help="KV cache type for V (a quantized one needs flash attention)")
@@ -420,6 +438,16 @@ def server_config(args):
     """The ServerConfig the parsed options describe (ValueError if they don't fit)."""
     keys, admin = _keys(args)
     scaled, scales = _scaled(args.lora_scaled)
+    for flag, given, why in (
+            ("--context-shift", args.context_shift, "llamax never shifts the context: a reply ends where the "
+             "context does (finish_reason length), and a prompt over it is a 400"),
+            ("--slot-save-path", args.slot_save_path, "llamax's slots share one prefix cache (a request reuses "
+             "any cached prefix whatever slot it runs in), so there is no slot's KV to save or restore by id"),
+            ("--cache-ram", args.cache_ram, "llamax keeps cached prefixes in the contexts' KV (--prefix-cache "
+             "any|exact|off); a RAM cache of saved states is the library's LlamaRAMCache"),
+            ("--reranking", args.reranking, "llamax serves no reranker yet (/rerank)")):
+        if given:
+            raise ValueError(f"{flag} is not supported: {why}")
     if (args.model is None) == (args.model_flag is None):
         raise ValueError("give the model once: MODEL.gguf, or -m/--model MODEL.gguf")
     model = args.model if args.model is not None else args.model_flag
@@ -448,6 +476,7 @@ def server_config(args):
                         n_batch=args.n_batch if args.batch_size is None else args.batch_size,
                         threads=args.threads, sampling_defaults=defaults, n_predict=args.n_predict,
                         slots=args.slots, cors_origins=args.cors_origins,
+                        sleep_idle_seconds=None if args.sleep_idle_seconds == -1 else args.sleep_idle_seconds,
                         enable_thinking={"on": True, "off": False, "auto": None}[args.reasoning], n_gpu_layers=args.n_gpu_layers, loras=args.lora + scaled, lora_dir=args.lora_dir,
                         max_loaded_adapters=args.max_loaded_adapters, control_vectors=args.control_vector,
                         prefix_cache=args.prefix_cache,

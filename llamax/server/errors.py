@@ -17,17 +17,21 @@ class APIError(Exception):
     """An error the server answers with: status code, message, param, code."""
 
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 headers: dict | None = None):
+                 headers: dict | None = None, type: str | None = None, extra: dict | None = None):
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
         self.headers = headers
+        self.type = type or _TYPES.get(status, "server_error")
+        self.extra = extra  # more fields of the error object (llama-server's n_prompt_tokens, n_ctx)
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": _TYPES.get(self.status, "server_error"),
-                          "param": self.param, "code": self.code}}
+        e = {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
+        if self.extra:
+            e.update(self.extra)
+        return {"error": e}
 
     def anthropic_body(self) -> dict:
         """Anthropic's error shape (the routes of its Messages API)."""
@@ -77,6 +81,11 @@ BY_CLASS: dict[type, tuple[int, str]] = {
 }
 
 
+# llama-server's error types where it has its own (its clients read them);
+# the code stays OpenAI's
+_TYPE_OF_CODE = {"context_length_exceeded": "exceed_context_size_error"}
+
+
 def from_exception(exc: BaseException) -> APIError | None:
     """The APIError for an exception llamax raises (its class's row in
     BY_CLASS, or its nearest base's); None for anything else."""
@@ -93,5 +102,5 @@ def from_exception(exc: BaseException) -> APIError | None:
         if status == 500:
             msg = f"{type(exc).__name__}: {msg}"
         headers = {"Retry-After": "1"} if status == 503 else None
-        return APIError(status, msg, code=code, headers=headers)
+        return APIError(status, msg, code=code, headers=headers, type=_TYPE_OF_CODE.get(code))
     return None

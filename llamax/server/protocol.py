@@ -60,6 +60,7 @@ class AdapterFields(StrictModel):
 
 class SamplingFields(AdapterFields):
     max_tokens: Optional[int] = Field(default=None, ge=1)
+    n_predict: Optional[int] = Field(default=None, ge=-1)  # llama-server's name of max_tokens (-1: no limit)
     temperature: Optional[float] = Field(default=None, ge=0.0, le=2.0)
     top_p: Optional[float] = Field(default=None, ge=0.0, le=1.0)
     top_k: Optional[int] = Field(default=None, ge=0)
@@ -79,6 +80,9 @@ class SamplingFields(AdapterFields):
     mirostat_tau: float = Field(default=5.0, ge=0.0, allow_inf_nan=False)
     mirostat_eta: float = Field(default=0.1, ge=0.0, allow_inf_nan=False)
     cache_prompt: bool = True
+    json_schema: Optional[dict[str, Any]] = None     # llama-server's: the reply constrained to this schema
+    timings_per_token: bool = False                  # llama-server's: a stream's usage chunk carries timings
+    id_slot: Optional[int] = Field(default=None, ge=-1)  # llama-server's; accepted, no effect (one shared cache)
     deterministic: Optional[bool] = None             # true: only where the server runs --deterministic
     metadata: Optional[dict[str, Any]] = None        # accepted, no effect
     store: Optional[bool] = None                      # accepted, no effect
@@ -105,6 +109,8 @@ class ChatCompletionRequest(SamplingFields):
     reasoning_budget_message: Optional[str] = Field(default=None, max_length=4096)
     thinking_budget_message: Optional[str] = Field(default=None, max_length=4096)
     assistant_prefill: bool = False
+    # llama-server's: false continues the last (assistant) message, as assistant_prefill
+    add_generation_prompt: bool = True
 
 
 class CompletionRequest(SamplingFields):

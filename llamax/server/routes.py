@@ -104,6 +104,7 @@ async def chat(body: protocol.ChatCompletionRequest, request: Request, backend=D
 async def _chat(body: protocol.ChatCompletionRequest, request: Request, backend: Backend, front=None):
     """A chat request, from the chat route or another API's (``front``)."""
     _model_route(request, body.model)
+    translate.n_predict(body)
     asked = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     if asked is None:
         body.max_tokens = asked = _tenant_max_tokens(request)
@@ -165,6 +166,7 @@ async def count_tokens(body: anthropic.CountTokensRequest, request: Request, bac
 @router.post("/completions", dependencies=user, include_in_schema=False)
 async def completions(body: protocol.CompletionRequest, request: Request, backend=Depends(ready)):
     _model_route(request, body.model)
+    translate.n_predict(body)
     if body.max_tokens is None:
         # the tenant's cap, then OpenAI's legacy default of 16
         limit = _tenant_max_tokens(request)
@@ -237,6 +239,14 @@ async def slots(backend=Depends(ready)):
         raise APIError(501, "the slots endpoint is off (the server was started with --no-slots)",
                        code="slots_disabled")
     return await backend.slots()
+
+
+@router.post("/slots/{id_slot}", dependencies=user)
+async def slot_action(id_slot: str):
+    """llama-server's save, restore and erase of a slot's KV: not offered."""
+    raise APIError(501, "slot save, restore and erase are not supported: llamax's slots share one prefix cache "
+                   "(a request reuses any cached prefix whatever slot it runs in), so a slot holds no KV of its "
+                   "own to save by id", code="not_supported")
 
 
 # -- adapters (llama-server's and vLLM's routes) ------------------------------------------

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import socket
 import sys
 
 import uvicorn
@@ -30,7 +31,39 @@ async def _announce(server: uvicorn.Server, backend, cfg: ServerConfig) -> None:
             port = sock.getsockname()[1]
             break
     what, how = backend.summary()
-    print(f"llamax: {what} at http://{cfg.host}:{port}/v1 ({how})", flush=True)
+    hosts = hosts_of(cfg.host)
+    first = f"[{hosts[0]}]" if ":" in hosts[0] else hosts[0]
+    also = "".join(f", also on {h}" for h in hosts[1:])
+    print(f"llamax: {what} at http://{first}:{port}/v1 ({how}{also})", flush=True)
+
+
+def hosts_of(host: str) -> list[str]:
+    """``--host``: one address, or several, comma-separated (llama-server's
+    list); an IPv6 address with or without brackets."""
+    return [h.strip().strip("[]") for h in host.split(",") if h.strip()]
+
+
+def listen(hosts: list[str], port: int) -> list[socket.socket]:
+    """Sockets listening on each address, on one port (port 0: the first
+    one's free port, then that one everywhere)."""
+    out: list[socket.socket] = []
+    try:
+        for h in hosts:
+            family = socket.AF_INET6 if ":" in h else socket.AF_INET
+            s = socket.socket(family, socket.SOCK_STREAM)
+            out.append(s)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            s.bind((h, port))
+            port = s.getsockname()[1]
+            s.listen(2048)
+            s.set_inheritable(True)
+    except OSError:
+        for s in out:
+            s.close()
+        raise
+    return out
 
 
 def _reload(tenancy) -> None:
@@ -58,6 +91,15 @@ def serve_backend(backend) -> int:
                           access_log=cfg.verbose, timeout_graceful_shutdown=cfg.shutdown_timeout,
                           lifespan="on")
     server = uvicorn.Server(ucfg)
+    hosts = hosts_of(cfg.host)
+    socks = None
+    if len(hosts) > 1:
+        try:
+            socks = listen(hosts, cfg.port)
+        except OSError as e:
+            print(f"llamax: cannot listen on {cfg.host} port {cfg.port}: {e.strerror or e}", file=sys.stderr,
+                  flush=True)
+            return 1
 
     async def main():
         tenancy = app.state.tenancy
@@ -65,7 +107,7 @@ def serve_backend(backend) -> int:
             asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, _reload, tenancy)
         watch = asyncio.ensure_future(_announce(server, backend, cfg))
         try:
-            await server.serve()
+            await server.serve(sockets=socks)
         finally:
             watch.cancel()
 

@@ -13,6 +13,7 @@ from fastapi import Request
 from fastapi.responses import Response
 from sse_starlette.sse import EventSourceResponse
 
+from llamax import __version__ as llamax_version
 from llamax.request import PreparedRequest
 from llamax.server.errors import APIError, from_exception
 from llamax.server.http import dumps
@@ -100,11 +101,32 @@ def usage_sum(usages: list[dict]) -> dict:
     return out
 
 
+# the answers' system_fingerprint (llama-server's begins with "b", its build)
+FINGERPRINT = f"b-llamax-{llamax_version}"
+
+
+def timings(prepared: list[PreparedRequest]) -> dict | None:
+    """llama-server's ``timings`` of requests that ran with timings (the
+    slowest prompt, the longest generation, the tokens summed)."""
+    done = [p.handle.done for p in prepared]
+    if not done or any(d is None or d.prompt_seconds is None for d in done):
+        return None
+    p_n = sum(d.n_prompt - d.n_cached for d in done)
+    g_n = sum(len(d.tokens) for d in done)
+    p_ms = 1000.0 * max(d.prompt_seconds for d in done)
+    g_ms = 1000.0 * max(d.gen_seconds or 0.0 for d in done)
+    return {"cache_n": sum(d.n_cached for d in done), "prompt_n": p_n, "prompt_ms": p_ms,
+            "prompt_per_token_ms": p_ms / p_n if p_n else 0.0, "prompt_per_second": 1000.0 * p_n / p_ms if p_ms else 0.0,
+            "predicted_n": g_n, "predicted_ms": g_ms, "predicted_per_token_ms": g_ms / g_n if g_n else 0.0,
+            "predicted_per_second": 1000.0 * g_n / g_ms if g_ms else 0.0}
+
+
 def merge(results: list[dict], model_name: str) -> dict:
     """The choices of ``n`` answers to one prompt as one answer (the prompt
     counted once, as OpenAI does)."""
     out = dict(results[0])
     out["model"] = model_name
+    out["system_fingerprint"] = FINGERPRINT
     choices = []
     for i, r in enumerate(results):
         for c in r["choices"]:
@@ -184,9 +206,11 @@ class _Stream:
     def __init__(self, prepared: list[PreparedRequest], *, model_name: str, object_name: str,
                  include_usage: bool, continuous: bool, time_left: float, timeout_s: float,
                  on_status: Callable[[int], None], on_usage: Callable[[dict], None],
-                 on_first: Callable[[], None] | None = None, front: Front | None = None):
+                 on_first: Callable[[], None] | None = None, front: Front | None = None,
+                 with_timings: bool = False):
         self.prepared = prepared
         self.front = front
+        self.with_timings = with_timings  # the usage chunk carries llama-server's timings
         self.model_name = model_name
         self.object_name = object_name
         self.include_usage = include_usage
@@ -234,6 +258,7 @@ class _Stream:
                 cid = cid or chunk["id"]
                 chunk["id"] = cid
                 chunk["model"] = self.model_name
+                chunk["system_fingerprint"] = FINGERPRINT
                 for c in chunk["choices"]:
                     c["index"] = i
                 u = chunk.pop("usage", None)
@@ -252,8 +277,12 @@ class _Stream:
                 self.on_status(200)
                 return
             if self.include_usage:
-                yield dumps({"id": cid, "object": self.object_name, "created": int(time.time()),
-                             "model": self.model_name, "choices": [], "usage": total})
+                last = {"id": cid, "object": self.object_name, "created": int(time.time()),
+                        "model": self.model_name, "system_fingerprint": FINGERPRINT, "choices": [], "usage": total}
+                t = timings(self.prepared) if self.with_timings else None
+                if t is not None:
+                    last["timings"] = t
+                yield dumps(last)
             yield "[DONE]"
             self.on_status(200)
         except asyncio.CancelledError:
@@ -283,7 +312,7 @@ async def respond(request: Request, prepared: list[PreparedRequest], *, stream: 
                   merge_fn: Callable[[list[dict]], dict], object_name: str, model_name: str, deadline: float,
                   timeout_s: float, on_status: Callable[[int], None],
                   on_usage: Callable[[dict], None], on_first: Callable[[], None] | None = None,
-                  front: Front | None = None):
+                  front: Front | None = None, with_timings: bool = False):
     """Run prepared requests (one per choice) to one answer or one SSE
     stream (the places they hold are given back by the request's admission,
     llamax.server.context, when it is over), in ``front``'s shape if given."""
@@ -307,7 +336,7 @@ async def respond(request: Request, prepared: list[PreparedRequest], *, stream: 
                 include_usage=bool(stream_options and stream_options.include_usage),
                 continuous=bool(stream_options and stream_options.continuous_usage_stats),
                 time_left=time_left, timeout_s=timeout_s, on_status=on_status, on_usage=on_usage,
-                on_first=on_first, front=front)
+                on_first=on_first, front=front, with_timings=with_timings)
 
     return EventSourceResponse(s.events(), send_timeout=30, ping=15,
                                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

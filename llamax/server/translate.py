@@ -82,9 +82,30 @@ def sampling(body: protocol.SamplingFields, n_ctx: int, max_tokens, defaults: di
         v = getattr(body, field_wire(f))
         kw[f.name] = defaults.get(f.name, f.default) if v is None else v
     kw["logit_bias"] = logit_bias(body.logit_bias)
-    kw.update(max_tokens=max_tokens, stop=stops(body.stop), grammar=body.grammar, cache_prompt=body.cache_prompt,
-              deterministic=body.deterministic)
+    grammar = body.grammar
+    if body.json_schema is not None:
+        if grammar is not None:
+            raise APIError(400, "give json_schema or grammar, not both", param="json_schema")
+        from llamax.grammar import JSON_OBJECT_GBNF, json_schema_to_gbnf
+        grammar = JSON_OBJECT_GBNF if not body.json_schema else json_schema_to_gbnf(body.json_schema)
+    kw.update(max_tokens=max_tokens, stop=stops(body.stop), grammar=grammar, cache_prompt=body.cache_prompt,
+              deterministic=body.deterministic, timings=body.timings_per_token)
     return kw
+
+
+def n_predict(body: protocol.SamplingFields) -> None:
+    """llama-server's ``n_predict`` as ``max_tokens`` (-1: none); the two
+    must agree when both are sent."""
+    n = body.n_predict
+    if n is None:
+        return
+    if n == 0:
+        raise APIError(400, "n_predict 0 (evaluate the prompt only) is not supported: give 1 or more, or -1",
+                       param="n_predict")
+    want = None if n < 0 else n
+    if body.max_tokens is not None and body.max_tokens != want:
+        raise APIError(400, f"n_predict={n} and max_tokens={body.max_tokens} disagree: send one", param="n_predict")
+    body.max_tokens = want
 
 
 def reasoning_budget(body: protocol.ChatCompletionRequest, default: int = -1,
@@ -125,12 +146,20 @@ def chat_kwargs(body: protocol.ChatCompletionRequest, n_ctx: int, loras, cvecs, 
     rf = body.response_format
     if rf is not None and rf.get("type") == "text":
         rf = None
+    if rf is not None and body.json_schema is not None:
+        raise APIError(400, "give response_format or json_schema, not both", param="json_schema")
+    prefill = body.assistant_prefill
+    if not body.add_generation_prompt:
+        if messages[-1].get("role") != "assistant":
+            raise APIError(400, "add_generation_prompt false continues the last message: it must be the "
+                           "assistant's", param="add_generation_prompt")
+        prefill = True
     kw.update(messages=messages, stream=body.stream, logprobs=body.logprobs, top_logprobs=body.top_logprobs,
               response_format=rf, tools=body.tools, tool_choice=body.tool_choice,
               parallel_tool_calls=body.parallel_tool_calls, functions=body.functions,
               function_call=body.function_call, chat_template_kwargs=tkw,
               reasoning_effort=body.reasoning_effort,
-              active_loras=loras, control_vectors=cvecs, assistant_prefill=body.assistant_prefill)
+              active_loras=loras, control_vectors=cvecs, assistant_prefill=prefill)
     return kw
 
 

@@ -6,6 +6,8 @@ llama-server does.  Flags llamax can't honour are refused by name."""
 from __future__ import annotations
 
 import argparse
+import json
+import time
 
 import httpx
 import pytest
@@ -55,6 +57,8 @@ def test_no_slots_and_no_metrics_are_501(ls):
     for path in ("/slots", "/metrics"):
         r = httpx.get(ls.url + path)
         assert r.status_code == 501 and r.json()["error"]["type"] == "not_supported_error"
+    r = httpx.post(ls.url + "/slots/0?action=save", json={"filename": "x.bin"})
+    assert r.status_code == 501 and "prefix cache" in r.json()["error"]["message"]
 
 
 @pytest.mark.parametrize("origin,allowed", [("http://localhost:3000", True), ("http://127.0.0.1", True),
@@ -103,9 +107,115 @@ def test_flags_map_onto_the_config(smollm2_path, tmp_path):
     (["--chat-template", "no-such-format"], "built-in name"),
     (["--n-predict", "0"], "--n-predict"),
     (["--batch-size", "64", "--n-batch", "128"], "not both"),
+    (["--context-shift"], "never shifts the context"),
+    (["--slot-save-path", "/tmp"], "share one prefix cache"),
+    (["--cache-ram", "100"], "--prefix-cache"),
+    (["--reranking"], "reranker"),
+    (["--sleep-idle-seconds", "0"], "--sleep-idle-seconds"),
 ])
 def test_refused_flag_combinations(smollm2_path, argv, needle):
     with pytest.raises(ValueError, match=needle):
         _config(smollm2_path, *argv)
     with pytest.raises(ValueError, match="give the model once"):
         _config(smollm2_path, "-m", smollm2_path)
+
+
+def test_openai_routes_take_llama_servers_fields(server):
+    msgs = [{"role": "user", "content": "Tell me a long story."}]
+    with httpx.Client(base_url=server.url, timeout=120) as c:
+        a = c.post("/v1/chat/completions", json={"messages": msgs, "n_predict": 3, "temperature": 0, "id_slot": 0})
+        assert a.status_code == 200, a.text
+        a = a.json()
+        assert a["usage"]["completion_tokens"] == 3 and a["system_fingerprint"].startswith("b")
+        r = c.post("/v1/chat/completions", json={"messages": msgs, "n_predict": 3, "max_tokens": 4})
+        assert r.status_code == 400 and "disagree" in r.json()["error"]["message"]
+        c3 = c.post("/v1/completions", json={"prompt": "Once", "n_predict": 3, "temperature": 0}).json()
+        assert c3["usage"]["completion_tokens"] == 3 and c3["system_fingerprint"].startswith("b")
+        schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
+                  "additionalProperties": False}
+        j = c.post("/v1/chat/completions", json={"messages": msgs, "json_schema": schema, "max_tokens": 30,
+                                                  "temperature": 0}).json()
+        assert set(json.loads(j["choices"][0]["message"]["content"])) == {"n"}
+        convo = msgs + [{"role": "assistant", "content": "Once upon a time, a"}]
+        cont = c.post("/v1/chat/completions", json={"messages": convo, "add_generation_prompt": False,
+                                                     "max_tokens": 6, "temperature": 0}).json()
+        pre = c.post("/v1/chat/completions", json={"messages": convo, "assistant_prefill": True,
+                                                    "max_tokens": 6, "temperature": 0}).json()
+        assert cont["choices"][0]["message"]["content"] == pre["choices"][0]["message"]["content"]
+        r = c.post("/v1/chat/completions", json={"messages": msgs, "add_generation_prompt": False})
+        assert r.status_code == 400 and "assistant" in r.json()["error"]["message"]
+
+
+def test_stream_timings_and_fingerprint(server):
+    body = {"messages": [{"role": "user", "content": "test"}], "max_tokens": 10, "stream": True,
+            "stream_options": {"include_usage": True}, "timings_per_token": True}
+    with httpx.Client(base_url=server.url, timeout=120) as c, c.stream("POST", "/v1/chat/completions", json=body) as r:
+        events = [json.loads(ln[6:]) for ln in r.iter_lines() if ln.startswith("data: {")]
+    assert all(e["system_fingerprint"].startswith("b") for e in events)
+    last = events[-1]
+    assert last["choices"] == [] and last["timings"]["predicted_n"] == last["usage"]["completion_tokens"] <= 10
+    assert last["timings"]["predicted_per_second"] > 0 and "timings" not in events[0]
+
+
+def test_context_overflow_is_llama_servers_error(ls):
+    msgs = [{"role": "user", "content": "What is the best book? " * 40}] * 10
+    r = httpx.post(ls.url + "/v1/chat/completions", json={"messages": msgs}, timeout=120)
+    assert r.status_code == 400
+    e = r.json()["error"]
+    assert e["type"] == "exceed_context_size_error" and e["code"] == "context_length_exceeded"
+    assert e["n_ctx"] == 512 and e["n_prompt_tokens"] > 512
+
+
+def test_a_host_list_listens_on_each(smollm2_path):
+    import socket
+    try:
+        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as probe:
+            probe.bind(("::1", 0))
+        hosts, urls = "127.0.0.1,::1", ["http://127.0.0.1:{}", "http://[::1]:{}"]
+    except OSError:  # (no IPv6 loopback here: two IPv4 loopback addresses)
+        hosts, urls = "127.0.0.1,127.0.0.2", ["http://127.0.0.1:{}", "http://127.0.0.2:{}"]
+    s = Server([smollm2_path, "--host", hosts, "--api-key", "k"])
+    try:
+        port = s.url.rsplit(":", 1)[1]
+        for u in urls:
+            assert httpx.get(u.format(port) + "/health").status_code == 200
+            assert httpx.post(u.format(port) + "/v1/completions", json={}).status_code == 401
+            r = httpx.post(u.format(port) + "/v1/completions", headers={"Authorization": "Bearer k"},
+                           json={"prompt": "Once", "max_tokens": 2}, timeout=60)
+            assert r.status_code == 200
+    finally:
+        s.stop()
+
+
+def test_sleep_when_idle_and_wake_on_a_request(smollm2_path, adapters):
+    """--sleep-idle-seconds: the model is let go when idle (its memory
+    freed); /health, /props, /v1/models and /metrics answer without waking
+    it; a generation loads it again, adapters included, and answers as before."""
+    s = Server([smollm2_path, "--sleep-idle-seconds", "1", "--metrics", "--lora", f"coder={adapters['coder']}"])
+    try:
+        with httpx.Client(base_url=s.url, timeout=120) as c:
+            body = {"prompt": "Once upon a time", "max_tokens": 6, "temperature": 0, "model": "coder"}
+            before = c.post("/v1/completions", json=body).json()["choices"][0]["text"]
+            rss_awake = _rss(s.proc.pid)
+            deadline = time.monotonic() + 30
+            while not c.get("/props").json()["is_sleeping"]:
+                assert time.monotonic() < deadline, "the server did not fall asleep"
+                time.sleep(0.2)
+            assert _rss(s.proc.pid) < rss_awake - (20 << 20)  # the weights and KV are let go
+            metrics = c.get("/metrics").text
+            assert c.get("/health").json() == {"status": "ok"}
+            assert "coder" in {m["id"] for m in c.get("/v1/models").json()["data"]}
+            assert c.get("/metrics").text == metrics and c.get("/props").json()["is_sleeping"]
+            after = c.post("/v1/completions", json=body)
+            assert after.status_code == 200 and after.json()["choices"][0]["text"] == before
+            assert c.get("/props").json()["is_sleeping"] is False
+    finally:
+        s.stop()
+
+
+def _rss(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")

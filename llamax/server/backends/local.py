@@ -35,6 +35,10 @@ __all__ = ["LocalBackend", "Counters", "open_llama"]
 logger = logging.getLogger("llamax.server")
 
 
+# GET routes that only read what the server says about itself: they don't wake a sleeping model
+READ_ONLY = ("/props", "/v1/models", "/models", "/metrics", "/lora-adapters")
+
+
 def embedding_only(cfg: ServerConfig) -> bool:
     """Whether the server serves embeddings only: ``--embedding``, or a
     model whose attention is not causal (the BERT family: an encoder,
@@ -99,6 +103,13 @@ class LocalBackend(Serving):
         self.prometheus_registry = None  # /metrics' collector (llamax.server.metrics), made on first use
         self.tenancy = None  # llamax.server.tenancy.Tenancy (build_app sets it)
         self.coalescer: Coalescer | None = None  # concurrent embedding requests, one native call
+        # --sleep-idle-seconds: requests using the model now, when the last one
+        # ended, whether the model is let go, and what /props and /metrics said then
+        self.users = 0
+        self.last_used = time.monotonic()
+        self.sleeping = False
+        self.asleep: dict = {}
+        self.sleep_lock: asyncio.Lock | None = None
 
     # -- lifetime -------------------------------------------------------------
 
@@ -113,23 +124,34 @@ class LocalBackend(Serving):
             max_workers=self.capacity + self.cfg.max_queue + 16, thread_name_prefix="llamax-worker"))
         if self.llm is None and not self.loaded.is_set():
             threading.Thread(target=self.load, name="llamax-load", daemon=True).start()
+        self.sleep_lock = asyncio.Lock()
+        idle = asyncio.ensure_future(self._sleep_when_idle()) if self.cfg.sleep_idle_seconds else None
         try:
             yield
         finally:
+            if idle is not None:
+                idle.cancel()
             await asyncio.to_thread(self.close)
+
+    def _open(self, record: bool = True):
+        """The model with its --lora adapters (a worker thread)."""
+        cfg = self.cfg
+        llm = open_llama(cfg)
+        try:
+            for name, path in cfg.loras:
+                self._load_lora_file(llm, name, path)
+                if record:
+                    self.adapters.record(name, path)
+        except BaseException:
+            llm.close()
+            raise
+        return llm
 
     def load(self) -> None:
         cfg = self.cfg
         try:
-            llm = open_llama(cfg)
-            try:
-                for name, path in cfg.loras:
-                    self._load_lora_file(llm, name, path)
-                    self.adapters.record(name, path)
-                self.adapters.default_set = [{"name": n, "scale": s} for n, s in cfg.lora_scales.items() if s != 0.0]
-            except BaseException:
-                llm.close()
-                raise
+            llm = self._open()
+            self.adapters.default_set = [{"name": n, "scale": s} for n, s in cfg.lora_scales.items() if s != 0.0]
             self.coalescer = Coalescer(llm)
             self.llm = llm
         except BaseException as e:
@@ -207,16 +229,73 @@ class LocalBackend(Serving):
         return APIError(503, "the model failed to load" + why, code="load_failed")
 
     async def ready(self, request: Request) -> None:
-        """Raise 503 unless the model is loaded (the routes' dependency)."""
+        """Raise 503 unless the model is loaded (the routes' dependency); a
+        sleeping model is loaded again, except for the routes that only read
+        what the server says about itself (/props, /v1/models, /metrics)."""
         if not self.loaded.is_set():
             raise APIError(503, "the model is loading", code="loading", headers={"Retry-After": "1"})
+        read_only = request.method == "GET" and request.url.path.startswith(READ_ONLY)
+        if self.sleeping or (self.sleep_lock is not None and self.sleep_lock.locked()):
+            if read_only:
+                return
+            await self._wake()
         if self.llm is None:
             raise self._load_failed(request)
+        self.users += 1
+        # (a read-only route holds the model while it answers, but is no activity that keeps it awake)
+        request_context(request).admission.hold(lambda: self._used(not read_only))
+
+    def _used(self, active: bool) -> None:
+        self.users -= 1
+        if active:
+            self.last_used = time.monotonic()
+
+    # -- sleeping (--sleep-idle-seconds) ----------------------------------------
+
+    async def _sleep_when_idle(self) -> None:
+        n = self.cfg.sleep_idle_seconds
+        while True:
+            await asyncio.sleep(min(0.25, n / 4))
+            if self.sleeping or self.llm is None or self.users or self.in_flight \
+                    or time.monotonic() - self.last_used < n:
+                continue
+            async with self.sleep_lock:
+                if self.sleeping or self.llm is None or self.users or self.in_flight:
+                    continue
+                # what /props and /metrics say while it sleeps
+                self.asleep = {"props": await self.props()}
+                if self.cfg.metrics:
+                    from llamax.server.metrics import render
+                    self.asleep["metrics"] = render(self)
+                self.sleeping = True
+                llm, self.llm, self.coalescer = self.llm, None, None
+                await asyncio.to_thread(llm.close)
+                logger.warning("idle for %g s: the model is let go until the next request", n)
+
+    async def _wake(self) -> None:
+        async with self.sleep_lock:
+            if not self.sleeping:
+                return
+            try:
+                llm = await asyncio.to_thread(self._open, False)
+            except BaseException as e:
+                logger.error("the model failed to load again: %s: %s", type(e).__name__, e)
+                raise APIError(503, "the model failed to load again after sleeping (the server's log says why)",
+                               code="load_failed", headers={"Retry-After": "1"}) from None
+            self.coalescer = Coalescer(llm)
+            self.llm = llm
+            self.sleeping = False
+            self.last_used = time.monotonic()
+
+    async def props(self) -> dict:
+        if self.sleeping:
+            return dict(self.asleep["props"], is_sleeping=True)
+        return await super().props()
 
     async def health(self, request: Request):
         if not self.loaded.is_set():
             return error_response(APIError(503, "Loading model", code="loading", headers={"Retry-After": "1"}))
-        if self.llm is None:
+        if self.llm is None and not self.sleeping:
             return error_response(self._load_failed(request))
         return {"status": "ok"}
 
@@ -230,7 +309,7 @@ class LocalBackend(Serving):
     async def listing(self) -> list[dict]:
         """/lora-adapters: every offered adapter, its id, file, default scale
         and whether it is in memory."""
-        info = {e["name"]: e for e in self.llm.list_loras()}
+        info = {e["name"]: e for e in self.llm.list_loras()} if self.llm is not None else {}
         default = {s["name"]: s["scale"] for s in self.adapters.default_set}
         out = []
         for name, i in sorted(self.adapters.ids.items(), key=lambda kv: kv[1]):
@@ -340,7 +419,7 @@ class LocalBackend(Serving):
         if not self.cfg.metrics:
             raise APIError(501, "metrics are off (start the server with --metrics)", code="metrics_disabled")
         from llamax.server.metrics import render
-        body, ctype = render(self)
+        body, ctype = self.asleep["metrics"] if self.sleeping else render(self)
         return Response(body, media_type=ctype)
 
 

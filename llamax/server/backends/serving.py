@@ -115,8 +115,11 @@ class Serving:
             n_ctx = self.llm.n_ctx()
             for p in prepared:
                 if p.n_prompt_tokens > n_ctx:
-                    raise APIError(400, f"the prompt is {p.n_prompt_tokens} tokens, more than the context of "
-                                   f"{n_ctx}: shorten it", param="messages", code="context_length_exceeded")
+                    raise APIError(400, f"the request exceeds the available context size: the prompt is "
+                                   f"{p.n_prompt_tokens} tokens, more than the context of {n_ctx}: shorten it",
+                                   param="messages", code="context_length_exceeded",
+                                   type="exceed_context_size_error",
+                                   extra={"n_prompt_tokens": p.n_prompt_tokens, "n_ctx": n_ctx})
             return prepared
         except TimeoutError:
             self._drop(prepared)
@@ -141,7 +144,7 @@ class Serving:
             timeout_s=self.cfg.request_timeout,
             on_status=lambda status: self._status(request, endpoint, status),
             on_usage=lambda u: self._usage(request, u, prepared), on_first=lambda: _first_token(request),
-            front=front)
+            front=front, with_timings=getattr(body, "timings_per_token", False))
 
     def _model_route(self, request: Request, body: protocol.AdapterFields) -> str:
         """The model name the answer carries (the alias when the body named none)."""
