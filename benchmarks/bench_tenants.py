@@ -109,10 +109,12 @@ class Server:
         threading.Thread(target=lambda: [None for _ in self.proc.stdout], daemon=True).start()
 
     def slots(self) -> list[dict]:
-        """/slots: per generation context, the batcher's sequences and counters."""
+        """/slots (one entry per sequence slot): per generation context, the
+        batcher's sequences and counters."""
         r = httpx.get(self.url + "/slots", timeout=60, headers={"Authorization": f"Bearer {KEY_A}"})
         r.raise_for_status()
-        return r.json()
+        return list({s["id_context"]: dict(s["context"], is_processing=s["is_processing"])
+                     for s in r.json()}.values())
 
     def counters(self) -> dict[str, float]:
         """The batcher's counters so far, summed over the contexts: decodes,

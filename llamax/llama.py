@@ -1486,6 +1486,22 @@ class Llama(_SessionMixin):
             [sp["fim_pre"], *pre, sp["fim_suf"], *suf]
         return np.asarray(bos + head + [sp["fim_mid"]], dtype=np.int32), text
 
+    def infill_tokens(self, prefix: str, suffix: str, middle: str = "", extra: list | None = None) -> list[int]:
+        """The tokens of a fill-in-the-middle prompt, as llama-server's
+        /infill builds it: ``extra`` files (``(filename, text)`` pairs), each
+        after a plain separator line, then BOS (if the model adds one),
+        <FIM_PRE> prefix <FIM_SUF> suffix <FIM_MID> (or the suffix first with
+        ``spm_infill``), then ``middle``: the start of the middle, already
+        written.  Special tokens in the texts stay text; a model without FIM
+        tokens is refused."""
+        head = self._infill_tokens(prefix, suffix)[0].tolist()
+        files: list[int] = []
+        for filename, text in extra or ():
+            files += self._native_model.tokenize(f"\n\n--- snippet: {filename} ---\n\n{text}", add_special=False,
+                                                 parse_special=False).tolist()
+        bos = head[:1] if self._native_model.add_bos and head[:1] == [self._native_model.token_bos] else []
+        return bos + files + head[len(bos):] + self._continuation_tokens(middle)
+
     def _continuation_tokens(self, text: str) -> list[int]:
         """``text`` as tokens that continue others: no BOS, special tokens
         as text, and no leading space where the tokenizer adds one to a

@@ -72,15 +72,17 @@ def test_readme_stays_a_front_door():
 def _route_table() -> list[tuple[list[tuple[str, str]], str]]:
     """docs/server.md's Routes table: per row, its (method, path) pairs and
     the text of its second cell.  ``POST /a``, ``/b`` is POST for both;
-    "(also without `/v1`)" adds each of the row's paths without its /v1."""
+    "(also without `/v1`)" adds each path before it without its /v1."""
     text = (ROOT / "docs" / "server.md").read_text(encoding="utf-8")
     table = text.split("## Routes", 1)[1].split("\n\n", 2)[1]
     rows = []
     for line in table.splitlines()[2:]:
         first, what = [c.strip() for c in line.strip("|").split("|", 1)]
         pairs, method = [], None
-        bare = "(also without `/v1`)" in first
-        for code in re.findall(r"`([^`]+)`", first.replace("(also without `/v1`)", "")):
+        marker = "(also without `/v1`)"
+        before = first.split(marker, 1)[0].count("`") // 2 if marker in first else 0
+        for k, code in enumerate(re.findall(r"`([^`]+)`", first.replace(marker, ""))):
+            bare = k < before
             m = re.fullmatch(r"(?:(GET|POST|PUT|DELETE) )?(/\S*)", code)
             if not m:
                 continue

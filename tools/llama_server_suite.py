@@ -63,7 +63,7 @@ name = " ".join(x for x in (repo, file, model) if x).lower()
 embedding = any(k in name for k in ("bert", "bge", "minilm", "nomic-embed", "jina-embeddings"))
 path = {minilm!r} if embedding else {smol!r}
 if {target!r} == "llamax":
-    cmd = [{python!r}, "-m", "llamax", "serve", path] + rest
+    cmd = [{python!r}, "-m", "llamax", "serve", path] + rest + {extra!r}
 else:
     cmd = [{target!r}, "--model", path] + rest
 sys.stdout.flush()
@@ -113,7 +113,8 @@ def _outcomes(xml_path: Path) -> dict[str, str]:
     return out
 
 
-def run(target: str, files: list[str], k: str | None, timeout: int) -> dict[str, str]:
+def run(target: str, files: list[str], k: str | None, timeout: int, extra: tuple = (),
+        log: str | None = None) -> dict[str, str]:
     _ensure_requirements()
     from llamax_dev import data
     tests = _suite_dir()
@@ -121,7 +122,7 @@ def run(target: str, files: list[str], k: str | None, timeout: int) -> dict[str,
     work = Path(tempfile.mkdtemp(prefix="llamax-suite-"))
     launcher = work / "llama-server"
     launcher.write_text(LAUNCHER.format(python=sys.executable, target=exe, smol=str(data.smollm2()),
-                                        minilm=str(data.minilm("f16"))))
+                                        minilm=str(data.minilm("f16")), extra=list(extra)))
     launcher.chmod(0o755)
     (work / "llamax_suite_plugin.py").write_text(PLUGIN)
     env = dict(os.environ, LLAMA_SERVER_BIN_PATH=str(launcher), LLAMA_CACHE=str(work / "cache"),
@@ -132,12 +133,15 @@ def run(target: str, files: list[str], k: str | None, timeout: int) -> dict[str,
     for name in names:
         xml = work / f"{name}.xml"
         cmd = [sys.executable, "-m", "pytest", f"unit/{name}", "-m", "not slow", "-q", "-p", "llamax_suite_plugin",
-               "-p", "no:cacheprovider", f"--junitxml={xml}", "-o", "junit_family=xunit1"]
+               "-p", "no:cacheprovider", f"--junitxml={xml}", "-o", "junit_family=xunit1", "--tb=line", "-rf"]
         if k:
             cmd += ["-k", k]
         try:
-            subprocess.run(cmd, cwd=tests, env=env, timeout=timeout, stdout=subprocess.DEVNULL,
-                           stderr=subprocess.DEVNULL)
+            out = subprocess.run(cmd, cwd=tests, env=env, timeout=timeout, stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT, text=True).stdout
+            if log:
+                with open(log, "a") as f:
+                    f.write(f"==== {name}\n{out[-20000:]}\n")
         except subprocess.TimeoutExpired:
             print(f"{name}: timed out after {timeout} s", flush=True)
         got = _outcomes(xml)
@@ -169,13 +173,17 @@ def main() -> None:
     ap.add_argument("-k", help="pytest's -k expression")
     ap.add_argument("--timeout", type=int, default=1800, help="seconds per file (default 1800)")
     ap.add_argument("--json", help="write every test's outcome here")
+    ap.add_argument("--log", help="append each file's pytest output (failures, one line each) here")
+    ap.add_argument("--any-model", action="store_true",
+                    help="start llamax with --any-model: the suite's bodies name models the server does not "
+                         "have (\"test\", \"gpt-4.1\"), which llamax answers with a 404 unless told otherwise")
     ap.add_argument("--compare", nargs=2, metavar=("A.json", "B.json"), help="tests that pass on one, fail on the other")
     a = ap.parse_args()
     if a.compare:
         return compare(*a.compare)
     if a.target not in ("llamax", "llama-server"):
         ap.error("--target is llamax or llama-server")
-    outcomes = run(a.target, a.files, a.k, a.timeout)
+    outcomes = run(a.target, a.files, a.k, a.timeout, ("--any-model",) if a.any_model else (), a.log)
     if a.json:
         Path(a.json).write_text(json.dumps({"target": a.target, "tests": outcomes}, indent=1, sort_keys=True))
 

@@ -42,21 +42,24 @@ class AdapterTable:
         self.ids, self.paths, self.default_set = snap["ids"], snap["paths"], snap["default_set"]
 
     def resolve(self, body: protocol.AdapterFields, alias: str, control_vectors: set[str],
-                tenant: Tenant = ANONYMOUS) -> tuple[list[dict] | None, list[dict] | None]:
+                tenant: Tenant = ANONYMOUS, any_model: bool = False) -> tuple[list[dict] | None, list[dict] | None]:
         """(active_loras, control_vectors) for a request of ``tenant``: by
         ``model``, by ``active_loras`` or llama-server's ``lora``, else the
         tenant's default set (or the server's).  An adapter the tenant may
-        not use is answered as one that does not exist."""
+        not use is answered as one that does not exist: a 404, or with
+        ``any_model`` (--any-model) the base model, as for any name the
+        server does not know."""
         ids = {n: i for n, i in self.ids.items() if tenant.may_use_adapter(n)}
         target = None
         m = body.model
         if m is not None and m != alias:
             name = m[len(alias) + 1:] if m.startswith(alias + ":") else m
-            if name not in ids:
+            if name in ids:
+                target = name
+            elif not any_model:
                 raise APIError(404, f"the model {m!r} does not exist: this server serves {alias!r} and "
                                f"the adapters {sorted(ids)} (GET /v1/models lists them)",
                                param="model", code="model_not_found")
-            target = name
         if body.active_loras is not None and body.lora is not None:
             raise APIError(400, "pass active_loras (by name) or lora (by id), not both", param="lora")
         explicit = None
@@ -188,7 +191,8 @@ def model_cards(cfg: ServerConfig, created: int, listing: list[dict], admin: boo
     shape).  ``root`` is the file's path for an admin key only; others see
     the card's id there."""
     base = {"id": cfg.alias, "object": "model", "created": created, "owned_by": "llamax",
-            "root": cfg.model if admin else cfg.alias, "parent": None, "max_model_len": cfg.n_ctx}
+            "root": cfg.model if admin else cfg.alias, "parent": None, "max_model_len": cfg.n_ctx,
+            "aliases": [cfg.alias, *cfg.aliases], "tags": list(cfg.tags)}
     cards = [base]
     for e in listing:
         cards.append({"id": e["name"], "object": "model", "created": created, "owned_by": "llamax",

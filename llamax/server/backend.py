@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
     from llamax.server import protocol
     from llamax.server.config import ServerConfig
-    from llamax.server.native import NativeCompletionRequest
+    from llamax.server.native import InfillRequest, NativeCompletionRequest
     from llamax.server.streaming import Front
 
 __all__ = ["Backend", "ProcessBackend"]
@@ -51,6 +51,9 @@ class Backend(Protocol):
 
     async def native_completion(self, body: NativeCompletionRequest, request: Request) -> Any:
         """llama-server's /completion (its body, its answer's shape)."""
+
+    async def infill(self, body: InfillRequest, request: Request) -> Any:
+        """llama-server's /infill (a fill-in-the-middle prompt, answered as /completion)."""
 
     async def embeddings(self, body: protocol.EmbeddingRequest, request: Request) -> Any: ...
 

@@ -78,8 +78,20 @@ class ServerConfig:
     # llama-server's --sleep-idle-seconds: the model is let go after this long
     # without a request, and loaded again by the next one (None: never)
     sleep_idle_seconds: float | None = None
+    # a model name the server does not know gets the base model, as on
+    # llama-server (for clients that send a fixed name); default: a 404
+    any_model: bool = False
+    # more names of the base model (llama-server's --alias A,B,C: the first is
+    # its id), and llama-server's --tags (labels on its /v1/models card)
+    aliases: list[str] = dataclasses.field(default_factory=list)
+    tags: list[str] = dataclasses.field(default_factory=list)
 
     def __post_init__(self):
+        if self.alias is not None and "," in self.alias:
+            names = [a.strip() for a in self.alias.split(",") if a.strip()]
+            if not names:
+                raise ValueError("--alias names no name")
+            self.alias, self.aliases = names[0], names[1:] + [a for a in self.aliases if a not in names]
         if self.alias is None:
             self.alias = Path(self.model).stem
         unknown = set(self.lora_scales) - {n for n, _ in self.loras}
@@ -98,8 +110,9 @@ class ServerConfig:
         dup = {n for n in names if names.count(n) > 1}
         if dup:
             raise ValueError(f"--lora names appear twice: {sorted(dup)}")
-        if self.alias in names:
-            raise ValueError(f"an adapter may not be named like the model alias {self.alias!r}")
+        if self.alias in names or set(self.aliases) & set(names):
+            raise ValueError(f"an adapter may not be named like the model's aliases "
+                             f"{sorted(set(self.aliases) & set(names)) or [self.alias]}")
         if self.tenants is not None and self.api_keys:
             raise ValueError("--api-key with --tenants: give every key a tenant in the tenants file "
                              "(admin keys stay --admin-api-key)")
@@ -371,11 +384,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="browser origins allowed to call the server: *, localhost (any localhost origin), or "
                         "origins, comma-separated (default: none; llama-server allows every origin)")
     m.add_argument("--reasoning", choices=("on", "off", "auto"), default="auto",
-                   help="thinking in templates that offer it: on, off (enable_thinking false), auto (the "
-                        "template's default)")
+                   help="thinking in templates that offer it: on, off (enable_thinking false, and a thinking "
+                        "budget of 0 where the request sets none), auto (the template's default)")
     m.add_argument("--reasoning-format", choices=("auto", "deepseek"), default="auto",
                    help="reasoning is split into reasoning_content (auto and deepseek: what llamax does)")
     m.add_argument("--chat-template-file", metavar="FILE", help="a Jinja2 chat template file instead of the GGUF's")
+    m.add_argument("--tags", metavar="A,B", help="labels on the model's /v1/models card (llama-server's)")
+    m.add_argument("--any-model", action="store_true",
+                   help="a request naming a model this server does not know gets the base model, as on "
+                        "llama-server (clients that send a fixed model name: Claude Code, ...); default: 404")
     m.add_argument("--jinja", action="store_true", help="accepted: llamax always renders Jinja2 templates")
     m.add_argument("--no-jinja", action="store_true",
                    help="accepted with a notice: llamax always renders the model's Jinja2 template")
@@ -475,7 +492,8 @@ def server_config(args):
                         n_contexts=args.n_contexts, parallel=args.parallel, n_ctx=n_ctx,
                         n_batch=args.n_batch if args.batch_size is None else args.batch_size,
                         threads=args.threads, sampling_defaults=defaults, n_predict=args.n_predict,
-                        slots=args.slots, cors_origins=args.cors_origins,
+                        slots=args.slots, cors_origins=args.cors_origins, any_model=args.any_model,
+                        tags=[t.strip() for t in (args.tags or "").split(",") if t.strip()],
                         sleep_idle_seconds=None if args.sleep_idle_seconds == -1 else args.sleep_idle_seconds,
                         enable_thinking={"on": True, "off": False, "auto": None}[args.reasoning], n_gpu_layers=args.n_gpu_layers, loras=args.lora + scaled, lora_dir=args.lora_dir,
                         max_loaded_adapters=args.max_loaded_adapters, control_vectors=args.control_vector,

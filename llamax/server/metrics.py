@@ -17,6 +17,9 @@ from llamax.server.tenancy import TTFT_BUCKETS
 class _Collector:
     def __init__(self, backend):
         self.backend = backend
+        # llama-server's throughput gauges cover the time since the previous
+        # scrape: (prompt tokens decoded, their seconds, tokens generated, theirs) then
+        self.window = (0, 0.0, 0, 0.0)
 
     def collect(self):
         e = self.backend
@@ -34,7 +37,10 @@ class _Collector:
                     table[k] += v
         with c.lock:
             prompt, predicted, cached = c.prompt_tokens, c.predicted_tokens, c.cached_tokens
+            timed = (c.timed_prompt_tokens, c.prompt_seconds, c.timed_predicted_tokens, c.predicted_seconds)
             requests = dict(c.requests)
+        d = [now - then for now, then in zip(timed, self.window)]
+        self.window = timed
         running = min(e.in_flight, e.capacity)
         waiting = max(0, e.in_flight - e.capacity)
 
@@ -52,6 +58,17 @@ class _Collector:
                       prompt)
         yield counter("llamacpp:tokens_predicted", "Generated tokens of finished requests.", predicted)
         yield counter("llamacpp:n_decode", "llama_decode calls of the batchers.", stats["n_decodes"])
+        yield counter("llamacpp:prompt_tokens_cached", "Prompt tokens read from the prefix cache.", cached)
+        yield counter("llamacpp:prompt_seconds", "Seconds of prompt processing of the requests that timed it "
+                      "(each from its start, past any queue, to its first token).", timed[1])
+        yield counter("llamacpp:tokens_predicted_seconds", "Seconds of generation of the requests that timed it.",
+                      timed[3])
+        yield gauge("llamacpp:prompt_tokens_seconds", "Prompt tokens decoded per second since the previous scrape.",
+                    d[0] / d[1] if d[1] > 0 else 0.0)
+        yield gauge("llamacpp:predicted_tokens_seconds", "Tokens generated per second since the previous scrape.",
+                    d[2] / d[3] if d[3] > 0 else 0.0)
+        yield gauge("llamacpp:n_busy_slots_per_decode", "Mean sequences per decode since start.",
+                    stats["n_seq_decoded"] / stats["n_decodes"] if stats["n_decodes"] else 0.0)
         yield gauge("llamacpp:requests_processing", "Requests running.", running)
         yield gauge("llamacpp:requests_deferred", "Requests waiting for a sequence slot.", waiting)
         yield gauge("llamax:queue_depth", "Requests admitted and not yet running.", waiting)

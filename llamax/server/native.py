@@ -57,8 +57,28 @@ class NativeCompletionRequest(protocol.AdapterFields):
     return_tokens: bool = False
     response_fields: Optional[list[str]] = Field(default=None, max_length=64)
     timings_per_token: bool = False
+    return_progress: bool = False      # true is refused: no prompt progress events
     ignore_eos: bool = False
     deterministic: Optional[bool] = None
+
+
+class InfillRequest(NativeCompletionRequest):
+    """llama-server's /infill: the code before and after the gap, other
+    files for context, and ``prompt``: the start of the middle, already typed."""
+    input_prefix: str = ""
+    input_suffix: str = ""
+    input_extra: Optional[list[Any]] = Field(default=None, max_length=64)
+
+
+def infill_extra(body: InfillRequest) -> list[tuple[str, str]]:
+    """``input_extra``'s (filename, text) pairs, checked."""
+    out = []
+    for k, chunk in enumerate(body.input_extra or ()):
+        if not isinstance(chunk, dict) or not isinstance(chunk.get("text"), str) \
+                or not isinstance(chunk.get("filename"), str) or set(chunk) - {"text", "filename"}:
+            raise APIError(400, f"input_extra[{k}] must be {{\"filename\": str, \"text\": str}}", param="input_extra")
+        out.append((chunk["filename"], chunk["text"]))
+    return out
 
 
 def _prompt(body: NativeCompletionRequest):
@@ -115,6 +135,9 @@ def _eog(model) -> list[int]:
 def completion_body(body: NativeCompletionRequest, n_ctx: int, model) -> protocol.CompletionRequest:
     """The completion request a native body means (a bad field is a 400
     naming it)."""
+    if body.return_progress:
+        from llamax.server.translate import NO_PROGRESS
+        raise APIError(400, NO_PROGRESS, param="return_progress")
     if body.post_sampling_probs:
         raise APIError(400, "post_sampling_probs is not supported: llamax reports the model's own "
                        "probabilities (logprob, top_logprobs), before the sampler's filters", param="post_sampling_probs")
@@ -312,4 +335,7 @@ def settings(body: NativeCompletionRequest, cb: protocol.CompletionRequest, n_ct
     for f in SAMPLING_FIELDS:
         v = getattr(cb, field_wire(f), None)
         out[field_wire(f)] = (defaults or {}).get(f.name, f.default) if v is None else v
+    # llama-server's shape: [{"token", "bias"}], a ban's bias null (its -inf)
+    out["logit_bias"] = [{"token": int(k), "bias": None if b <= -1e30 else b}
+                         for k, b in (cb.logit_bias or {}).items()]
     return out

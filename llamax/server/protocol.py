@@ -82,6 +82,7 @@ class SamplingFields(AdapterFields):
     cache_prompt: bool = True
     json_schema: Optional[dict[str, Any]] = None     # llama-server's: the reply constrained to this schema
     timings_per_token: bool = False                  # llama-server's: a stream's usage chunk carries timings
+    return_progress: bool = False                    # llama-server's prompt progress events: true is refused
     id_slot: Optional[int] = Field(default=None, ge=-1)  # llama-server's; accepted, no effect (one shared cache)
     deterministic: Optional[bool] = None             # true: only where the server runs --deterministic
     metadata: Optional[dict[str, Any]] = None        # accepted, no effect

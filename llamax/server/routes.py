@@ -163,7 +163,6 @@ async def count_tokens(body: anthropic.CountTokensRequest, request: Request, bac
 
 
 @router.post("/v1/completions", dependencies=user)
-@router.post("/completions", dependencies=user, include_in_schema=False)
 async def completions(body: protocol.CompletionRequest, request: Request, backend=Depends(ready)):
     _model_route(request, body.model)
     translate.n_predict(body)
@@ -176,8 +175,15 @@ async def completions(body: protocol.CompletionRequest, request: Request, backen
 
 
 @router.post("/completion", dependencies=user)
+@router.post("/completions", dependencies=user, include_in_schema=False)
 async def native_completion(body: native.NativeCompletionRequest, request: Request, backend=Depends(ready)):
     """llama-server's own completion route: its fields, its answer's shape."""
+    _native_admit(body, request)
+    return await backend.native_completion(body, request)
+
+
+def _native_admit(body: native.NativeCompletionRequest, request: Request) -> None:
+    """A native body's tokens (n_predict, else the tenant's cap or --n-predict), admitted."""
     _model_route(request, body.model)
     n = body.n_predict if body.n_predict is not None else body.max_tokens
     if n is None or n < 0:
@@ -185,7 +191,13 @@ async def native_completion(body: native.NativeCompletionRequest, request: Reque
         if limit is not None:
             body.n_predict, body.max_tokens, n = limit, None, limit
     request.app.state.tenancy.admit(request, 1, n if n is not None and n > 0 else None)
-    return await backend.native_completion(body, request)
+
+
+@router.post("/infill", dependencies=user)
+async def infill(body: native.InfillRequest, request: Request, backend=Depends(ready)):
+    """llama-server's fill-in-the-middle: its fields, /completion's answer."""
+    _native_admit(body, request)
+    return await backend.infill(body, request)
 
 
 @router.post("/v1/embeddings", dependencies=user)

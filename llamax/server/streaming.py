@@ -261,6 +261,9 @@ class _Stream:
                 chunk["system_fingerprint"] = FINGERPRINT
                 for c in chunk["choices"]:
                     c["index"] = i
+                    d = c.get("delta")
+                    if d is not None and "role" in d and "content" not in d:
+                        d["content"] = None  # (the opening chunk, as OpenAI's and llama-server's have it)
                 u = chunk.pop("usage", None)
                 if u is not None:
                     usages.append(u)

@@ -67,6 +67,10 @@ def logit_bias(lb):
         raise APIError(400, "logit_bias keys must be token ids (as strings)", param="logit_bias") from None
 
 
+NO_PROGRESS = ("return_progress is not supported: llamax sends no prompt progress events (a stream's first "
+               "chunk comes when the prompt is decoded)")
+
+
 def sampling(body: protocol.SamplingFields, n_ctx: int, max_tokens, defaults: dict | None = None) -> dict:
     """``prepare_*`` keywords from the OpenAI fields: every sampling field
     (``llamax.sampling.SamplingParams``) by its wire name, an unset one at the
@@ -74,6 +78,8 @@ def sampling(body: protocol.SamplingFields, n_ctx: int, max_tokens, defaults: di
     (temperature 0.8, top_k 40, top_p 0.95, min_p 0.05), and the stops,
     grammar and cache switches."""
     defaults = defaults or {}
+    if body.return_progress:
+        raise APIError(400, NO_PROGRESS, param="return_progress")
     if max_tokens is not None and max_tokens > n_ctx:
         raise APIError(400, f"max_tokens={max_tokens} is more than the context of {n_ctx} tokens",
                        param="max_tokens")
@@ -143,6 +149,10 @@ def chat_kwargs(body: protocol.ChatCompletionRequest, n_ctx: int, loras, cvecs, 
     if enable_thinking is not None and (tkw is None or "enable_thinking" not in tkw):
         tkw = dict(tkw or {}, enable_thinking=enable_thinking)
     kw["max_reasoning_tokens"], kw["reasoning_budget_message"] = reasoning_budget(body, *budget)
+    if enable_thinking is False and tkw.get("enable_thinking") is False and kw["max_reasoning_tokens"] is None:
+        # --reasoning off: a template that opens a <think> section whatever
+        # enable_thinking says (DeepSeek R1's) has it closed at once
+        kw["max_reasoning_tokens"] = 0
     rf = body.response_format
     if rf is not None and rf.get("type") == "text":
         rf = None

@@ -415,6 +415,10 @@ def _routes(**kw) -> dict:
             json_schema=st.one_of(st.none(), schemas.filter(lambda s: isinstance(s, dict))),
             response_fields=st.one_of(st.none(), st.lists(st.sampled_from(
                 ["content", "timings/prompt_n", "a/b/c", "", "tokens"]), max_size=3)), **kw),
+        "/infill": from_model(
+            native.InfillRequest, always=("n_predict",), **_adapters, n_predict=MAX_TOKENS,
+            input_extra=st.one_of(st.none(), st.lists(st.one_of(st.fixed_dictionaries(
+                {"filename": texts(8), "text": texts()}), json_values), max_size=3)), **kw),
         "/v1/embeddings": from_model(protocol.EmbeddingRequest, always=("input",), **_adapters, input=prompts, **kw),
         "/tokenize": from_model(protocol.TokenizeRequest, **kw),
         "/detokenize": from_model(protocol.DetokenizeRequest, tokens=st.lists(TOKENS, max_size=10), **kw),

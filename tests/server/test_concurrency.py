@@ -52,7 +52,7 @@ def test_sixteen_clients_four_adapter_sets(server, http):
     alone = {}
     for p, s in cases:
         alone[p, s] = ask(http, p, SETS[s])
-    before = {k: v for k, v in http.get("/slots").json()[0].items() if k.startswith("n_")}
+    before = {k: v for k, v in http.get("/slots").json()[0]["context"].items() if k.startswith("n_")}
     got = {}
     errors = []
     barrier = threading.Barrier(len(cases))
@@ -71,7 +71,7 @@ def test_sixteen_clients_four_adapter_sets(server, http):
     for t in ts:
         t.join()
     assert not errors, errors
-    after = http.get("/slots").json()[0]
+    after = http.get("/slots").json()[0]["context"]
     assert after["n_mixed_decodes"] == before["n_mixed_decodes"] == 0
     assert after["n_multi_adapter_decodes"] > before["n_multi_adapter_decodes"]  # the sets shared decodes
     same = sum(got[k][0] == alone[k][0] for k in cases)

@@ -37,7 +37,8 @@ from .conftest import Server
 DEFAULT = {"/v1/chat/completions": 60, "/v1/completions": 30, "/v1/embeddings": 15, "/tokenize": 40,
            "/detokenize": 30, "/apply-template": 40, "/v1/load_lora_adapter": 40, "/lora-adapters": 25,
            "/v1/unload_lora_adapter": 15, "/v1/messages": 40, "/v1/messages/count_tokens": 25,
-           "/v1/responses": 40, "/v1/responses/input_tokens": 25, "/completion": 40}
+           "/v1/responses": 40, "/v1/responses/input_tokens": 25, "/completion": 40,
+           "/infill": 20}
 SLOW = int(os.environ.get("LLAMAX_HTTP_FUZZ_EXAMPLES", "400"))
 ADMIN_ROUTES = {"/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/lora-adapters"}
 GET_PATHS = ["/health", "/v1/models", "/models", "/lora-adapters", "/slots", "/metrics", "/v1/models/smol",

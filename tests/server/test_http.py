@@ -34,16 +34,22 @@ def eos_bias(http) -> dict:
     return bias
 
 
+def contexts(http) -> list[dict]:
+    """The contexts' counters, from /slots (one entry per slot, each with its context's)."""
+    slots = http.get("/slots").json()
+    assert isinstance(slots, list), slots
+    return list({s["id_context"]: s["context"] for s in slots}.values())
+
+
 def decoded(http) -> int:
-    return sum(s.get("n_tokens", 0) for s in http.get("/slots").json())
+    return sum(c.get("n_tokens", 0) for c in contexts(http))
 
 
 def slots_idle(http, timeout=20.0) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         slots = http.get("/slots").json()
-        assert isinstance(slots, list), slots
-        if all(s["n_active"] == 0 and not s["is_processing"] for s in slots):
+        if all(s["context"]["n_active"] == 0 and not s["is_processing"] for s in slots):
             return True
         time.sleep(0.1)
     return False
@@ -312,7 +318,7 @@ def test_queue_full_is_503_with_retry_after(locked):
         started.wait()
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
-            if sum(s.get("n_requests", 0) for s in c.get("/slots").json()) >= 3:
+            if sum(x.get("n_requests", 0) for x in contexts(c)) >= 3:
                 break
             time.sleep(0.05)
         r = c.post("/v1/chat/completions", json=CHAT)
@@ -356,6 +362,13 @@ def test_health_and_metrics(http):
     assert vals["llamax:decode_seconds_total"] > 0 and vals["llamax:newcomer_step_seconds_total"] == 0
     assert vals["llamax:preempted_decode_seconds_total"] <= vals["llamax:decode_seconds_total"]
     assert 'llamax:requests_total{code="200",endpoint="chat"}' in text
+    # llama-server's: the batched requests' engine timings, and rates since the previous scrape
+    assert vals["llamacpp:prompt_tokens_cached_total"] > 0
+    assert vals["llamacpp:prompt_seconds_total"] > 0 and vals["llamacpp:tokens_predicted_seconds_total"] > 0
+    assert vals["llamacpp:predicted_tokens_seconds"] > 0 and vals["llamacpp:n_busy_slots_per_decode"] >= 1
+    again = {line.split(" ")[0]: float(line.split(" ")[1]) for line in http.get("/metrics").text.splitlines()
+             if line and not line.startswith("#") and "{" not in line}
+    assert again["llamacpp:predicted_tokens_seconds"] == 0  # (nothing ran since the scrape before)
 
 
 

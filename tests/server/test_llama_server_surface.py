@@ -22,7 +22,7 @@ def ls(smollm2_path):
     s = Server(["-m", smollm2_path, "--ctx-size", "1024", "--parallel", "2", "--temp", "0", "--seed", "42",
                 "--n-predict", "5", "-ub", "256", "--batch-size", "256", "--no-slots", "--jinja", "--offline",
                 "--cont-batching", "--no-ui", "--reasoning", "off", "--cors-origins", "localhost",
-                "--alias", "tiny", "--top-k", "7"])
+                "--alias", "tiny,gpt-4.1", "--tags", "chat,small", "--top-k", "7"])
     yield s
     s.stop()
 
@@ -34,6 +34,18 @@ def test_props(ls):
     assert params["seed"] == 42 and params["temperature"] == 0 and params["top_k"] == 7 and params["n_predict"] == 5
     assert p["model_path"].endswith(".gguf") and p["model_alias"] == "tiny"
     assert "<|im_start|>" in p["chat_template"] and p["eos_token"] and p["endpoint_slots"] is False
+
+
+def test_aliases_and_tags(ls):
+    cards = httpx.get(ls.url + "/v1/models").json()["data"]
+    assert [c["id"] for c in cards] == ["tiny"]
+    assert cards[0]["aliases"] == ["tiny", "gpt-4.1"] and cards[0]["tags"] == ["chat", "small"]
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+    a = httpx.post(ls.url + "/v1/chat/completions", json=dict(body, model="gpt-4.1"), timeout=120).json()
+    b = httpx.post(ls.url + "/v1/chat/completions", json=dict(body, model="tiny"), timeout=120).json()
+    assert a["model"] == "gpt-4.1" and a["choices"][0]["message"] == b["choices"][0]["message"]
+    r = httpx.post(ls.url + "/v1/chat/completions", json=dict(body, model="gpt-5"), timeout=120)
+    assert r.status_code == 404
 
 
 def test_defaults_apply_where_a_request_sets_nothing(ls):
@@ -144,6 +156,8 @@ def test_openai_routes_take_llama_servers_fields(server):
         assert cont["choices"][0]["message"]["content"] == pre["choices"][0]["message"]["content"]
         r = c.post("/v1/chat/completions", json={"messages": msgs, "add_generation_prompt": False})
         assert r.status_code == 400 and "assistant" in r.json()["error"]["message"]
+        r = c.post("/v1/chat/completions", json={"messages": msgs, "return_progress": True})
+        assert r.status_code == 400 and "no prompt progress" in r.json()["error"]["message"]
 
 
 def test_stream_timings_and_fingerprint(server):
@@ -219,3 +233,37 @@ def _rss(pid: int) -> int:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) * 1024
     raise AssertionError("no VmRSS")
+
+
+def test_any_model_gives_unknown_names_the_base_model(smollm2_path, adapters):
+    s = Server([smollm2_path, "--alias", "smol", "--any-model", "--lora", f"coder={adapters['coder']}"])
+    try:
+        with httpx.Client(base_url=s.url, timeout=120) as c:
+            body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 6, "temperature": 0}
+            base = c.post("/v1/chat/completions", json=dict(body, model="smol")).json()
+            other = c.post("/v1/chat/completions", json=dict(body, model="claude-sonnet-4-5")).json()
+            coder = c.post("/v1/chat/completions", json=dict(body, model="coder")).json()
+            m = c.post("/v1/messages", json={"model": "claude-sonnet-4-5", "max_tokens": 6, "temperature": 0,
+                                             "messages": body["messages"]}).json()
+        text = base["choices"][0]["message"]["content"]
+        assert other["choices"][0]["message"]["content"] == text and other["model"] == "claude-sonnet-4-5"
+        assert m["content"][0]["text"] == text
+        assert coder["choices"][0]["message"]["content"] != text  # (a known adapter is still the adapter)
+    finally:
+        s.stop()
+
+
+def test_reasoning_off_closes_the_think_section():
+    """--reasoning off: enable_thinking false, and a template that opens
+    <think> whatever it says has the section closed at once (a budget of 0)."""
+    from llamax.server import translate
+    from llamax.server.protocol import ChatCompletionRequest
+    body = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}]})
+    kw = translate.chat_kwargs(body, 512, None, None, (-1, None), {}, False)
+    assert kw["chat_template_kwargs"] == {"enable_thinking": False} and kw["max_reasoning_tokens"] == 0
+    on = translate.chat_kwargs(body, 512, None, None, (-1, None), {}, True)
+    assert on["chat_template_kwargs"] == {"enable_thinking": True} and on["max_reasoning_tokens"] is None
+    mine = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}],
+                                                 "chat_template_kwargs": {"enable_thinking": True}})
+    kw = translate.chat_kwargs(mine, 512, None, None, (-1, None), {}, False)
+    assert kw["chat_template_kwargs"] == {"enable_thinking": True} and kw["max_reasoning_tokens"] is None

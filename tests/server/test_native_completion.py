@@ -102,6 +102,9 @@ def test_stop_words_logit_bias_and_ignore_eos(http):
                    logit_bias=[[piece, False]])["tokens"][0] != first
     r = _native(http, prompt="Say hi.", n_predict=30, ignore_eos=True)
     assert r["stop_type"] == "limit" and r["tokens_predicted"] == 30
+    bans = r["generation_settings"]["logit_bias"]
+    assert bans and all(b["bias"] is None for b in bans) and 2 in {b["token"] for b in bans}  # (<|im_end|>)
+    assert _native(http, prompt="Say hi.", n_predict=2)["generation_settings"]["logit_bias"] == []
 
 
 def test_json_schema_and_response_fields(http):
@@ -115,6 +118,7 @@ def test_json_schema_and_response_fields(http):
 
 @pytest.mark.parametrize("body,needle", [
     ({"prompt": PROMPT, "post_sampling_probs": True}, "post_sampling_probs"),
+    ({"prompt": PROMPT, "return_progress": True}, "no prompt progress"),
     ({"prompt": PROMPT, "n_probs": 21}, "n_probs"),
     ({"n_predict": 2}, "a prompt is needed"),
     ({"prompt": PROMPT, "content": PROMPT}, "not both"),
@@ -139,3 +143,46 @@ def test_timings_per_token(server):
     ms = [e["timings"]["predicted_ms"] for e in pieces]
     assert ms == sorted(ms) and ms[-1] > 0
     assert "timings" not in _stream(server, {"prompt": PROMPT, "n_predict": 2})[0]
+
+
+@pytest.fixture(scope="module")
+def fim_server(tmp_path_factory):
+    """A tiny random llama with StarCoder's vocabulary (FIM tokens: SmolLM2 has none)."""
+    from llamax import gguf_tools as gt
+    from llamax_dev import data
+
+    from .conftest import Server
+    path = gt.make_tiny_llama(tmp_path_factory.mktemp("fim") / "tiny-starcoder.gguf",
+                              data.vocab_dir() / "ggml-vocab-starcoder.gguf")
+    s = Server([path, "--alias", "fim", "--parallel", "1"])
+    yield s
+    s.stop()
+
+
+def test_infill_is_the_completion_of_its_fim_prompt(fim_server):
+    with httpx.Client(base_url=fim_server.url, timeout=120) as c:
+        body = {"input_prefix": "def add(a, b):\n", "input_suffix": "\n\nprint(add(1, 2))\n", "prompt": "    return",
+                "input_extra": [{"filename": "util.py", "text": "def sub(a, b):\n    return a - b\n"}],
+                "n_predict": 6, "temperature": 0, "return_tokens": True}
+        r = c.post("/infill", json=body)
+        assert r.status_code == 200, r.text
+        got = r.json()
+        tok = lambda text: c.post("/tokenize", json={"content": text, "parse_special": False}).json()["tokens"]
+        sp = {name: c.post("/tokenize", json={"content": f"<{name}>", "parse_special": True}).json()["tokens"]
+              for name in ("fim_prefix", "fim_suffix", "fim_middle")}
+        want = (tok("\n\n--- snippet: util.py ---\n\ndef sub(a, b):\n    return a - b\n") + sp["fim_prefix"]
+                + tok("def add(a, b):\n") + sp["fim_suffix"] + tok("\n\nprint(add(1, 2))\n") + sp["fim_middle"]
+                + tok("    return"))
+        assert got["tokens_evaluated"] == len(want)
+        plain = c.post("/completion", json={"prompt": want, "n_predict": 6, "temperature": 0, "return_tokens": True,
+                                            "cache_prompt": False}).json()
+        assert got["tokens"] == plain["tokens"] and got["content"] == plain["content"]
+        for extra in ([{}], [{"filename": "ok"}], [{"filename": 123, "text": "abc"}], [{"filename": "a", "text": 1}],
+                      ["x"]):
+            r = c.post("/infill", json=dict(body, input_extra=extra))
+            assert r.status_code == 400 and "input_extra[0]" in r.json()["error"]["message"]
+
+
+def test_infill_needs_fim_tokens(http):
+    r = http.post("/infill", json={"input_prefix": "def f():", "input_suffix": "", "n_predict": 2})
+    assert r.status_code == 400 and "fill-in-the-middle" in r.json()["error"]["message"]

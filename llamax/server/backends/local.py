@@ -408,11 +408,16 @@ class LocalBackend(Serving):
     # -- what only the single-process server has -------------------------------------
 
     async def slots(self) -> list[dict]:
+        """llama-server's /slots: one entry per sequence slot (``--parallel``
+        per context), each with its context's id and counters (``context``:
+        the batcher's, the same for every slot of the context)."""
         out = []
-        for i, s in enumerate(self.llm.context_stats()):
+        for c, s in enumerate(self.llm.context_stats()):
             busy = s.pop("busy")
-            out.append({"id": i, "n_ctx": self.cfg.n_ctx, "n_parallel": self.cfg.parallel,
-                        "is_processing": busy, **s})
+            active = s.get("n_active", 1 if busy else 0)
+            for j in range(self.cfg.parallel):
+                out.append({"id": c * self.cfg.parallel + j, "id_context": c, "n_ctx": self.cfg.n_ctx,
+                            "is_processing": j < active, "context": s})
         return out
 
     async def metrics(self) -> Response:

@@ -129,6 +129,10 @@ class MultiBackend:
         b, body = self._routed(body)
         return await b.native_completion(body, request)
 
+    async def infill(self, body, request: Request):
+        b, body = self._routed(body)
+        return await b.infill(body, request)
+
     async def embeddings(self, body: protocol.EmbeddingRequest, request: Request):
         b, body = self._routed(body)
         return await b.embeddings(body, request)

@@ -45,6 +45,11 @@ class Counters:
         self.prompt_tokens = 0
         self.predicted_tokens = 0
         self.cached_tokens = 0
+        # requests whose Result timed them (llamax.Result.prompt_seconds): their tokens and seconds
+        self.timed_prompt_tokens = 0
+        self.prompt_seconds = 0.0
+        self.timed_predicted_tokens = 0
+        self.predicted_seconds = 0.0
         self.requests: dict[tuple[str, int], int] = {}
         self.lock = threading.Lock()
 
@@ -53,6 +58,18 @@ class Counters:
             self.prompt_tokens += u.get("prompt_tokens", 0)
             self.predicted_tokens += u.get("completion_tokens", 0)
             self.cached_tokens += (u.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+
+    def timed(self, prepared: list) -> None:
+        """The seconds of the requests that measured them."""
+        with self.lock:
+            for p in prepared:
+                d = p.handle.done
+                if d is None or d.prompt_seconds is None:
+                    continue
+                self.timed_prompt_tokens += d.n_prompt - d.n_cached
+                self.prompt_seconds += d.prompt_seconds
+                self.timed_predicted_tokens += len(d.tokens)
+                self.predicted_seconds += d.gen_seconds or 0.0
 
     def request(self, endpoint: str, status: int) -> None:
         with self.lock:
@@ -76,7 +93,10 @@ class Serving:
         resolves them (the default set when it names none), checked against
         the caller's tenant."""
         ctx = request_context(request)
-        loras, cvecs = self.adapters.resolve(body, self.cfg.alias, self.control_vector_names(), ctx.caller.tenant)
+        if body.model is not None and body.model in self.cfg.aliases:  # (another name of the base model)
+            body = body.model_copy(update={"model": self.cfg.alias})
+        loras, cvecs = self.adapters.resolve(body, self.cfg.alias, self.control_vector_names(), ctx.caller.tenant,
+                                             self.cfg.any_model)
         ctx.adapter_names = [s["name"] for s in loras or ()]
         return loras, cvecs
 
@@ -92,6 +112,7 @@ class Serving:
 
     def _usage(self, request: Request, u: dict, prepared: list = ()) -> None:
         self.counters.usage(u)
+        self.counters.timed(prepared)
         ctx = request_context(request)
         ctx.usage = u
         waits = [p.queue_seconds for p in prepared if p.queue_seconds is not None]
@@ -182,6 +203,19 @@ class Serving:
         prepared = await asyncio.to_thread(self.llm.prepare_chat_completion, **kw)
         prepared.close()
         return prepared.n_prompt_tokens
+
+    async def infill(self, body: native.InfillRequest, request: Request):
+        """llama-server's /infill: a fill-in-the-middle prompt built from its
+        fields, then run as /completion (llamax.server.native)."""
+        self.generating(request.url.path)
+        extra = native.infill_extra(body)
+        if body.content is not None:
+            raise APIError(400, "/infill takes prompt (the start of the middle), not content", param="content")
+        middle = body.prompt if body.prompt is not None else ""
+        if not isinstance(middle, str):
+            raise APIError(400, "/infill's prompt is text (the start of the middle)", param="prompt")
+        tokens = await asyncio.to_thread(self.llm.infill_tokens, body.input_prefix, body.input_suffix, middle, extra)
+        return await self.native_completion(body.model_copy(update={"prompt": tokens}), request)
 
     async def native_completion(self, body: native.NativeCompletionRequest, request: Request):
         """llama-server's /completion: a completion in its shape (llamax.server.native)."""
