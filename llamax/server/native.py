@@ -94,7 +94,8 @@ def _prompt(body: NativeCompletionRequest):
 
 def _logit_bias(lb, n_vocab: int, model) -> dict[str, float] | None:
     """llama-server's forms to OpenAI's ``{"token id": bias}`` (false: banned;
-    a text: each of its tokens)."""
+    a text, as a pair's first item or a key that is not a number: each of
+    its tokens)."""
     if lb is None:
         return None
     pairs = list(lb.items()) if isinstance(lb, dict) else lb
@@ -107,7 +108,7 @@ def _logit_bias(lb, n_vocab: int, model) -> dict[str, float] | None:
             bias = -1e30
         elif isinstance(bias, bool) or not isinstance(bias, (int, float)):
             raise APIError(400, f"logit_bias[{k}]: the bias must be a number or false", param="logit_bias")
-        if isinstance(key, str) and not isinstance(lb, dict):
+        if isinstance(key, str) and (not isinstance(lb, dict) or not key.strip().lstrip("-").isdigit()):
             ids = model.tokenize(key, add_special=False, parse_special=False).tolist()
         else:
             try:

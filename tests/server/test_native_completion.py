@@ -100,6 +100,8 @@ def test_stop_words_logit_bias_and_ignore_eos(http):
     piece = http.post("/detokenize", json={"tokens": [first]}).json()["content"]
     assert _native(http, prompt=PROMPT, n_predict=1, return_tokens=True,
                    logit_bias=[[piece, False]])["tokens"][0] != first
+    assert _native(http, prompt=PROMPT, n_predict=1, return_tokens=True,
+                   logit_bias={piece: -100})["tokens"][0] != first   # (a text key)
     r = _native(http, prompt="Say hi.", n_predict=30, ignore_eos=True)
     assert r["stop_type"] == "limit" and r["tokens_predicted"] == 30
     bans = r["generation_settings"]["logit_bias"]
