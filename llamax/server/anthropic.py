@@ -267,10 +267,7 @@ def chat_body(body: CountTokensRequest) -> protocol.ChatCompletionRequest:
     block or field is a 400 naming it)."""
     messages, prefill = chat_messages(body)
     d: dict = {"messages": messages, "assistant_prefill": prefill}
-    for k in ("model", "active_loras", "lora", "control_vectors", "cache_salt"):
-        v = getattr(body, k)
-        if v is not None:
-            d[k] = v if not isinstance(v, list) else [x.model_dump() for x in v]
+    d.update(body.adapter_fields())
     tools = _tools(body)
     choice, parallel = _tool_choice(body)
     if tools:

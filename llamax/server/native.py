@@ -148,10 +148,7 @@ def completion_body(body: NativeCompletionRequest, n_ctx: int, model) -> protoco
     d: dict = {"prompt": _prompt(body), "max_tokens": n_ctx if n is None or n < 0 else max(n, 1),
                "stream": body.stream, "cache_prompt": body.cache_prompt, "mirostat": body.mirostat,
                "mirostat_tau": body.mirostat_tau, "mirostat_eta": body.mirostat_eta}
-    for k in ("model", "active_loras", "lora", "control_vectors", "cache_salt"):
-        v = getattr(body, k)
-        if v is not None:
-            d[k] = v if not isinstance(v, list) else [x.model_dump() for x in v]
+    d.update(body.adapter_fields())
     for k in ("temperature", "top_k", "top_p", "min_p", "typical_p", "repeat_penalty", "presence_penalty",
               "frequency_penalty", "stop", "deterministic"):
         v = getattr(body, k)

@@ -57,6 +57,17 @@ class AdapterFields(StrictModel):
     # requests with the same salt (and, with tenants, of the same tenant)
     cache_salt: Optional[str] = Field(default=None, min_length=1, max_length=256)
 
+    def adapter_fields(self) -> dict:
+        """The fields above that were sent, as plain JSON values: what a
+        front (Anthropic's, OpenAI's Responses, llama-server's /completion)
+        carries over to the chat or completion request it makes."""
+        out: dict = {}
+        for k in ("model", "active_loras", "lora", "control_vectors", "cache_salt"):
+            v = getattr(self, k)
+            if v is not None:
+                out[k] = [x.model_dump() for x in v] if isinstance(v, list) else v
+        return out
+
 
 class SamplingFields(AdapterFields):
     max_tokens: Optional[int] = Field(default=None, ge=1)

@@ -298,10 +298,7 @@ def chat_body(body: InputTokensRequest, messages: list[dict]) -> protocol.ChatCo
     if not full:
         raise APIError(400, "input is empty: give a string or a list of items", param="input")
     d: dict = {"messages": full}
-    for k in ("model", "active_loras", "lora", "control_vectors", "cache_salt"):
-        v = getattr(body, k)
-        if v is not None:
-            d[k] = v if not isinstance(v, list) else [x.model_dump() for x in v]
+    d.update(body.adapter_fields())
     tools = _tools(body)
     if tools:
         d["tools"] = tools

@@ -20,6 +20,8 @@ ROOT = Path(__file__).resolve().parents[2]
 NOT_SAMPLING = {
     "model", "active_loras", "lora", "control_vectors", "user", "cache_salt", "max_tokens", "stop", "n", "stream",
     "stream_options", "grammar", "cache_prompt", "deterministic", "metadata", "store", "service_tier",
+    # llama-server's: max_tokens' other name, a grammar's source, what the answer carries, a slot hint
+    "n_predict", "json_schema", "timings_per_token", "return_progress", "id_slot",
 }
 # Sampler keywords that are not per-request sampling fields: the grammar and
 # reasoning budget are request parts of their own, penalty_last_n a Llama setting

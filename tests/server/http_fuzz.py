@@ -453,7 +453,7 @@ ROUTES["deep"] = {
         optional=dict(_DEEP, echo=st.booleans(), logprobs=st.integers(0, 20))),
 }
 # fields a broken body may only make invalid (left out, or any number, they could make a generation long)
-_KEEP = {"max_tokens", "max_completion_tokens"}
+_KEEP = {"max_tokens", "max_completion_tokens", "n_predict", "max_output_tokens"}
 
 
 @dataclass(frozen=True)

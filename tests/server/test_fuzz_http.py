@@ -36,9 +36,9 @@ from .conftest import Server
 # examples per route in the default tier (the generation routes cost the most)
 DEFAULT = {"/v1/chat/completions": 60, "/v1/completions": 30, "/v1/embeddings": 15, "/tokenize": 40,
            "/detokenize": 30, "/apply-template": 40, "/v1/load_lora_adapter": 40, "/lora-adapters": 25,
-           "/v1/unload_lora_adapter": 15, "/v1/messages": 40, "/v1/messages/count_tokens": 25,
-           "/v1/responses": 40, "/v1/responses/input_tokens": 25, "/completion": 40,
-           "/infill": 20}
+           "/v1/unload_lora_adapter": 15, "/v1/messages": 20, "/v1/messages/count_tokens": 10,
+           "/v1/responses": 20, "/v1/responses/input_tokens": 10, "/completion": 20,
+           "/infill": 10}
 SLOW = int(os.environ.get("LLAMAX_HTTP_FUZZ_EXAMPLES", "400"))
 ADMIN_ROUTES = {"/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/lora-adapters"}
 GET_PATHS = ["/health", "/v1/models", "/models", "/lora-adapters", "/slots", "/metrics", "/v1/models/smol",
