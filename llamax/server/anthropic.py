@@ -34,6 +34,7 @@ from pydantic import Field
 from llamax.server import protocol
 from llamax.server.errors import APIError
 from llamax.server.http import dumps
+from llamax.server.streaming import ChatFront
 
 __all__ = ["MessagesRequest", "CountTokensRequest", "chat_body", "MessagesFront"]
 
@@ -319,7 +320,7 @@ def _event(name: str, data: dict) -> dict:
     return {"event": name, "data": dumps(dict(data, type=name), allow_nan=False)}
 
 
-class MessagesFront:
+class MessagesFront(ChatFront):
     """Anthropic's shape of a chat answer: a ``message``, or the stream of
     ``message_start``, ``content_block_*`` (thinking, text, tool_use),
     ``message_delta`` and ``message_stop`` events."""
@@ -331,13 +332,8 @@ class MessagesFront:
         self.open: Any = None    # its kind: "thinking", "text" or ("tool", n)
         self.finish: str | None = None
 
-    def wrap(self, p):
-        return p
-
     def whole(self, results: list[dict], prepared: list) -> dict:
-        answer = results[0]
-        c = answer["choices"][0]
-        msg = c["message"]
+        answer, c, msg = self.choice(results)
         blocks: list[dict] = []
         if msg.get("reasoning_content"):
             blocks.append({"type": "thinking", "thinking": msg["reasoning_content"], "signature": ""})

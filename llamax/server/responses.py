@@ -38,6 +38,7 @@ from pydantic import Field
 from llamax.server import protocol
 from llamax.server.errors import APIError
 from llamax.server.http import dumps
+from llamax.server.streaming import ChatFront
 
 __all__ = ["ResponsesRequest", "InputTokensRequest", "ResponseStore", "chat_body", "ResponsesFront"]
 
@@ -358,7 +359,7 @@ def _logprobs(lp) -> list:
                               for x in t.get("top_logprobs") or ()]} for t in lp["content"]]
 
 
-class ResponsesFront:
+class ResponsesFront(ChatFront):
     """OpenAI's Responses shape of a chat answer: a response object, or the
     stream of semantic events (``response.created`` ... ``response.completed``),
     stored at the end unless the body said ``store: false``."""
@@ -416,13 +417,8 @@ class ResponsesFront:
                                                                     "arguments": item["arguments"]}})
         return m
 
-    def wrap(self, p):
-        return p
-
     def whole(self, results: list[dict], prepared: list) -> dict:
-        answer = results[0]
-        c = answer["choices"][0]
-        msg = c["message"]
+        answer, c, msg = self.choice(results)
         output: list[dict] = []
         if msg.get("reasoning_content"):
             output.append({"type": "reasoning", "id": _new_id("rs_"), "summary": [], "status": "completed",

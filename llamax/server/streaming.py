@@ -18,7 +18,7 @@ from llamax.request import PreparedRequest
 from llamax.server.errors import APIError, from_exception
 from llamax.server.http import dumps
 
-__all__ = ["ClientGone", "Front", "guarded", "merge", "merge_completions", "usage_sum", "respond"]
+__all__ = ["ChatFront", "ClientGone", "Front", "guarded", "merge", "merge_completions", "usage_sum", "respond"]
 
 logger = logging.getLogger("llamax.server")
 
@@ -63,6 +63,21 @@ async def _wait_disconnect(request: Request) -> None:
 def _timeout_error(timeout: float) -> APIError:
     return APIError(408, f"the request took longer than {timeout:g} s (--request-timeout)",
                     code="request_timeout")
+
+
+class ChatFront:
+    """What the fronts over the chat route share: the prepared requests run
+    as they are, and the one choice of the answer."""
+
+    def wrap(self, p: PreparedRequest) -> PreparedRequest:
+        return p
+
+    @staticmethod
+    def choice(results: list[dict]) -> tuple[dict, dict, dict]:
+        """(the answer, its one choice, the choice's message)."""
+        answer = results[0]
+        c = answer["choices"][0]
+        return answer, c, c["message"]
 
 
 async def guarded(request: Request, aw, timeout: float, timeout_s: float | None = None, on_cancel=None):
