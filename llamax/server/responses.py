@@ -216,9 +216,13 @@ def input_messages(items) -> list[dict]:
             text = output if isinstance(output, str) else _parts_text(output, at, ("input_text", "output_text"))
             out.append({"role": "tool", "tool_call_id": call_id, "content": text})
         elif kind == "reasoning":
-            for k, part in enumerate(list(item.get("content") or []) + list(item.get("summary") or [])):
-                if not isinstance(part, dict) or not isinstance(part.get("text"), str):
-                    raise APIError(400, f"{at}: reasoning parts need their 'text'", param="input")
+            for key in ("content", "summary"):
+                parts = item.get(key)
+                if parts is not None and not isinstance(parts, list):
+                    raise APIError(400, f"{at}.{key} must be a list of parts ({{type, text}})", param="input")
+                for k, part in enumerate(parts or []):
+                    if not isinstance(part, dict) or not isinstance(part.get("text"), str):
+                        raise APIError(400, f"{at}.{key}[{k}] needs its 'text' (a string)", param="input")
             # the reasoning itself, else its summary
             parts = item.get("content") or item.get("summary") or []
             reasoning.append("".join(p["text"] for p in parts))

@@ -48,6 +48,14 @@ FINDS = [
     ("schema_type_not_a_name_in_allof", "/v1/chat/completions",
      dict(CHAT, response_format={"type": "json_object", "schema": {"allOf": [{"type": 5}, {"type": "string"}]}}),
      400, "invalid_value", None),
+    # A Responses reasoning item whose summary (or content) is not a list:
+    # TypeError while listing its parts, a 500 (found by CI's slow fuzz run).
+    ("responses_reasoning_summary_not_a_list", "/v1/responses",
+     {"input": [{"type": "reasoning", "summary": 0}, {"role": "user", "content": "hi"}], "max_output_tokens": 1},
+     400, None, lambda a: "input[0].summary" in a["error"]["message"]),
+    ("responses_reasoning_content_an_object", "/v1/responses",
+     {"input": [{"type": "reasoning", "content": {"text": "x"}}, {"role": "user", "content": "hi"}],
+      "max_output_tokens": 1}, 400, None, lambda a: "input[0].content" in a["error"]["message"]),
     # More sequences (prompts x n) than the server ever admits at once was a
     # 503 queue_full with Retry-After: a retry can never succeed.
     ("more_sequences_than_admitted", "/v1/completions", {"prompt": ["a", "b", "c", "d", "e"], "n": 16,
