@@ -41,6 +41,10 @@ class AdapterRegistry:
         self._max = max_loaded
         self._entries: dict[str, _Entry] = {}
         self._cond = threading.Condition(threading.RLock())
+        # the memory tier's counts: requests' adapters found loaded, loaded
+        # on demand (and those loads' seconds), unloaded to make room
+        self.hits = self.misses = self.evictions = 0
+        self.load_seconds: list[float] = []   # on-demand loads' seconds since the last take_load_seconds()
 
     # -- management -------------------------------------------------------
 
@@ -75,17 +79,49 @@ class AdapterRegistry:
             self._entries[name] = e
             return e.adapter
 
-    def register(self, name: str, path) -> None:
-        """Remember ``path`` under ``name``; load it the first time a request names it."""
+    def register(self, name: str, path, *, load: bool = False, replace: bool = False) -> None:
+        """Remember ``path`` under ``name``; load it the first time a request
+        names it (``load``: now, so a bad file fails here; it may still be
+        unloaded to make room and come back).  ``replace``: take the place of
+        an adapter of that name (requests running with it finish with it)."""
         self._check_name(name)
         path = self._gguf_path(path)
         if not os.path.exists(path):
             from llamax._errors import LoadError
             raise LoadError(f"{path}: no such file")
+        e = _Entry(name, path, registered=True)
+        if load:
+            e.adapter = self._timed_load(path)   # (outside the lock: other requests' adapters don't wait)
         with self._cond:
-            if name in self._entries:
+            old = self._entries.get(name)
+            if old is not None and not replace:
+                self._free(e)
                 raise InvalidArgumentError(f"an adapter named {name!r} already exists; unload_lora() it first")
-            self._entries[name] = _Entry(name, path, registered=True)
+            if old is not None:
+                self._free(old)
+            if load:
+                try:
+                    self._make_room(1, keep=(name,), counting=e)
+                except BaseException:
+                    self._free(e)
+                    raise
+                e.last_used = time.monotonic()
+            self._entries[name] = e
+
+    def _timed_load(self, path) -> LoraAdapter:
+        t0 = time.perf_counter()
+        adapter = LoraAdapter(self._model, path)  # GIL released inside
+        with self._cond:
+            self.misses += 1
+            self.load_seconds.append(time.perf_counter() - t0)
+            del self.load_seconds[:-4096]
+        return adapter
+
+    def take_load_seconds(self) -> list[float]:
+        """The on-demand loads' seconds since the last call (for a histogram)."""
+        with self._cond:
+            out, self.load_seconds = self.load_seconds, []
+            return out
 
     def unload(self, name: str) -> None:
         """Forget ``name`` now.  Running requests keep the adapter until they end."""
@@ -138,7 +174,8 @@ class AdapterRegistry:
             if missing:
                 self._make_room(len(missing), keep=set(names))
                 for e in missing:
-                    e.adapter = LoraAdapter(self._model, e.path)  # GIL released inside
+                    e.adapter = self._timed_load(e.path)
+            self.hits += len(names) - len(missing)
             now = time.monotonic()
             out = []
             for n, s in parsed:
@@ -160,14 +197,15 @@ class AdapterRegistry:
 
     # -- internals --------------------------------------------------------
 
-    def _make_room(self, n_new: int, keep) -> None:
+    def _make_room(self, n_new: int, keep, counting: _Entry | None = None) -> None:
         """Unload least recently used, unpinned, on-demand adapters until
-        ``n_new`` more fit; wait for running requests if all are pinned."""
+        ``n_new`` more fit (``counting``: an entry loaded outside the table
+        that is one of them); wait for running requests if all are pinned."""
         if self._max is None:
             return
         deadline = time.monotonic() + self.make_room_timeout
         while True:
-            loaded = [e for e in self._entries.values() if e.adapter is not None]
+            loaded = [e for e in self._entries.values() if e.adapter is not None and e is not counting]
             excess = len(loaded) + n_new - self._max
             if excess <= 0:
                 return
@@ -176,6 +214,7 @@ class AdapterRegistry:
             freed = 0
             for e in victims:
                 self._free(e)
+                self.evictions += 1
                 if not e.registered:
                     del self._entries[e.name]  # load_lora() adapters can't come back by themselves
                 freed += 1

@@ -737,10 +737,24 @@ class Llama(_SessionMixin):
         self._check_open()
         self._adapters.load(name, path)
 
-    def register_lora(self, name: str, path) -> None:
-        """Register an adapter to be loaded the first time a request names it."""
+    def register_lora(self, name: str, path, *, load: bool = False, replace: bool = False) -> None:
+        """Register an adapter to be loaded the first time a request names it
+        (``load=True``: loaded now, so a bad file fails here; with
+        ``max_loaded_adapters`` it may be unloaded to make room and loaded
+        again later).  ``replace=True`` puts it in the place of an adapter of
+        that name: requests running with the old one finish with it."""
         self._check_open()
-        self._adapters.register(name, path)
+        self._adapters.register(name, path, load=load, replace=replace)
+
+    def adapter_memory_stats(self) -> dict:
+        """The memory tier's counts: ``loaded``, ``registered``, ``hits``
+        (a request's adapter found loaded), ``misses`` (loaded for it),
+        ``evictions`` (unloaded to make room), and ``load_seconds``: the
+        loads' seconds since the previous call."""
+        a = self._adapters
+        listed = a.list()
+        return {"loaded": sum(1 for e in listed if e["loaded"]), "registered": len(listed), "hits": a.hits,
+                "misses": a.misses, "evictions": a.evictions, "load_seconds": a.take_load_seconds()}
 
     def unload_lora(self, name: str) -> None:
         """Unload ``name`` now.  Requests running with it finish with it: the

@@ -40,6 +40,8 @@ LAYERS = [
     # leaf helpers
     ["llamax.cancel", "llamax._fetch", "llamax.models", "llamax.llama_types", "llamax.gguf_tools",
      "llamax._sgemm", "llamax.sampling",
+     # adapter stores (directory, S3, hub) and their disk tier
+     "llamax.adapter_store",
      # llama.h's C API through ctypes (generated at build time: buildsys/gen_llama_api.py)
      "llamax.llama_cpp"],
     # the engine's typed surface: what every front submits (GenerationRequest, AdapterSet,
@@ -65,7 +67,7 @@ LAYERS = [
      "llamax.server.files", "llamax.server.tenants"],
     ["llamax.server.translate", "llamax.server.streaming", "llamax.server.http", "llamax.server.adapters",
      "llamax.server.embeddings", "llamax.server.anthropic", "llamax.server.responses", "llamax.server.native",
-     "llamax.server.metrics", "llamax.server.settings", "llamax.server.tenancy"],
+     "llamax.server.metrics", "llamax.server.settings", "llamax.server.tenancy", "llamax.server.store"],
     ["llamax.server.routes"],
     ["llamax.server.app"],
     # the routes take their backend from app.state and import none; a Ray replica or

@@ -85,6 +85,18 @@ class ServerConfig:
     # its id), and llama-server's --tags (labels on its /v1/models card)
     aliases: list[str] = dataclasses.field(default_factory=list)
     tags: list[str] = dataclasses.field(default_factory=list)
+    # an adapter store (docs/adapter-store.md): a directory, s3://bucket/prefix
+    # or hf://org; requests name its adapters, fetched on first use into a
+    # disk cache (adapter_cache_dir, at most adapter_cache_bytes), checked
+    # again after adapter_store_ttl seconds (a newer version then replaces it)
+    adapter_store: str | None = None
+    adapter_cache_dir: str | None = None
+    adapter_cache_bytes: int = 10 << 30
+    adapter_store_ttl: float = 60.0
+    adapter_max_bytes: int = 1 << 30     # a bigger adapter is refused before it is fetched
+    adapter_max_rank: int | None = None  # a larger rank is refused (None: any)
+    adapter_store_timeout: float = 30.0  # a lookup and fetch slower than this is a 503
+    adapter_fetch_workers: int = 4       # fetches and loads at once (other requests never wait for them)
 
     def __post_init__(self):
         if self.alias is not None and "," in self.alias:
@@ -140,6 +152,21 @@ class ServerConfig:
             if self.allow_runtime_lora:
                 raise ValueError("--sleep-idle-seconds with --allow-runtime-lora: waking would have to read "
                                  "runtime-loaded adapter files again; give adapters with --lora instead")
+        if self.adapter_store is not None:
+            if self.adapter_cache_bytes < 1 or self.adapter_max_bytes < 1 or self.adapter_store_ttl < 0 \
+                    or not self.adapter_store_timeout > 0 or self.adapter_fetch_workers < 1 \
+                    or (self.adapter_max_rank is not None and self.adapter_max_rank < 1):
+                raise ValueError("--adapter-cache-bytes, --adapter-max-bytes, --adapter-store-timeout, "
+                                 "--adapter-fetch-workers and --adapter-max-rank must be positive, "
+                                 "--adapter-store-ttl >= 0")
+            if self.sleep_idle_seconds is not None:
+                raise ValueError("--sleep-idle-seconds with --adapter-store is not supported yet")
+            if self.max_loaded_adapters is None:
+                self.max_loaded_adapters = 64  # a store may hold thousands: memory is a bounded tier too
+            from llamax.adapter_store import open_store
+            open_store(self.adapter_store)  # a bad URI or a missing client library stops the server now
+        elif self.adapter_cache_dir is not None:
+            raise ValueError("--adapter-cache-dir needs --adapter-store")
         if self.tenants is not None:
             from llamax.server.tenants import load_tenants
             load_tenants(self.tenants)  # a bad file stops the server before it starts
@@ -297,6 +324,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-loaded-adapters", type=int, default=None,
                    help="adapters in memory at once, and so per request; others load on demand, least "
                         "recently used unloaded (default: all loaded at start; with --replicas: 8 per replica)")
+    p.add_argument("--adapter-store", metavar="URI",
+                   help="where adapters are kept by name: a directory, s3://bucket/prefix (boto3: the standard "
+                        "AWS configuration) or hf://org (huggingface_hub); requests name them and they are "
+                        "fetched on first use (docs/adapter-store.md)")
+    p.add_argument("--adapter-cache-dir", metavar="DIR",
+                   help="the store's disk cache (default: $LLAMAX_CACHE_DIR/adapter-store/...)")
+    p.add_argument("--adapter-cache-bytes", type=_bytes, default=10 << 30, metavar="N",
+                   help="the disk cache's bound, least recently used out first (default 10G; K, M, G suffixes)")
+    p.add_argument("--adapter-store-ttl", type=float, default=60.0, metavar="S",
+                   help="seconds before a store adapter is looked up again (a newer version then loads; "
+                        "default 60)")
+    p.add_argument("--adapter-max-bytes", type=_bytes, default=1 << 30, metavar="N",
+                   help="a store adapter bigger than this is refused (default 1G)")
+    p.add_argument("--adapter-max-rank", type=int, default=None, metavar="R",
+                   help="a store adapter of larger rank is refused (default: any)")
+    p.add_argument("--adapter-store-timeout", type=float, default=30.0, metavar="S",
+                   help="a store lookup and fetch slower than this is a 503 (default 30)")
+    p.add_argument("--adapter-fetch-workers", type=int, default=4, metavar="N",
+                   help="store fetches and loads at once (default 4)")
     p.add_argument("--prefix-cache", choices=("any", "exact", "off"), default="any",
                    help="prompt prefix reuse: any common prefix, token by token (default, as llama-server); "
                         "exact: whole 256-token chunks, a cached answer bit for bit the cold one; off")
@@ -505,11 +551,32 @@ def server_config(args):
                         lora_scales=scales, llama_options=llama_options(args), tenants=args.tenants,
                         usage_log=args.usage_log, reserve_slots=args.reserve_slots,
                         reasoning_budget=args.reasoning_budget, reasoning_budget_message=args.reasoning_budget_message,
-                        deterministic=args.deterministic, embedding=args.embedding, pooling=args.pooling)
+                        deterministic=args.deterministic, embedding=args.embedding, pooling=args.pooling,
+                        adapter_store=args.adapter_store, adapter_cache_dir=args.adapter_cache_dir,
+                        adapter_cache_bytes=args.adapter_cache_bytes, adapter_store_ttl=args.adapter_store_ttl,
+                        adapter_max_bytes=args.adapter_max_bytes, adapter_max_rank=args.adapter_max_rank,
+                        adapter_store_timeout=args.adapter_store_timeout,
+                        adapter_fetch_workers=args.adapter_fetch_workers)
+
+
+def _bytes(text: str) -> int:
+    """A byte count: 1048576, 512K, 100M, 10G (powers of 1024)."""
+    t = text.strip().upper().removesuffix("B").removesuffix("I")
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}.get(t[-1:], 1)
+    try:
+        n = float(t[:-1] if mult > 1 else t) * mult
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give bytes (1048576) or a size with K, M, G or T") from None
+    if not n >= 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be at least 1 byte")
+    return int(n)
 
 
 def ray_options(args):
     """The RayOptions of the parsed options (ValueError if they don't fit)."""
+    if args.adapter_store is not None:
+        raise ValueError("--adapter-store is for the single-process server: Ray Serve replicas do not read a "
+                         "store yet (give adapters with --lora)")
     if args.metrics:
         raise ValueError("--metrics is for the single-process server; on Ray Serve, use Ray's own Prometheus "
                          "metrics (they include the multiplexing counters)")

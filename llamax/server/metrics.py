@@ -16,10 +16,61 @@ from llamax.server.tenancy import TTFT_BUCKETS
 
 class _Collector:
     def __init__(self, backend):
+        from llamax.server.store import Latency
         self.backend = backend
+        self.load_latency = Latency()   # the memory tier's loads, drained from the model at each scrape
         # llama-server's throughput gauges cover the time since the previous
         # scrape: (prompt tokens decoded, their seconds, tokens generated, theirs) then
         self.window = (0, 0.0, 0, 0.0)
+
+    def _tiers(self, table: dict):
+        """The adapter tiers: disk (with --adapter-store), memory, the LoRA
+        tables; and the store's own counts."""
+        e = self.backend
+        mem = e.llm.adapter_memory_stats()
+        for sec in mem["load_seconds"]:
+            self.load_latency.observe(sec)
+        store = e.store.stats() if e.store is not None else None
+        fams = {k: (CounterMetricFamily if k != "resident" else GaugeMetricFamily)(
+            f"llamax:adapter_tier_{k}", doc, labels=["tier"]) for k, doc in (
+            ("resident", "Adapters held by each tier: disk (fetched from the store), memory (loaded), table "
+                         "(LoRA-table slots filled)."),
+            ("hits", "A request's adapter found in the tier (disk: a store adapter on disk; memory: loaded)."),
+            ("misses", "A request's adapter brought into the tier (disk: fetched; memory: loaded; table: a "
+                       "slot filled)."),
+            ("evictions", "Adapters let go to make room, least recently used first (never one a running "
+                          "request holds)."))}
+        rows = {"memory": (mem["loaded"], mem["hits"], mem["misses"], mem["evictions"]),
+                "table": (table["filled"], None, table["fills"], table["evictions"])}
+        if store is not None:
+            rows["disk"] = (store["disk_entries"], store["disk_hits"], store["disk_misses"], store["disk_evictions"])
+        for tier, values in sorted(rows.items()):
+            for k, v in zip(("resident", "hits", "misses", "evictions"), values):
+                if v is not None:
+                    fams[k].add_metric([tier], v)
+        yield from fams.values()
+        h = HistogramMetricFamily("llamax:adapter_load_seconds", "Adapter loads into memory (a request's adapter "
+                                  "that was not loaded, or a store adapter's first load).")
+        buckets, total = self.load_latency.buckets()
+        h.add_metric([], buckets, total)
+        yield h
+        if store is None:
+            return
+        h = HistogramMetricFamily("llamax:adapter_fetch_seconds", "Adapter fetches from the store into the "
+                                  "disk tier.")
+        buckets, total = e.store.fetch_latency.buckets()
+        h.add_metric([], buckets, total)
+        yield h
+        yield GaugeMetricFamily("llamax:adapter_disk_bytes", "Bytes the adapter disk tier holds "
+                                "(--adapter-cache-bytes bounds it).", value=store["disk_bytes"])
+        for k, doc in (("lookups", "Store lookups (a name not held, or a re-check after --adapter-store-ttl)."),
+                       ("fetches", "Adapters fetched from the store."),
+                       ("fetched_bytes", "Bytes fetched from the store."),
+                       ("not_found", "Lookups of names the store does not hold."),
+                       ("unavailable", "Requests answered 503 because the store could not be reached in time."),
+                       ("refused", "Store adapters refused (too big, too large a rank, not a LoRA for this model)."),
+                       ("updates", "Newer store versions that replaced a held adapter.")):
+            yield CounterMetricFamily(f"llamax:adapter_store_{k}", doc, value=store[k])
 
     def collect(self):
         e = self.backend
@@ -108,6 +159,7 @@ class _Collector:
                       "idle adapter.", table["evictions"])
         yield gauge("llamax:lora_table_fallback_adapters", "Adapters of the applied sets that don't fit the "
                     "table (other weights or ranks, or no free slot) and run the union way.", table["fallback"])
+        yield from self._tiers(table)
         m = CounterMetricFamily("llamax:requests", "Requests answered, by endpoint and status code.",
                                 labels=["endpoint", "code"])
         for (endpoint, code), v in sorted(requests.items()):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+from typing import Optional
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
@@ -61,8 +62,23 @@ def _visible(request: Request, cards: list[dict]) -> list[dict]:
 
 @router.get("/v1/models", dependencies=user)
 @router.get("/models", dependencies=user, include_in_schema=False)
-async def models(request: Request, backend=Depends(ready)):
-    return {"object": "list", "data": _visible(request, await backend.model_cards(is_admin(request)))}
+async def models(request: Request, backend=Depends(ready), limit: Optional[int] = None, after: Optional[str] = None):
+    """The models the caller may use; paged when asked (``limit``, ``after``:
+    the last id of the previous page), as OpenAI's other lists are."""
+    cards = _visible(request, await backend.model_cards(is_admin(request)))
+    if limit is None and after is None:
+        return {"object": "list", "data": cards}
+    if limit is not None and not 1 <= limit <= 10_000:
+        raise APIError(400, "limit must be between 1 and 10000", param="limit", code="invalid_value")
+    start = 0
+    if after is not None:
+        at = [i for i, c in enumerate(cards) if c["id"] == after]
+        if not at:
+            raise APIError(400, f"after: no model {after!r} in the list", param="after", code="invalid_value")
+        start = at[0] + 1
+    page = cards[start:start + (limit or 1000)]
+    return {"object": "list", "data": page, "has_more": start + len(page) < len(cards),
+            "first_id": page[0]["id"] if page else None, "last_id": page[-1]["id"] if page else None}
 
 
 @router.get("/v1/models/{model_id:path}", dependencies=user)

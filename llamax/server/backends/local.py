@@ -17,6 +17,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 import llamax
+from llamax.adapter_store import StoreUnavailable
 from llamax.server import protocol
 from llamax.server.adapters import (
     AdapterTable, check_load_names, model_cards, open_runtime_file, read_default_set, runtime_allowed,
@@ -110,6 +111,9 @@ class LocalBackend(Serving):
         self.sleeping = False
         self.asleep: dict = {}
         self.sleep_lock: asyncio.Lock | None = None
+        if cfg.adapter_store is not None:
+            from llamax.server.store import StoreTiers
+            self.store = StoreTiers(cfg, lambda: self.llm, self._store_adapter, self.adapters.forget)
 
     # -- lifetime -------------------------------------------------------------
 
@@ -175,7 +179,16 @@ class LocalBackend(Serving):
         what loading it would (a worker thread: reads the file)."""
         llamax.LoraAdapter((llm or self.llm).model, path).close()
 
+    def _store_adapter(self, name: str, source: str) -> None:
+        """A store adapter the model now holds, in the table (on the loop)."""
+        if name not in self.adapters.ids:
+            self.adapters.record(name, source)
+        else:
+            self.adapters.paths[name] = source
+
     def close(self, wait: float = 5.0) -> None:
+        if self.store is not None:
+            self.store.close()
         llm = self.llm
         if llm is None:
             return
@@ -319,8 +332,19 @@ class LocalBackend(Serving):
         return out
 
     async def model_cards(self, admin: bool) -> list[dict]:
-        """/v1/models: the base model, then a card per adapter."""
-        return model_cards(self.cfg, self.created, await self.listing(), admin)
+        """/v1/models: the base model, then a card per adapter (with a
+        store: every adapter it holds, fetched yet or not)."""
+        listing = await self.listing()
+        if self.store is not None:
+            try:
+                names = await asyncio.to_thread(self.store.names)
+            except StoreUnavailable as e:
+                raise APIError(503, f"the adapter store can't be listed now: {e}", code="adapter_store_unavailable",
+                               headers={"Retry-After": "5"}) from None
+            have = {e["name"] for e in listing}
+            listing += [{"name": n, "path": self.store.store.uri + "/" + n, "loaded": False}
+                        for n in names if n not in have]
+        return model_cards(self.cfg, self.created, listing, admin)
 
     def summary(self) -> tuple[str, str]:
         """What the server prints when it is ready: what it serves, and how."""

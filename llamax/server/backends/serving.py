@@ -88,17 +88,43 @@ class Serving:
     def control_vector_names(self) -> set[str]:
         raise NotImplementedError
 
-    def resolve(self, body: protocol.AdapterFields, request: Request) -> tuple[list[dict] | None, list[dict] | None]:
+    store = None  # llamax.server.store.StoreTiers: adapters fetched on demand (--adapter-store)
+
+    async def resolve(self, body: protocol.AdapterFields,
+                      request: Request) -> tuple[list[dict] | None, list[dict] | None]:
         """The body's LoRA set and control vectors as the backend's table
         resolves them (the default set when it names none), checked against
-        the caller's tenant."""
+        the caller's tenant; with an adapter store, the store's adapters it
+        names are fetched first (held until the request is over)."""
         ctx = request_context(request)
         if body.model is not None and body.model in self.cfg.aliases:  # (another name of the base model)
             body = body.model_copy(update={"model": self.cfg.alias})
+        if self.store is not None:
+            await self.store.ensure(self.store_names(body, ctx.caller.tenant), ctx.admission)
         loras, cvecs = self.adapters.resolve(body, self.cfg.alias, self.control_vector_names(), ctx.caller.tenant,
                                              self.cfg.any_model)
         ctx.adapter_names = [s["name"] for s in loras or ()]
         return loras, cvecs
+
+    def store_names(self, body: protocol.AdapterFields, tenant) -> list[str]:
+        """The adapters a body names that the store may hold: by ``model``,
+        ``active_loras`` or ``lora`` (ids of store adapters held before),
+        else the tenant's default set; never a --lora adapter, never one the
+        tenant may not use (that stays unknown: a 404)."""
+        alias, table = self.cfg.alias, self.adapters
+        names = []
+        m = body.model
+        if m is not None and m != alias:
+            names.append(m[len(alias) + 1:] if m.startswith(alias + ":") else m)
+        if body.active_loras is not None:
+            names += [a.name for a in body.active_loras]
+        elif body.lora is not None:
+            by_id = {v: k for k, v in table.ids.items()}
+            names += [by_id[a.id] for a in body.lora if a.id in by_id]
+        elif m is None or m == alias:
+            names += [n for n, _ in tenant.default_adapters or ()]
+        ours = self.store.from_store
+        return [n for n in names if (n not in table.ids or n in ours) and tenant.may_use_adapter(n)]
 
     def scheduling(self, body: protocol.AdapterFields, request: Request) -> dict:
         """The prepare_* keywords that place a request among the tenants:
@@ -182,7 +208,7 @@ class Serving:
     async def chat(self, body: protocol.ChatCompletionRequest, request: Request, front: Front | None = None):
         """A chat completion, answered in OpenAI's shape or ``front``'s."""
         self.generating(request.url.path)
-        loras, cvecs = self.resolve(body, request)
+        loras, cvecs = await self.resolve(body, request)
         base = dict(translate.chat_kwargs(body, self.cfg.n_ctx, loras, cvecs,
                                              (self.cfg.reasoning_budget, self.cfg.reasoning_budget_message),
                                              self.cfg.sampling_defaults, self.cfg.enable_thinking), **self.scheduling(body, request))
@@ -196,7 +222,7 @@ class Serving:
         """How many tokens the chat request's prompt is (its template, tools
         and adapters as it would run; nothing runs)."""
         self.generating(request.url.path)
-        loras, cvecs = self.resolve(body, request)
+        loras, cvecs = await self.resolve(body, request)
         kw = translate.chat_kwargs(body, self.cfg.n_ctx, loras, cvecs,
                                    (self.cfg.reasoning_budget, self.cfg.reasoning_budget_message),
                                    self.cfg.sampling_defaults, self.cfg.enable_thinking)
@@ -234,7 +260,7 @@ class Serving:
         """A text completion, answered in OpenAI's shape or ``front``'s (one
         prompt, one sequence: llama-server's /completion)."""
         self.generating(request.url.path)
-        loras, cvecs = self.resolve(body, request)
+        loras, cvecs = await self.resolve(body, request)
         prompts = translate.split_prompts(body)
         model = self.llm.model
 
@@ -282,7 +308,7 @@ class Serving:
                            code="not_supported")
 
     async def _embeddings(self, body: protocol.EmbeddingRequest, request: Request, oai: bool):
-        loras, cvecs = self.resolve(body, request)
+        loras, cvecs = await self.resolve(body, request)
         if body.input is not None and body.content is not None:
             raise APIError(400, "give input or content, not both", param="content")
         pooling = self.llm.embedding_pooling

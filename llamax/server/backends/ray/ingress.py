@@ -115,8 +115,9 @@ class Ingress(Serving):
                            code="invalid_value")
         return key
 
-    def resolve(self, body: protocol.AdapterFields, request: Request) -> tuple[list[dict] | None, list[dict] | None]:
-        loras, cvecs = super().resolve(body, request)
+    async def resolve(self, body: protocol.AdapterFields,
+                      request: Request) -> tuple[list[dict] | None, list[dict] | None]:
+        loras, cvecs = await super().resolve(body, request)
         self.set_key(loras, body)
         return loras, cvecs
 
