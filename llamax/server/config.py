@@ -574,9 +574,6 @@ def _bytes(text: str) -> int:
 
 def ray_options(args):
     """The RayOptions of the parsed options (ValueError if they don't fit)."""
-    if args.adapter_store is not None:
-        raise ValueError("--adapter-store is for the single-process server: Ray Serve replicas do not read a "
-                         "store yet (give adapters with --lora)")
     if args.metrics:
         raise ValueError("--metrics is for the single-process server; on Ray Serve, use Ray's own Prometheus "
                          "metrics (they include the multiplexing counters)")

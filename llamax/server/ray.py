@@ -82,9 +82,16 @@ def build(cfg: ServerConfig, opts: RayOptions):
     ongoing = opts.max_ongoing_requests or cfg.n_contexts * cfg.parallel + cfg.max_queue
     # past the running requests, --max-queue wait at the ingress (then 503
     # queue_full), as in the single-process server, not an unbounded queue
+    # by adapter: a set's holders while they have a free sequence, then the least loaded replica
+    router = {}
+    if opts.affinity:
+        from ray.serve.config import RequestRouterConfig
+        router["request_router_config"] = RequestRouterConfig(
+            request_router_class="llamax.server.backends.ray.router:AdapterRouter",
+            request_router_kwargs={"saturation": cfg.n_contexts * cfg.parallel})
     replica = serve.deployment(LlamaReplica, name="LlamaReplica", num_replicas=opts.replicas,
                                max_ongoing_requests=ongoing, max_queued_requests=max(1, cfg.max_queue),
-                               ray_actor_options={"num_cpus": opts.replica_cpus}).bind(
+                               ray_actor_options={"num_cpus": opts.replica_cpus}, **router).bind(
                                    inner, registry, opts.max_sets, opts.max_adapters)
     ingress = serve.deployment(Ingress, name="Ingress", num_replicas=1, max_ongoing_requests=10_000,
                                ray_actor_options={"num_cpus": 0})

@@ -94,17 +94,20 @@ class _Held:
 class StoreTiers:
     """The store, its disk tier and the single flights of one server."""
 
-    def __init__(self, cfg, llm_of, on_new_name, on_gone):
+    def __init__(self, cfg, llm_of, on_new_name=None, on_gone=None, subdir: str | None = None):
         """``llm_of()``: the server's Llama; ``on_new_name(name, source)``:
         record a newly held adapter in the server's table, ``on_gone(name)``:
-        forget one the store no longer has (both on the loop)."""
+        forget one the store no longer has (both on the loop: :meth:`ensure`'s
+        callers); ``subdir``: a disk tier of its own under the cache folder
+        (a Ray replica's)."""
         self.cfg = cfg
         self.store = open_store(cfg.adapter_store)
         root = Path(cfg.adapter_cache_dir) if cfg.adapter_cache_dir else default_cache_root(self.store)
-        self.disk = DiskCache(root, cfg.adapter_cache_bytes, on_evict=self._evicted)
+        self.disk = DiskCache(root / subdir if subdir else root, cfg.adapter_cache_bytes, on_evict=self._evicted)
         self.llm_of = llm_of
-        self.on_new_name = on_new_name
-        self.on_gone = on_gone
+        self.on_new_name = on_new_name or (lambda name, source: None)
+        self.on_gone = on_gone or (lambda name: None)
+        self._name_locks: dict[str, threading.Lock] = {}   # hold_sync's single flights
         self.from_store: set[str] = set()              # names the table has from the store (the loop's only)
         self.ready: dict[str, _Held] = {}              # ... and what each is (the loop's only; ``held``: the pool's)
         self.pool = ThreadPoolExecutor(max_workers=cfg.adapter_fetch_workers, thread_name_prefix="llamax-store")
@@ -186,6 +189,48 @@ class StoreTiers:
             self.ready.pop(name, None)
             self.on_gone(name)
         return h
+
+    # -- the request path of a Ray replica (a worker thread) ------------------------------------------
+
+    def hold_sync(self, name: str, version: str | None = None):
+        """``name`` fetched, checked and loaded, its disk entry held until
+        the returned function is called; ``version``: the one the caller
+        was told of (another is looked up).  Concurrent callers for a name
+        wait on one fetch.  Raises the APIError a request gets (503, 400,
+        404)."""
+        with self.lock:
+            lock = self._name_locks.setdefault(name, threading.Lock())
+        with lock:
+            h = self.held.get(name)
+            if h is None or (version is not None and h.version != version) or self.disk.pin(h.key) is None:
+                try:
+                    h = self._bring(name)
+                except StoreUnavailable as e:
+                    self.unavailable += 1
+                    raise APIError(503, f"the adapter store can't give {name!r} now: {e}",
+                                   code="adapter_store_unavailable", headers={"Retry-After": str(RETRY_AFTER)}) \
+                        from None
+                except AdapterInvalid as e:
+                    self.refused += 1
+                    raise APIError(400, f"the adapter {name!r} in the store can't be used: {e}", param="model",
+                                   code="adapter_invalid") from None
+                if h is None:
+                    raise APIError(404, f"no adapter named {name!r} in the store", param="model",
+                                   code="model_not_found")
+                if self.disk.pin(h.key) is None:
+                    raise APIError(503, f"{name!r} was evicted as it was fetched: try again",
+                                   code="adapter_store_unavailable", headers={"Retry-After": "1"})
+            else:
+                self.disk_hits += 1
+        key = h.key
+        return lambda: self.disk.unpin(key)
+
+    def let_go(self, name: str) -> None:
+        """The model lets go of a store adapter (its name was unregistered)."""
+        with self.lock:
+            h = self.held.get(name)
+        if h is not None:
+            self._let_go(name, h)
 
     # -- the work (a pool thread) --------------------------------------------------------------------
 

@@ -115,11 +115,12 @@ def test_replica_keeps_at_most_max_adapters_loaded(smollm2_path, four_adapters):
         assert loaded() == {"a", "c"} and eng.held == {"a", "c"}
         assert reports == [("a", True), ("b", True), ("c", True), ("b", False)]
         # a running request's adapter is not unloaded to make room
-        held = eng.submit(_request(llm, "d"))   # pinned until it ends (or is closed)
+        held, release = eng.submit(_request(llm, "d"))   # pinned until it ends (or is closed)
         assert loaded() == {"c", "d"}
         res = asyncio.run(eng.result(_request(llm, "a")))
         assert isinstance(res, llamax.Result) and loaded() == {"a", "d"}
         held.close()
+        release()
         # the registry's table drops an adapter: unloaded here too
         eng.apply({"id": ("e", 2), "paths": {n: str(four_adapters[n]) for n in "abc"}, "ids": {}, "default_set": []})
         assert loaded() == {"a"} and reports[-1] == ("d", False)
@@ -134,7 +135,7 @@ def test_replica_waits_a_bounded_time_then_503(smollm2_path, four_adapters, monk
     eng, _ = _engine(smollm2_path, four_adapters, max_adapters=1)
     llm = eng.llm
     try:
-        held = eng.submit(_request(llm, "a"))
+        held, release = eng.submit(_request(llm, "a"))
         err = asyncio.run(eng.result(_request(llm, "b")))["error"]
         status, message, _, code, headers = err
         assert (status, code, headers) == (503, "adapters_busy", {"Retry-After": "1"})
@@ -144,6 +145,7 @@ def test_replica_waits_a_bounded_time_then_503(smollm2_path, four_adapters, monk
         err = asyncio.run(eng.result(_request(llm, "b", "c")))["error"]
         assert err[0] == 400 and "max_loaded_adapters=1" in err[1]
         held.close()
+        release()
         assert isinstance(asyncio.run(eng.result(_request(llm, "b"))), llamax.Result)
     finally:
         llm.close()

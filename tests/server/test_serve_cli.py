@@ -124,3 +124,31 @@ def test_bad_lora_table_flags(smollm2_path):
     assert r.returncode == 2 and "--max-lora-slots must be >= 0" in r.stderr, r.stderr[-2000:]
     r = serve(smollm2_path, "--max-lora-rank", "0")
     assert r.returncode == 2 and "--max-lora-rank must be >= 1" in r.stderr, r.stderr[-2000:]
+
+
+def test_bad_adapter_store_flags(smollm2_path, tmp_path, capsys):
+    """--adapter-store's configurations that can't work stop the start (exit
+    status 2), saying why.  (In process: the command's own parser and checks.)"""
+    import argparse
+
+    from llamax.server.cli import add_arguments, run
+
+    def start(*args) -> tuple[int, str]:
+        p = argparse.ArgumentParser()
+        add_arguments(p)
+        try:
+            rc = run(p.parse_args([str(smollm2_path), *map(str, args)]))
+        except SystemExit as e:   # argparse's own refusals
+            rc = e.code
+        return rc, capsys.readouterr().err
+
+    for args, says in (
+            (["--adapter-store", "gs://bucket/x"], "a directory, s3://bucket/prefix or hf://org"),
+            (["--adapter-store", tmp_path / "missing"], "not a directory"),
+            (["--adapter-store", "s3://"], "needs a bucket"),
+            (["--adapter-store", tmp_path, "--adapter-cache-bytes", "0"], "at least 1 byte"),
+            (["--adapter-store", tmp_path, "--adapter-cache-bytes", "lots"], "give bytes"),
+            (["--adapter-store", tmp_path, "--adapter-store-ttl", "-1"], "--adapter-store-ttl >= 0"),
+            (["--adapter-cache-dir", tmp_path], "needs --adapter-store")):
+        rc, err = start(*args)
+        assert rc == 2 and says in err, (args, err[-500:])

@@ -28,7 +28,7 @@ import llamax
 from llamax.server import protocol
 from llamax.server.adapters import AdapterTable, check_runtime_load, model_cards, read_default_set, runtime_allowed
 from llamax.server.app import build_app
-from llamax.server.backends.ray.registry import set_key, set_names
+from llamax.server.backends.ray.registry import STORE_PREFIX, set_key, set_names
 from llamax.server.backends.serving import Counters, Serving
 from llamax.server.config import ServerConfig
 from llamax.server.context import request_context
@@ -70,6 +70,8 @@ class Ingress(Serving):
         # replica keep state per id for as long as they run, so the ids are
         # a bounded table, not whatever combinations requests name
         self.affine: set[str] = set()
+        # an adapter store: looked up here, fetched by the replicas that run its adapters
+        self.store = IngressStore(self) if self.cfg.adapter_store is not None else None
         # the front: the model's vocabulary and chat template, no weights
         self.llm = llamax.Llama(self.cfg.model, vocab_only=True, n_ctx=self.cfg.n_ctx,
                                 chat_format=self.cfg.chat_format, chat_template=self.cfg.chat_template,
@@ -211,13 +213,19 @@ class Ingress(Serving):
         out = []
         for name, i in sorted(table.ids.items(), key=lambda kv: kv[1]):
             holders = self.registry_stats["holders"].get(name, [])
-            out.append({"id": i, "name": name, "path": table.paths[name], "scale": default.get(name, 0.0),
+            path = table.paths[name]
+            if path.startswith(STORE_PREFIX):   # (a store adapter: where the store has it)
+                path = f"{self.store.store.uri}/{name}" if self.store is not None else path
+            out.append({"id": i, "name": name, "path": path, "scale": default.get(name, 0.0),
                         "loaded": bool(holders), "replicas": holders,
                         "loads": self.registry_stats["loads"].get(name, 0)})
         return out
 
     async def model_cards(self, admin: bool) -> list[dict]:
-        return model_cards(self.cfg, self.created, await self.listing(), admin)
+        listing = await self.listing()
+        if self.store is not None:
+            listing += await self.store.unlisted({e["name"] for e in listing})
+        return model_cards(self.cfg, self.created, listing, admin)
 
     async def set_default(self, request: Request) -> list[dict]:
         new = await read_default_set(request, self.adapters.ids)
@@ -254,6 +262,98 @@ class Ingress(Serving):
             await self._refresh(await self.registry.unregister.remote(name))
             self.forget(name)
 
+
+
+class IngressStore:
+    """The adapter store as the ingress sees it (``--adapter-store`` with
+    ``--replicas``): a name a request needs is looked up here (once for
+    concurrent requests, on a bounded pool, after ``--adapter-store-ttl``
+    again) and registered with the registry as ``store:<version>``; the
+    replica a request lands on fetches it into its own disk tier, checks
+    and loads it (``ReplicaEngine.hold``).  Not in the store: unknown (the
+    404); the store down: a 503 with Retry-After for the requests that need
+    it (an adapter registered before keeps its version); bigger than
+    ``--adapter-max-bytes``: a 400.  A replica refuses a corrupt or foreign
+    file with a 400 naming it."""
+
+    def __init__(self, ingress: Ingress):
+        from concurrent.futures import ThreadPoolExecutor
+
+        from llamax.adapter_store import open_store
+        self.ingress = ingress
+        self.cfg = ingress.cfg
+        self.store = open_store(self.cfg.adapter_store)
+        self.pool = ThreadPoolExecutor(max_workers=self.cfg.adapter_fetch_workers,
+                                       thread_name_prefix="llamax-store")
+        self.from_store: set[str] = set()        # names the registry has from the store
+        self.checked: dict[str, float] = {}      # ... when each was looked up
+        self.flights: dict[str, asyncio.Future] = {}
+        self._names: tuple[float, list[str]] | None = None
+
+    async def ensure(self, names, admission) -> None:
+        from llamax.adapter_store import valid_name
+        loop = asyncio.get_running_loop()
+        for name in dict.fromkeys(names):
+            if not valid_name(name):
+                continue
+            if name in self.from_store and time.monotonic() - self.checked.get(name, 0.0) < self.cfg.adapter_store_ttl:
+                continue
+            fut = self.flights.get(name)
+            if fut is None:
+                fut = self.flights[name] = loop.create_task(self._look_up(name))
+                fut.add_done_callback(lambda _f, n=name: self.flights.pop(n, None))
+            try:
+                await asyncio.wait_for(asyncio.shield(fut), self.cfg.adapter_store_timeout)
+            except TimeoutError:
+                raise APIError(503, f"the adapter store is slow: {name!r} was not looked up within "
+                               f"{self.cfg.adapter_store_timeout:g} s (--adapter-store-timeout); try again",
+                               code="adapter_store_unavailable", headers={"Retry-After": "5"}) from None
+
+    async def _look_up(self, name: str) -> None:
+        from llamax.adapter_store import StoreUnavailable
+        loop = asyncio.get_running_loop()
+        try:
+            obj = await loop.run_in_executor(self.pool, self.store.stat, name)
+        except StoreUnavailable as e:
+            if name in self.from_store:   # the version registered keeps being served
+                self.checked[name] = time.monotonic()
+                logger.warning("the adapter store can't be reached to re-check %r: serving the version held", name)
+                return
+            raise APIError(503, f"the adapter store can't give {name!r} now: {e}", code="adapter_store_unavailable",
+                           headers={"Retry-After": "5"}) from None
+        ing = self.ingress
+        if obj is None:
+            if name in self.from_store:   # deleted from the store: not served any more
+                self.from_store.discard(name)
+                async with ing.admin_lock:
+                    await ing._refresh(await ing.registry.unregister.remote(name))
+                ing.forget(name)
+            return
+        if obj.size > self.cfg.adapter_max_bytes:
+            raise APIError(400, f"the adapter {name!r} in the store can't be used: it is {obj.size} bytes, more "
+                           f"than --adapter-max-bytes ({self.cfg.adapter_max_bytes})", param="model",
+                           code="adapter_invalid")
+        path = STORE_PREFIX + obj.version
+        if ing.adapters.paths.get(name) != path:
+            async with ing.admin_lock:
+                await ing._refresh(await ing.registry.register.remote(name, path))
+        self.from_store.add(name)
+        self.checked[name] = time.monotonic()
+
+    async def unlisted(self, have: set[str]) -> list[dict]:
+        """The store's adapters the registry does not have yet, as listing
+        entries (the store listed at most once a TTL)."""
+        from llamax.adapter_store import StoreUnavailable
+        now = time.monotonic()
+        if self._names is None or now - self._names[0] >= max(self.cfg.adapter_store_ttl, 1.0):
+            try:
+                names = sorted(set(await asyncio.to_thread(lambda: list(self.store.names()))))
+            except StoreUnavailable as e:
+                raise APIError(503, f"the adapter store can't be listed now: {e}",
+                               code="adapter_store_unavailable", headers={"Retry-After": "5"}) from None
+            self._names = (now, names)
+        return [{"name": n, "path": f"{self.store.uri}/{n}", "loaded": False} for n in self._names[1]
+                if n not in have]
 
 
 class RemoteEngine:

@@ -9,7 +9,11 @@ import urllib.parse
 import ray
 from ray import serve
 
-__all__ = ["AdapterDirectory", "set_key", "set_names"]
+__all__ = ["AdapterDirectory", "set_key", "set_names", "STORE_PREFIX"]
+
+# the path the registry keeps for an adapter of --adapter-store: "store:<version>"
+# (the ingress looked it up; each replica fetches it into its own disk tier)
+STORE_PREFIX = "store:"
 
 
 def set_key(loras: list[dict] | None) -> str:

@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Callable
 
 from ray import serve
 
 import llamax
 from llamax.server.backends.local import open_llama
-from llamax.server.backends.ray.registry import set_names
+from llamax.server.backends.ray.registry import STORE_PREFIX, set_names
 from llamax.server.config import ServerConfig
 from llamax.server.errors import APIError, from_exception
 
@@ -53,28 +54,64 @@ class ReplicaEngine:
     """What a replica does with the typed calls, without Ray (its tests
     drive it directly): the Llama, the adapters registered with it from the
     registry's snapshots, and what it holds, reported through
-    ``report(name, loaded)``."""
+    ``report(name, loaded)``.
 
-    def __init__(self, llm: llamax.Llama, report=None):
+    With an adapter store (``store``: a ``llamax.server.store.StoreTiers``),
+    the registry names a store adapter ``store:<version>``: the ingress has
+    looked it up; this replica fetches it into its own disk tier, checks
+    and loads it when a request here first needs it, and holds it on disk
+    until that request ends."""
+
+    def __init__(self, llm: llamax.Llama, report=None, store=None):
         self.llm = llm
         self.report = report or (lambda name, loaded: None)
+        self.store = store
         self.paths: dict[str, str] = {}   # registered adapter -> its file (as the registry's snapshot says)
+        self.versions: dict[str, str] = {}  # store adapters -> the version the registry names
         self.held: set[str] = set()       # adapters reported loaded here
 
     def apply(self, snapshot: dict) -> None:
         """The registry's table: adapters it dropped, or whose file changed,
         are unloaded (running requests keep theirs until they end); new ones
-        registered, to be loaded on demand."""
+        registered, to be loaded on demand (a store adapter: fetched first)."""
         paths = snapshot["paths"]
         for name in list(self.paths):
             if paths.get(name) != self.paths[name]:
-                self.llm.unload_lora(name)
-                del self.paths[name]
+                old = self.paths.pop(name)
+                if old.startswith(STORE_PREFIX):
+                    self.versions.pop(name, None)
+                    if name not in paths and self.store is not None:
+                        self.store.let_go(name)
+                else:
+                    self.llm.unload_lora(name)
         for name, path in paths.items():
             if name not in self.paths:
-                self.llm.register_lora(name, path)
+                if path.startswith(STORE_PREFIX):
+                    self.versions[name] = path[len(STORE_PREFIX):]
+                else:
+                    self.llm.register_lora(name, path)
                 self.paths[name] = path
         self.sync_report()
+
+    def hold(self, names) -> Callable[[], None]:
+        """(a worker thread) The store adapters among ``names`` fetched,
+        checked, loaded and held on disk: how to let them go."""
+        wanted = [n for n in dict.fromkeys(names) if n in self.versions]
+        if not wanted or self.store is None:
+            return _nothing
+        releases = []
+        try:
+            for n in wanted:
+                releases.append(self.store.hold_sync(n, self.versions[n]))
+        except BaseException:
+            for r in releases:
+                r()
+            raise
+
+        def release() -> None:
+            for r in releases:
+                r()
+        return release
 
     def sync_report(self) -> None:
         """Tell the registry which adapters were loaded or let go since the last time."""
@@ -85,10 +122,16 @@ class ReplicaEngine:
             self.report(name, False)
         self.held = loaded
 
-    def submit(self, req: llamax.GenerationRequest) -> llamax.RequestHandle:
-        """(a worker thread: it may load adapters, or wait for room for them)"""
+    def submit(self, req: llamax.GenerationRequest) -> tuple[llamax.RequestHandle, Callable[[], None]]:
+        """(a worker thread: it may fetch or load adapters, or wait for room
+        for them) The handle, and how to let its store adapters go once it
+        has ended."""
+        release = self.hold(s["name"] for s in req.adapters.active_loras() or ())
         try:
-            return self.llm.submit(req)
+            return self.llm.submit(req), release
+        except BaseException:
+            release()
+            raise
         finally:
             self.sync_report()
 
@@ -98,7 +141,7 @@ class ReplicaEngine:
         replica holds is reported once the request is submitted: adapters
         are loaded, and others unloaded to make room, only then."""
         try:
-            handle = await asyncio.to_thread(self.submit, req)
+            handle, release = await asyncio.to_thread(self.submit, req)
         except Exception as e:
             yield remote_error(e)
             return
@@ -111,37 +154,54 @@ class ReplicaEngine:
                 await events.aclose()
         except Exception as e:
             yield remote_error(e)
+        finally:
+            release()
 
     async def result(self, req: llamax.GenerationRequest):
         """The Result, or an error dict."""
         try:
-            handle = await asyncio.to_thread(self.submit, req)
+            handle, release = await asyncio.to_thread(self.submit, req)
         except Exception as e:
             return remote_error(e)
         try:
             return await handle.aresult()
         except Exception as e:
             return remote_error(e)
+        finally:
+            release()
 
     def score_prompt(self, req: llamax.GenerationRequest, n_top: int):
         """The prompt's own logprobs under its adapters (echo), or an error dict."""
         try:
-            with self.submit(req) as handle:
+            handle, release = self.submit(req)
+        except Exception as e:
+            return remote_error(e)
+        try:
+            with handle:
                 return handle.score_prompt(n_top)
         except Exception as e:
             return remote_error(e)
+        finally:
+            release()
 
     def embed_rows(self, inputs: list, loras, cvecs, normalize: bool):
         """(a worker thread) The inputs' (token lists') unnormalized embeddings
         and the tokens embedded (as Serving.embed_rows), or an error dict."""
+        release = _nothing
         try:
+            release = self.hold(s["name"] for s in loras or ())
             with self.llm.prepare_embedding(inputs, normalize=normalize, truncate=False, active_loras=loras,
                                             control_vectors=cvecs) as p:
                 return list(p.run()), p.n_tokens
         except Exception as e:
             return remote_error(e)
         finally:
+            release()
             self.sync_report()
+
+
+def _nothing() -> None:
+    pass
 
 
 class LlamaReplica:
@@ -152,7 +212,13 @@ class LlamaReplica:
         self.registry = registry
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         llm = await asyncio.to_thread(open_llama, self.cfg, max_adapters)
-        self.engine = ReplicaEngine(llm, lambda name, loaded: registry.held.remote(self.replica_id, name, loaded))
+        store = None
+        if self.cfg.adapter_store is not None:
+            # each replica fetches into a disk tier of its own, on its node
+            from llamax.server.store import StoreTiers
+            store = StoreTiers(self.cfg, lambda: llm, subdir=f"replica-{self.replica_id}")
+        self.engine = ReplicaEngine(llm, lambda name, loaded: registry.held.remote(self.replica_id, name, loaded),
+                                    store)
         self.snapshot_id = None
         self.max_adapters = max_adapters
         self.busy: dict[str, int] = {}   # adapter set key -> running requests (Ray's LRU is told they are in use)
