@@ -162,6 +162,12 @@ def metrics(url: str) -> dict:
     return out
 
 
+def cpu_seconds(pid: int) -> float:
+    """A process's user + system CPU seconds so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def rate(d: dict, tier: str) -> float | None:
     h = d.get(f'llamax:adapter_tier_hits_total{{tier="{tier}"}}', 0.0)
     m = d.get(f'llamax:adapter_tier_misses_total{{tier="{tier}"}}', 0.0)
@@ -205,6 +211,8 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--stores", default="s3,dir")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--rounds", type=int, default=2,
+                    help="rounds per store, each a fresh server and an empty disk cache (default 2)")
     ap.add_argument("--quick", action="store_true", help="100 adapters, 96 requests (a smoke run)")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "store")
     args = ap.parse_args()
@@ -236,26 +244,39 @@ def main():
                 store = str(src)
             else:
                 raise SystemExit(f"--stores: s3 or dir, not {kind!r}")
-            cache = work / f"cache-{kind}"
-            proc, url = serve(model, store, cache, args, env)
             try:
-                # one request to the base model first: the model's own warm-up is not the store's cost
-                asyncio.run(run(url, ["base"] * args.clients, args.clients, 4, eos))
-                for label in ("cold", "warm"):
-                    before = metrics(url)
-                    res = asyncio.run(run(url, names, args.clients, args.max_tokens, eos))
-                    s = summarize(res, names, before, metrics(url), args.max_tokens)
-                    s.update(store=kind, run=label)
-                    rows.append(s)
-                    print(json.dumps(s), flush=True)
+                for rnd in range(args.rounds):
+                    rows += measure(kind, rnd, model, store, work / f"cache-{kind}-{rnd}", args, env, names, eos,
+                                    moto)
             finally:
-                proc.terminate()
-                proc.wait(60)
                 if moto is not None:
                     moto.stop()
     finally:
         shutil.rmtree(work, ignore_errors=True)
     write(rows, args)
+
+
+def measure(kind, rnd, model, store, cache, args, env, names, eos, moto) -> list[dict]:
+    """One round: a fresh server and disk cache, the requests cold, then again warm."""
+    rows = []
+    proc, url = serve(model, store, cache, args, env)
+    try:
+        # requests to the base model first: the model's own warm-up is not the store's cost
+        asyncio.run(run(url, ["base"] * args.clients, args.clients, 4, eos))
+        for label in ("cold", "warm"):
+            before = metrics(url)
+            cpu0 = (cpu_seconds(proc.pid), cpu_seconds(moto.proc.pid) if moto else 0.0)
+            res = asyncio.run(run(url, names, args.clients, args.max_tokens, eos))
+            cpu1 = (cpu_seconds(proc.pid), cpu_seconds(moto.proc.pid) if moto else 0.0)
+            s = summarize(res, names, before, metrics(url), args.max_tokens)
+            s.update(store=kind, run=label, round=rnd, server_cpu_s=cpu1[0] - cpu0[0],
+                     store_cpu_s=cpu1[1] - cpu0[1])
+            rows.append(s)
+            print(json.dumps(s), flush=True)
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    return rows
 
 
 def write(rows: list[dict], args) -> None:
@@ -269,20 +290,32 @@ def write(rows: list[dict], args) -> None:
              "", f"{args.max_tokens} tokens per request; memory tier {args.memory}, LoRA table {args.slots}; "
              "cold: empty disk cache; warm: the same requests again. TTFT in ms; first use: the first request "
              "naming each adapter.", "",
-             "| store | run | tok/s | cold ÷ warm | TTFT p50 | TTFT p95 | first-use TTFT p50 | first-use TTFT p95 "
-             "| first uses | fetches | disk hit | memory hit | table fills / request | memory evictions |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    warm = {r["store"]: r for r in rows if r["run"] == "warm"}
+             "| store | round | run | tok/s | cold ÷ warm | TTFT p50 | TTFT p95 | first-use TTFT p50 | first-use TTFT p95 "
+             "| first uses | fetches | disk hit | memory hit | table fills / request | memory evictions "
+             "| server CPU s | S3 server CPU s |",
+             "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    warm = {(r["store"], r["round"]): r for r in rows if r["run"] == "warm"}
     for r in rows:
-        ratio = r["tok_s"] / warm[r["store"]]["tok_s"] if r["store"] in warm else float("nan")
+        w = warm.get((r["store"], r["round"]))
+        ratio = r["tok_s"] / w["tok_s"] if w else float("nan")
+        store_cpu = f"{r['store_cpu_s']:.0f}" if r["store"] == "s3" else "–"
 
         def f(x, pct=False):
             return "–" if x is None else (f"{100 * x:.0f}%" if pct else f"{x:.0f}")
-        lines.append(f"| {r['store']} | {r['run']} | {r['tok_s']:.1f} | {ratio:.2f}× | {1000 * r['ttft_p50']:.0f} | "
+        lines.append(f"| {r['store']} | {r['round'] + 1} | {r['run']} | {r['tok_s']:.1f} | {ratio:.2f}× | {1000 * r['ttft_p50']:.0f} | "
                      f"{1000 * r['ttft_p95']:.0f} | {1000 * r['first_ttft_p50']:.0f} | "
                      f"{1000 * r['first_ttft_p95']:.0f} | {r['first_uses']} | {r['fetches']:.0f} | "
                      f"{f(r['disk_hit'], True)} | {f(r['memory_hit'], True)} | {r['table_fills_per_request']:.2f} | "
-                     f"{r['evictions_memory']:.0f} |")
+                     f"{r['evictions_memory']:.0f} | {r['server_cpu_s']:.0f} | {store_cpu} |")
+    lines.append("")
+    for kind in dict.fromkeys(r["store"] for r in rows):
+        pairs = [(r, warm[(r["store"], r["round"])]) for r in rows
+                 if r["store"] == kind and r["run"] == "cold" and (r["store"], r["round"]) in warm]
+        if pairs:
+            ratio = statistics.median(c["tok_s"] / w["tok_s"] for c, w in pairs)
+            extra = statistics.median(1000 * (c["first_ttft_p95"] - w["first_ttft_p95"]) for c, w in pairs)
+            lines.append(f"- {kind}: median cold ÷ warm {ratio:.2f}× over {len(pairs)} round(s); first-use TTFT "
+                         f"p95 cold minus warm (the store's fetch, check and load) {extra:+.0f} ms.")
     lines += ["", f"CPU: {meta['cpu']}, {args.threads} threads."]
     args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
