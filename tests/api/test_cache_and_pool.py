@@ -14,6 +14,10 @@ from conftest import LOGPROBS_CHAT, LOGPROBS_COMPLETION, assert_distinct
 
 from .conftest import forget_cache, make_llama
 
+# Slow tier (`pytest tests -m slow`; .ci/run runs it): the prefix cache and the context pool, cold runs compared (~35 s).
+# Moved whole to keep the README's test command within 12 minutes (docs/testing.md).
+pytestmark = pytest.mark.slow
+
 G = dict(temperature=0)
 SYSTEM = ("You are a careful assistant for a small library. The library is open from nine to five on "
           "weekdays and from ten to two on Saturdays. It lends books, films and music, and it runs a "

@@ -11,6 +11,10 @@ from llamax.llama_speculative import LlamaPromptLookupDecoding
 
 from .conftest import make_llama
 
+# Slow tier (`pytest tests -m slow`; .ci/run runs it): deterministic mode through Llama, speculative decoding included (~27 s).
+# Moved whole to keep the README's test command within 12 minutes (docs/testing.md).
+pytestmark = pytest.mark.slow
+
 # long enough that their prompts are decoded in chunks of 64 rows and more
 # (where the fast kernels differ from a decode's), sharing a long prefix
 BASE = ("You are a careful assistant. Answer in one short paragraph, plainly, without lists. "

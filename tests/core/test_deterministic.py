@@ -14,6 +14,10 @@ import pytest
 
 import llamax
 
+# Slow tier (`pytest tests -m slow`; .ci/run runs it): bit-for-bit sequences alone and batched, on the native engine (~30 s).
+# Moved whole to keep the README's test command within 12 minutes (docs/testing.md).
+pytestmark = pytest.mark.slow
+
 N_TOKENS = 12
 
 

@@ -16,6 +16,10 @@ import llamax
 from conftest import run_py
 from llamax import _core
 
+# Slow tier (`pytest tests -m slow`; .ci/run runs it): the packed embedding kernels against the reference (~23 s).
+# Moved whole to keep the README's test command within 12 minutes (docs/testing.md).
+pytestmark = pytest.mark.slow
+
 N_EMBD = 384
 
 

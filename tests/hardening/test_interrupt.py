@@ -22,6 +22,10 @@ import pytest
 import llamax
 from conftest import run_py
 
+# Slow tier (`pytest tests -m slow`; .ci/run runs it): SIGINT into running requests, in subprocesses (~35 s).
+# Moved whole to keep the README's test command within 12 minutes (docs/testing.md).
+pytestmark = pytest.mark.slow
+
 PRE = r'''
 import os, signal, sys, threading, time
 # Python's default Ctrl-C handler, whatever this process inherited (a

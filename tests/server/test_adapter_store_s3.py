@@ -23,6 +23,10 @@ from llamax import gguf_tools as gt
 from .conftest import Server
 from .test_adapter_store import metric, write_peft
 
+# Slow tier (`pytest tests -m slow`; .ci/run runs it): an S3 server process and the hub's cache (~30 s).
+# Moved whole to keep the README's test command within 12 minutes (docs/testing.md).
+pytestmark = pytest.mark.slow
+
 
 AWS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
 

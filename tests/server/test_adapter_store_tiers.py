@@ -19,6 +19,10 @@ from llamax import gguf_tools as gt
 from .conftest import Server, eos_ban
 from .test_adapter_store import metric
 
+# Slow tier (`pytest tests -m slow`; .ci/run runs it): the store's tiers evicting around a running request (~25 s).
+# Moved whole to keep the README's test command within 12 minutes (docs/testing.md).
+pytestmark = pytest.mark.slow
+
 N = 6
 PROMPT = "Once upon a time"
 

@@ -9,9 +9,9 @@ Properties, for every body: the answer is a 2xx or a 4xx, never a 5xx; a
 read to its end) comes within 30 s; afterwards the server is alive,
 ``/health`` says 200 and its log has no traceback or error line.
 
-The default tier runs a fixed, derandomized set (about 300 bodies, 20 s
-on 2 cores once the server is up); the slow tier runs more, each time
-different (2,000 per route: 7.5 min)::
+Both run in the slow tier (`pytest tests -m slow`; CI runs it): a fixed,
+derandomized set (about 300 bodies, 20 s on 2 cores once the server is up),
+and more, each time different (2,000 per route: 7.5 min)::
 
     pytest tests/server/test_fuzz_http.py -m slow -p no:cacheprovider
     LLAMAX_HTTP_FUZZ_EXAMPLES=2000 pytest tests/server/test_fuzz_http.py -m slow -k chat
@@ -100,11 +100,13 @@ def _fuzz_get(probe: http_fuzz.Probe, n: int, fixed: bool) -> None:
     run()
 
 
+@pytest.mark.slow   # (moved with its long form: the default tier's 12 minutes, docs/testing.md)
 @pytest.mark.parametrize("route", sorted(DEFAULT))
 def test_bodies(probe, route):
     _fuzz(probe, route, DEFAULT[route], fixed=True)
 
 
+@pytest.mark.slow
 def test_reads(probe):
     _fuzz_get(probe, 40, fixed=True)
 
