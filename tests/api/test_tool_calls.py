@@ -15,6 +15,11 @@ from llamax_dev.chat_templates import HERMES, THINKING  # Hermes-style tools; an
 
 from .conftest import make_llama, same_usage
 
+# Slow tier (`pytest tests -m slow`; .ci/run runs it): tool calls through Llama on every template (~33 s).
+# Moved whole to keep the README's test command within 12 minutes (docs/testing.md); tests/tool_calls
+# (the parsers) and tests/server/test_tools.py (tool calls over HTTP) stay in the default tier.
+pytestmark = pytest.mark.slow
+
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The current weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40},
