@@ -130,6 +130,11 @@ class Embedder:
                 raise ArgumentTypeError(f"sentences[{i}] is {type(t).__name__}, not str")
         batch_size = check_int(batch_size, "batch_size", 1, error=InvalidArgumentError,
                                msg=f"batch_size must be a positive int, got {batch_size!r}")
+        if self._llm.embedding_pooling == "none":
+            # (found by the crash search: rows of different lengths were a numpy ValueError)
+            raise InvalidArgumentError("encode gives one vector per sentence, but this Embedder pools nothing "
+                                       "(pooling='none': a vector per token): make it with pooling='mean', "
+                                       "'cls' or 'last', or use embedder.llama.embed() for the token vectors")
         dim = self._llm.n_embd()
         out = np.empty((len(items), dim), dtype=np.float32)
         bar = _Progress(len(items)) if show_progress_bar else None

@@ -114,6 +114,16 @@ def test_truncation_is_explicit(embedder, sentences):
     assert np.isfinite(v).all()
 
 
+def test_encode_refuses_an_embedder_that_pools_nothing(minilm_f16):
+    """pooling='none' is a vector per token; encode gives one per sentence:
+    a typed error saying what to do (the crash search found a numpy
+    ValueError for sentences of different lengths)."""
+    with llamax.Embedder(minilm_f16, pooling="none", n_threads=1) as e:
+        for texts in (["hi", "a longer sentence here"], ["same", "same"], "one"):
+            with pytest.raises(llamax.InvalidArgumentError, match="pooling='mean'"):
+                e.encode(texts)
+
+
 def test_tokenize_batch_matches_tokenize(embedder, sentences):
     m = embedder.llama._native_model
     toks, offs = m.tokenize_batch(sentences)
