@@ -101,6 +101,15 @@ def test_each_replica_fetches_what_it_runs_into_its_own_disk_tier(cluster):
         disks = held_by(cache)
         for replica, names in served.items():
             assert names <= disks.get(replica, set()), (served, disks)
+        # by adapter, not only by whole set: a set whose adapters one replica
+        # holds (in sets of their own) goes there (3 adapters on 2 replicas:
+        # one holds two of them)
+        replica, pair = next((r, sorted(ns)[:2]) for r, ns in served.items() if len(ns) >= 2)
+        for _ in range(3):
+            r = c.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 2, "temperature": 0,
+                                                "active_loras": [{"name": n, "scale": 0.5} for n in pair]})
+            assert r.status_code == 200, r.text
+            assert r.headers["x-llamax-replica"] == replica, (pair, served)
         assert ask(c, "nope").status_code == 404
         r = ask(c, "corrupt")
         assert r.status_code == 400 and r.json()["error"]["code"] == "adapter_invalid", r.text
