@@ -21,7 +21,7 @@ async def _announce(server: uvicorn.Server, backend, cfg: ServerConfig) -> None:
         if server.should_exit:
             return
         await asyncio.sleep(0.02)
-    if backend.llm is None:
+    if backend.load_error is not None:   # (not llm is None: --sleep-idle-seconds may have let it go already)
         print(f"llamax: the model failed to load: {backend.load_error}", file=sys.stderr, flush=True)
         server.should_exit = True
         return
@@ -128,7 +128,7 @@ def serve_backend(backend) -> int:
             app.state.tenancy.usage_log.close()
         for sig, h in previous.items():
             signal.signal(sig, h)
-    if backend.loaded.is_set() and backend.llm is None:
+    if backend.load_error is not None:
         return 1
     if stops:
         print(f"llamax: stopped ({signal.Signals(stops[0]).name})", flush=True)

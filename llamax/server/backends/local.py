@@ -157,6 +157,7 @@ class LocalBackend(Serving):
             llm = self._open()
             self.adapters.default_set = [{"name": n, "scale": s} for n, s in cfg.lora_scales.items() if s != 0.0]
             self.coalescer = Coalescer(llm)
+            self.last_used = time.monotonic()   # (--sleep-idle-seconds counts from here, not from the start)
             self.llm = llm
         except BaseException as e:
             self.load_error = e
