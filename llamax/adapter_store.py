@@ -117,6 +117,15 @@ def _peft_files(present: dict[str, int]) -> Optional[list[str]]:
     return [PEFT_CONFIG, weights[0]] if weights else None
 
 
+def _copy_files(obj: StoreObject, dest: Path) -> None:
+    """A local store's fetch: ``obj``'s files copied into ``dest``."""
+    for local, where in obj.files:
+        try:
+            shutil.copyfile(where, dest / local)
+        except OSError as e:
+            raise StoreUnavailable(f"{where}: {e.strerror or e}") from None
+
+
 # -- a directory ----------------------------------------------------------------------------------
 
 class DirStore(Store):
@@ -165,11 +174,7 @@ class DirStore(Store):
                            tuple((x, str(d / x)) for x in files), str(d) + "/")
 
     def fetch(self, obj: StoreObject, dest: Path) -> None:
-        for local, where in obj.files:
-            try:
-                shutil.copyfile(where, dest / local)
-            except OSError as e:
-                raise StoreUnavailable(f"{where}: {e.strerror or e}") from None
+        _copy_files(obj, dest)
 
     def names(self) -> Iterator[str]:
         self._check_root()
@@ -342,11 +347,7 @@ class HubStore(Store):
 
     def fetch(self, obj: StoreObject, dest: Path) -> None:
         # stat() brought the files into the hub's cache; the disk tier keeps its own copy
-        for local, where in obj.files:
-            try:
-                shutil.copyfile(where, dest / local)
-            except OSError as e:
-                raise StoreUnavailable(f"{where}: {e.strerror or e}") from None
+        _copy_files(obj, dest)
 
     def names(self) -> Iterator[str]:
         if self._offline():
