@@ -13,6 +13,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <string_view>
+#include <atomic>
+#include <map>
 #include <unordered_map>
 #include <unordered_set>
 #include <csignal>
@@ -287,6 +289,16 @@ Adapter::~Adapter() {
     }
 }
 
+namespace {
+
+// Adapters' and control vectors' serials: unique for the process's life.
+uint64_t next_serial() {
+    static std::atomic<uint64_t> n{0};
+    return n.fetch_add(1, std::memory_order_relaxed) + 1;
+}
+
+}  // namespace
+
 AdapterPtr adapter_load(const ModelPtr & model, const std::string & path) {
     check_gguf_file(path);
     check_adapter_kv_types(path);
@@ -303,6 +315,7 @@ AdapterPtr adapter_load(const ModelPtr & model, const std::string & path) {
     a->ptr = p;
     a->model = model;
     a->path = path;
+    a->serial = next_serial();
     return a;
 }
 
@@ -318,6 +331,12 @@ struct StateTable {
     // as long as its holders; expired entries are swept as the table grows)
     std::unordered_multimap<uint64_t, std::weak_ptr<const State>> map;
     size_t sweep_at = 64;
+    // the contents' signature (adapter serials and scale bits, then the
+    // control vector's serial) -> the id states of those contents get, kept
+    // after the states are gone; forgotten all at once past kMaxIds (ids
+    // then change: prefix-cache misses, never a wrong match)
+    std::map<std::vector<uint64_t>, uint64_t> ids;
+    static constexpr size_t kMaxIds = 1 << 14;
 };
 
 StateTable & state_table() {
@@ -399,8 +418,26 @@ StatePtr state_intern(const llama_model * model, const std::vector<AdapterPtr> &
         }
         ++it;
     }
+    std::vector<uint64_t> sig;
+    sig.reserve(2 * adapters.size() + 1);
+    for (size_t i = 0; i < adapters.size(); ++i) {
+        uint32_t bits;
+        std::memcpy(&bits, &scales[i], sizeof bits);
+        sig.push_back(adapters[i]->serial);
+        sig.push_back(bits);
+    }
+    sig.push_back(cvec ? cvec->serial : 0);
+    auto known = t.ids.find(sig);
     auto st = std::make_shared<State>();
-    st->id = t.next_id++;
+    if (known != t.ids.end()) {
+        st->id = known->second;
+    } else {
+        if (t.ids.size() >= StateTable::kMaxIds) {
+            t.ids.clear();
+        }
+        st->id = t.next_id++;
+        t.ids.emplace(std::move(sig), st->id);
+    }
     for (size_t i = 0; i < adapters.size(); ++i) {
         st->adapters.emplace_back(adapters[i], scales[i]);
     }
@@ -653,6 +690,7 @@ ControlVectorPtr seal(const std::shared_ptr<ControlVector> & cv) {
         mix(w[i]);
     }
     cv->hash = h;
+    cv->serial = next_serial();
     return cv;
 }
 

@@ -146,6 +146,7 @@ struct Adapter {
     llama_adapter_lora * ptr = nullptr;
     ModelPtr model;
     std::string path;
+    uint64_t serial = 0;  // unique per loaded adapter, never reused (State ids, see state_intern)
     Adapter() = default;
     Adapter(const Adapter &) = delete;
     Adapter & operator=(const Adapter &) = delete;
@@ -165,6 +166,7 @@ struct ControlVector {
     int32_t layer_end = 0;
     std::vector<float> data;  // n_embd * layer_end floats
     uint64_t hash = 0;        // of the above, computed once when it is made (State interning)
+    uint64_t serial = 0;      // unique per vector made, never reused (State ids, see state_intern)
     bool same_as(const ControlVector & o) const {
         return hash == o.hash && n_embd == o.n_embd && layer_start == o.layer_start &&
                layer_end == o.layer_end && data == o.data;
@@ -202,6 +204,12 @@ void layer_outputs(const ModelPtr & model, const llama_token * tokens, const int
 // prefixes).  The base state (no adapters, no control vector) has id 0.
 
 struct State {
+    // Equal contents, equal id, also across the lives of states: a state
+    // made again from the same adapter objects, scales and control vector
+    // object gets its old id back, so the prefix caches keyed by it (the
+    // Batcher's slots, Llama's context pool) still match after the last
+    // request of an adapter set ended and freed its state.  Ids are never
+    // shared by different contents (serials are never reused).
     uint64_t id = 0;
     std::vector<std::pair<AdapterPtr, float>> adapters;  // in application order
     ControlVectorPtr cvec;                               // null: none

@@ -108,11 +108,23 @@ def test_states_are_interned(model, adapters):
     cv2 = llamax.ControlVector.from_padded(model, data.copy(), 2, 3)   # equal contents, another object
     assert llamax.State(model, control_vector=cv1).id == llamax.State(model, control_vector=cv2).id
     assert llamax.State(model, [(a, 1.0)], cv1).id != llamax.State(model, [(a, 1.0)]).id
-    # ids are never reused: a state made again after its last holder went gets a new one
+    # a state made again after its last holder went gets its id back (the
+    # prefix caches keyed by it still match), and only from the same objects:
+    # the same file loaded again is another adapter, with another id
     old = s1.id
+    n = llamax._core._n_interned_states()
     del s1, s2
     gc.collect()
-    assert llamax.State(model, [(a, 0.5), (b, 1.0)]).id > old
+    assert llamax._core._n_interned_states() == n - 1
+    assert llamax.State(model, [(a, 0.5), (b, 1.0)]).id == old
+    a2 = llamax.LoraAdapter(model, a.path)
+    try:
+        assert llamax.State(model, [(a2, 0.5), (b, 1.0)]).id not in (old, 0)
+    finally:
+        a2.close()
+    cv_id = llamax.State(model, control_vector=cv1).id
+    gc.collect()
+    assert llamax.State(model, control_vector=cv1).id == cv_id
     with pytest.raises(llamax.InvalidArgumentError, match="twice"):
         llamax.State(model, [(a, 1.0), (a, 0.5)])
     with pytest.raises(llamax.ArgumentTypeError):
