@@ -27,6 +27,22 @@ Sequences: llamax ``--parallel 16 --n-ctx 1024``; llama-server ``-np 16
 -c 16384`` (1024 per slot), adapters with ``--lora-init-without-apply``;
 llama-cpp-python one sequence at a time (its server serialises requests).
 
+With ``--engine``, llamax's engine alone runs the same requests in this
+process (``Llama(n_parallel=16)``, ``acreate_chat_completion`` streams, no
+HTTP, no second process): the gap to llama-server splits into the engine's
+share and the server's.
+
+A request whose connection was closed before any answer came (a reused
+keep-alive connection the server had just dropped: llama-server does
+this) is sent again once, as HTTP clients do, and counted under
+"retries"; one that fails after that counts as an error.
+
+The table ends with the goals of the serving path (issue #53: one adapter
+>= 1.0x llama-server at every concurrency; 16 distinct adapters >= 1.0x,
+>= 1.4x at 16 clients; p95 TTFT at or below llama-server's; 16 distinct /
+one adapter >= 0.9x), each met or not.  ``--quick`` (one round at 1 and 8
+clients) is the check to run before and after a change to the serving path.
+
 Writes benchmarks/results/server.{json,md} (and server.png with matplotlib).
 """
 from __future__ import annotations
@@ -91,6 +107,9 @@ class Contestant:
                                      cwd=str(cache_dir()), start_new_session=True)
         wait_ready(self.url, self.proc)
 
+    def run(self, body_for, clients: int, n: int, max_tokens: int) -> dict:
+        return asyncio.run(load(self.url, clients, n, body_for, max_tokens))
+
     def stop(self):
         self.proc.terminate()
         try:
@@ -105,7 +124,20 @@ async def load(url: str, clients: int, n: int, body_for, max_tokens: int) -> dic
     tokens = 0
     nxt = 0
 
+    retries = 0
+
     async def one(c, i):
+        nonlocal retries
+        for attempt in (0, 1):
+            answered = []
+            try:
+                return await attempt_one(c, i, answered)
+            except (httpx.RemoteProtocolError, httpx.ConnectError):
+                if attempt or answered:  # (once the answer has begun, a drop is an error)
+                    raise
+                retries += 1
+
+    async def attempt_one(c, i, answered: list):
         nonlocal tokens
         body = body_for(i)
         body.update(stream=True, max_tokens=max_tokens, temperature=0.7, seed=i,
@@ -115,6 +147,7 @@ async def load(url: str, clients: int, n: int, body_for, max_tokens: int) -> dic
         pieces = 0
         finish = None
         async with c.stream("POST", "/v1/chat/completions", json=body) as r:
+            answered.append(True)
             if r.status_code != 200:
                 errors.append(f"{r.status_code} {(await r.aread())[:200]!r}")
                 return
@@ -152,15 +185,81 @@ async def load(url: str, clients: int, n: int, body_for, max_tokens: int) -> dic
     async with httpx.AsyncClient(base_url=url, timeout=600,
                                  limits=httpx.Limits(max_connections=clients)) as c:
         await asyncio.gather(*(worker(c) for _ in range(clients)))
-    wall = time.perf_counter() - t0
+    return _stats(lat, ttft, errors, retries, tokens, time.perf_counter() - t0)
 
-    def pct(xs, q):
-        xs = sorted(xs)
-        return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else None
 
-    return {"requests": len(lat), "errors": errors[:3], "n_errors": len(errors), "wall_s": wall,
-            "req_s": len(lat) / wall, "tok_s": tokens / wall, "p50_s": pct(lat, 0.5), "p95_s": pct(lat, 0.95),
-            "ttft_p50_s": pct(ttft, 0.5), "ttft_p95_s": pct(ttft, 0.95)}
+class Engine:
+    """llamax's engine alone, in this process: the same requests as the
+    servers get, as ``acreate_chat_completion`` streams on one
+    ``Llama(n_parallel=16)`` with the same adapters (no HTTP)."""
+
+    name = "llamax engine"
+    modes = ["one", "mixed", "many"]
+
+    def __init__(self, model, threads, adapters: dict):
+        self.llm = llamax.Llama(str(model), n_parallel=N_PAR, n_ctx=N_PAR * N_CTX, n_threads=threads,
+                                n_batch=512, max_loaded_adapters=len(adapters) + 1)
+        for name, path in adapters.items():
+            self.llm.register_lora(name, str(path), load=True)
+
+    def run(self, body_for, clients: int, n: int, max_tokens: int) -> dict:
+        return asyncio.run(self._load(body_for, clients, n, max_tokens))
+
+    async def _load(self, body_for, clients, n, max_tokens):
+        lat, ttft, errors = [], [], []
+        tokens = 0
+        nxt = 0
+
+        async def one(i):
+            nonlocal tokens
+            body = body_for(i)
+            bias = {int(k): v for k, v in body["logit_bias"].items()}
+            t0 = time.perf_counter()
+            first = None
+            finish = None
+            it = await self.llm.acreate_chat_completion(
+                messages=[{"role": "user", "content": f"Request {i}. {PROMPTS[i % len(PROMPTS)]}"}], stream=True,
+                max_tokens=max_tokens, temperature=0.7, seed=i, logit_bias=bias,
+                active_loras=body.get("active_loras") or None)
+            async for ch in it:
+                for choice in ch["choices"]:
+                    if (choice.get("delta") or {}).get("content") and first is None:
+                        first = time.perf_counter() - t0
+                    finish = choice.get("finish_reason") or finish
+            if finish != "length":
+                errors.append(f"finish_reason {finish!r}")
+                return
+            lat.append(time.perf_counter() - t0)
+            ttft.append(first)
+            tokens += max_tokens
+
+        async def worker():
+            nonlocal nxt
+            while nxt < n:
+                i = nxt
+                nxt += 1
+                try:
+                    await one(i)
+                except Exception as e:
+                    errors.append(repr(e))
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(clients)))
+        return _stats(lat, ttft, errors, 0, tokens, time.perf_counter() - t0)
+
+    def stop(self):
+        self.llm.close()
+
+
+def _pct(xs, q):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else None
+
+
+def _stats(lat, ttft, errors, retries, tokens, wall) -> dict:
+    return {"requests": len(lat), "errors": errors[:3], "n_errors": len(errors), "retries": retries, "wall_s": wall,
+            "req_s": len(lat) / wall, "tok_s": tokens / wall, "p50_s": _pct(lat, 0.5), "p95_s": _pct(lat, 0.95),
+            "ttft_p50_s": _pct(ttft, 0.5), "ttft_p95_s": _pct(ttft, 0.95)}
 
 
 def main(argv=None) -> int:
@@ -175,6 +274,8 @@ def main(argv=None) -> int:
     p.add_argument("--no-llama-cpp-python", action="store_true", help="llamax and llama-server only")
     p.add_argument("--name", default="server", help="results file stem (default: server)")
     p.add_argument("--modes", default="one,mixed,many", help="adapter modes (default one,mixed,many)")
+    p.add_argument("--engine", action="store_true",
+                   help="also llamax's engine alone, in this process (no HTTP): the gap split into engine and server")
     a = p.parse_args(argv)
     if a.quick:
         a.rounds, a.concurrency = 1, "1,8"
@@ -246,10 +347,14 @@ def main(argv=None) -> int:
                                      "--port", str(port), "--n_threads", T, "--n_threads_batch", T, "--n_ctx",
                                      str(N_CTX), "--lora_path", str(la), "--verbose", "False"],
                 port, lcp_body, ["one"]))
+        if a.engine:
+            eng = Engine(model, a.threads, {"coder": la, "writer": lb, **{f"m{i}": f for i, f in enumerate(many)}})
+            eng.body_for = llamax_body
+            contestants.append(eng)
         for c in contestants:  # warm-up
             for mode in c.modes:
                 if mode in modes:
-                    asyncio.run(load(c.url, 2, 2, c.body_for(mode), 8))
+                    c.run(c.body_for(mode), 2, 2, 8)
         runs = []
         for r in range(a.rounds):
             for n in conc:
@@ -258,12 +363,12 @@ def main(argv=None) -> int:
                     for c in order:
                         if mode not in c.modes:
                             continue
-                        res = asyncio.run(load(c.url, n, max(8, 3 * n), c.body_for(mode), a.max_tokens))
+                        res = c.run(c.body_for(mode), n, max(8, 3 * n), a.max_tokens)
                         res.update(contestant=c.name, mode=mode, clients=n, round=r)
                         runs.append(res)
                         print(f"round {r} {c.name:17s} {mode:5s} C={n:2d}: {res['tok_s']:7.1f} tok/s "
                               f"{res['req_s']:6.2f} req/s p95 TTFT {res['ttft_p95_s']:.3f} s "
-                              f"errors {res['n_errors']} {res['errors'][:1]}", flush=True)
+                              f"errors {res['n_errors']} {res['errors'][:1]} retries {res['retries']}", flush=True)
     finally:
         for c in contestants:
             c.stop()
@@ -293,7 +398,7 @@ def summarize(runs):
         out.append({"contestant": k[0], "mode": k[1], "clients": k[2], "tok_s": med("tok_s"),
                     "req_s": med("req_s"), "p50_s": med("p50_s"), "p95_s": med("p95_s"),
                     "ttft_p50_s": med("ttft_p50_s"), "ttft_p95_s": med("ttft_p95_s"),
-                    "errors": sum(r["n_errors"] for r in rs)})
+                    "errors": sum(r["n_errors"] for r in rs), "retries": sum(r.get("retries", 0) for r in rs)})
     return out
 
 
@@ -303,24 +408,57 @@ def table(summary, meta) -> str:
     lines = [f"{meta['model']}, {meta['threads']} threads, {meta['max_tokens']} tokens per request, streaming, "
              f"medians of {meta['rounds']} interleaved rounds ({meta['date']})", "",
              "| server | adapters | clients | tok/s | req/s | p50 / p95 latency (s) | p50 / p95 TTFT (s) "
-             "| × llama-server tok/s | errors |", "|---|---|---|---|---|---|---|---|---|"]
+             "| × llama-server tok/s | errors | retries |", "|---|---|---|---|---|---|---|---|---|---|"]
     for s in sorted(summary, key=lambda s: (s["mode"], s["clients"], s["contestant"])):
         r = ref.get((s["mode"], s["clients"]))
         ratio = f"{s['tok_s'] / r['tok_s']:.2f}×" if r and s["contestant"] != "llama-server" else "—"
         lines.append(f"| {s['contestant']} | {s['mode']} | {s['clients']} | {s['tok_s']:.1f} | {s['req_s']:.2f} | "
                      f"{s['p50_s']:.2f} / {s['p95_s']:.2f} | {s['ttft_p50_s']:.3f} / {s['ttft_p95_s']:.3f} | "
-                     f"{ratio} | {s['errors']} |")
+                     f"{ratio} | {s['errors']} | {s.get('retries', 0)} |")
     lines.append("")
     for s in summary:
         if s["contestant"] == "llamax" and s["mode"] in ("mixed", "many") and s["clients"] in one:
             lines.append(f"- llamax {s['mode']} / one adapter at {s['clients']} clients: "
                          f"{s['tok_s'] / one[s['clients']]['tok_s']:.2f}×")
+    eng = {(s["mode"], s["clients"]): s for s in summary if s["contestant"] == Engine.name}
+    srv = {(s["mode"], s["clients"]): s for s in summary if s["contestant"] == "llamax"}
+    for k, s in sorted(eng.items()):
+        if k in srv:
+            lines.append(f"- llamax server / its engine alone ({k[0]}, {k[1]} clients): "
+                         f"{srv[k]['tok_s'] / s['tok_s']:.2f}×")
+    lines += goals(summary)
     lcp = {s["clients"]: s for s in summary if s["contestant"] == "llama-cpp-python"}
     for n, s in sorted(lcp.items()):
         if n in one:
             lines.append(f"- llamax / llama-cpp-python (one adapter) at {n} clients: "
                          f"{one[n]['tok_s'] / s['tok_s']:.2f}×")
     return "\n".join(lines) + "\n"
+
+
+def goals(summary) -> list[str]:
+    """The serving path's goals (issue #53), each met or not, from this run."""
+    ref = {(s["mode"], s["clients"]): s for s in summary if s["contestant"] == "llama-server"}
+    ours = {(s["mode"], s["clients"]): s for s in summary if s["contestant"] == "llamax"}
+    out = []
+    for (mode, n), s in sorted(ours.items()):
+        r = ref.get((mode, n))
+        if r is None or mode not in ("one", "many"):
+            continue
+        want = 1.4 if mode == "many" and n >= 16 else 1.0
+        ratio = s["tok_s"] / r["tok_s"]
+        ttft_ok = s["ttft_p95_s"] <= r["ttft_p95_s"]
+        out.append(f"- goal {mode} at {n} clients: tok/s {ratio:.2f}× llama-server (≥ {want:.1f}×: "
+                   f"{'met' if ratio >= want else 'NOT met'}); p95 TTFT {s['ttft_p95_s']:.3f} vs "
+                   f"{r['ttft_p95_s']:.3f} s ({'met' if ttft_ok else 'NOT met'})")
+    for (mode, n), s in sorted(ours.items()):
+        one = ours.get(("one", n))
+        if mode == "many" and one:
+            q = s["tok_s"] / one["tok_s"]
+            out.append(f"- goal many / one adapter at {n} clients: {q:.2f}× (≥ 0.9×: {'met' if q >= 0.9 else 'NOT met'})")
+    errs = sum(s["errors"] for s in ours.values())
+    if ours:
+        out.append(f"- llamax errors: {errs}")
+    return out
 
 
 def plot(summary, path):
