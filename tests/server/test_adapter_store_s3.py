@@ -140,11 +140,11 @@ def test_s3_store(s3):
         # model and held adapters keep answering (their re-check fails: the
         # version held is served)
         moto.stop()
-        t0 = time.monotonic()
         r = ask(c, "acme/cold-one")
         assert r.status_code == 503, r.text
         assert r.headers.get("retry-after") and r.json()["error"]["code"] == "adapter_store_unavailable"
-        assert time.monotonic() - t0 < 25
+        # the store's refusal answered it, not --adapter-store-timeout (20 s) running out
+        assert "can't give" in r.json()["error"]["message"], r.text
         assert text(ask(c, "smol"))
         time.sleep(1.2)
         assert text(ask(c, "acme/support-v3")) == cold
