@@ -120,14 +120,9 @@ class Contestant:
 
 
 async def load(url: str, clients: int, n: int, body_for, max_tokens: int) -> dict:
-    lat, ttft, errors = [], [], []
-    tokens = 0
-    nxt = 0
-
-    retries = 0
+    tally = _Tally()
 
     async def one(c, i):
-        nonlocal retries
         for attempt in (0, 1):
             answered = []
             try:
@@ -135,57 +130,81 @@ async def load(url: str, clients: int, n: int, body_for, max_tokens: int) -> dic
             except (httpx.RemoteProtocolError, httpx.ConnectError):
                 if attempt or answered:  # (once the answer has begun, a drop is an error)
                     raise
-                retries += 1
+                tally.retries += 1
 
     async def attempt_one(c, i, answered: list):
-        nonlocal tokens
         body = body_for(i)
         body.update(stream=True, max_tokens=max_tokens, temperature=0.7, seed=i,
                     messages=[{"role": "user", "content": f"Request {i}. {PROMPTS[i % len(PROMPTS)]}"}])
         t0 = time.perf_counter()
         first = None
-        pieces = 0
         finish = None
         async with c.stream("POST", "/v1/chat/completions", json=body) as r:
             answered.append(True)
             if r.status_code != 200:
-                errors.append(f"{r.status_code} {(await r.aread())[:200]!r}")
+                tally.errors.append(f"{r.status_code} {(await r.aread())[:200]!r}")
                 return
             async for line in r.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 ch = json.loads(line[6:])
                 if "error" in ch:
-                    errors.append(str(ch["error"]))
+                    tally.errors.append(str(ch["error"]))
                     return
-                for choice in ch.get("choices") or ():
-                    if (choice.get("delta") or {}).get("content"):
-                        pieces += 1
-                        if first is None:
-                            first = time.perf_counter() - t0
-                    finish = choice.get("finish_reason") or finish
-        if finish != "length":
-            errors.append(f"finish_reason {finish!r} (EOS not banned?)")
-            return
-        lat.append(time.perf_counter() - t0)
-        ttft.append(first)
-        tokens += max_tokens
+                first, finish = _read_chunk(ch, t0, first, finish)
+        tally.done(finish, t0, first, max_tokens)
 
-    async def worker(c):
-        nonlocal nxt
-        while nxt < n:
-            i = nxt
-            nxt += 1
-            try:
-                await one(c, i)
-            except Exception as e:
-                errors.append(repr(e))
-
-    t0 = time.perf_counter()
     async with httpx.AsyncClient(base_url=url, timeout=600,
                                  limits=httpx.Limits(max_connections=clients)) as c:
-        await asyncio.gather(*(worker(c) for _ in range(clients)))
-    return _stats(lat, ttft, errors, retries, tokens, time.perf_counter() - t0)
+        return await tally.drive(clients, n, lambda i: one(c, i))
+
+
+def _read_chunk(ch: dict, t0: float, first, finish):
+    """(time to the first content, finish reason) after one stream chunk."""
+    for choice in ch.get("choices") or ():
+        if (choice.get("delta") or {}).get("content") and first is None:
+            first = time.perf_counter() - t0
+        finish = choice.get("finish_reason") or finish
+    return first, finish
+
+
+class _Tally:
+    """One load's requests: each one's outcome, then the load's numbers."""
+
+    def __init__(self):
+        self.lat, self.ttft, self.errors = [], [], []
+        self.tokens = self.retries = 0
+
+    def done(self, finish, t0: float, first, max_tokens: int) -> None:
+        if finish != "length":
+            self.errors.append(f"finish_reason {finish!r} (EOS not banned?)")
+            return
+        self.lat.append(time.perf_counter() - t0)
+        self.ttft.append(first)
+        self.tokens += max_tokens
+
+    async def drive(self, clients: int, n: int, one) -> dict:
+        """Requests 0..n-1 by ``clients`` concurrent workers (``await one(i)``)."""
+        nxt = 0
+
+        async def worker():
+            nonlocal nxt
+            while nxt < n:
+                i = nxt
+                nxt += 1
+                try:
+                    await one(i)
+                except Exception as e:
+                    self.errors.append(repr(e))
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(clients)))
+        wall = time.perf_counter() - t0
+        lat, ttft = self.lat, self.ttft
+        return {"requests": len(lat), "errors": self.errors[:3], "n_errors": len(self.errors),
+                "retries": self.retries, "wall_s": wall, "req_s": len(lat) / wall, "tok_s": self.tokens / wall,
+                "p50_s": _pct(lat, 0.5), "p95_s": _pct(lat, 0.95), "ttft_p50_s": _pct(ttft, 0.5),
+                "ttft_p95_s": _pct(ttft, 0.95)}
 
 
 class Engine:
@@ -206,46 +225,22 @@ class Engine:
         return asyncio.run(self._load(body_for, clients, n, max_tokens))
 
     async def _load(self, body_for, clients, n, max_tokens):
-        lat, ttft, errors = [], [], []
-        tokens = 0
-        nxt = 0
+        tally = _Tally()
 
         async def one(i):
-            nonlocal tokens
             body = body_for(i)
             bias = {int(k): v for k, v in body["logit_bias"].items()}
             t0 = time.perf_counter()
-            first = None
-            finish = None
+            first = finish = None
             it = await self.llm.acreate_chat_completion(
                 messages=[{"role": "user", "content": f"Request {i}. {PROMPTS[i % len(PROMPTS)]}"}], stream=True,
                 max_tokens=max_tokens, temperature=0.7, seed=i, logit_bias=bias,
                 active_loras=body.get("active_loras") or None)
             async for ch in it:
-                for choice in ch["choices"]:
-                    if (choice.get("delta") or {}).get("content") and first is None:
-                        first = time.perf_counter() - t0
-                    finish = choice.get("finish_reason") or finish
-            if finish != "length":
-                errors.append(f"finish_reason {finish!r}")
-                return
-            lat.append(time.perf_counter() - t0)
-            ttft.append(first)
-            tokens += max_tokens
+                first, finish = _read_chunk(ch, t0, first, finish)
+            tally.done(finish, t0, first, max_tokens)
 
-        async def worker():
-            nonlocal nxt
-            while nxt < n:
-                i = nxt
-                nxt += 1
-                try:
-                    await one(i)
-                except Exception as e:
-                    errors.append(repr(e))
-
-        t0 = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(clients)))
-        return _stats(lat, ttft, errors, 0, tokens, time.perf_counter() - t0)
+        return await tally.drive(clients, n, one)
 
     def stop(self):
         self.llm.close()
@@ -254,12 +249,6 @@ class Engine:
 def _pct(xs, q):
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else None
-
-
-def _stats(lat, ttft, errors, retries, tokens, wall) -> dict:
-    return {"requests": len(lat), "errors": errors[:3], "n_errors": len(errors), "retries": retries, "wall_s": wall,
-            "req_s": len(lat) / wall, "tok_s": tokens / wall, "p50_s": _pct(lat, 0.5), "p95_s": _pct(lat, 0.95),
-            "ttft_p50_s": _pct(ttft, 0.5), "ttft_p95_s": _pct(ttft, 0.95)}
 
 
 def main(argv=None) -> int:
